@@ -1,0 +1,55 @@
+"""Engine configuration: one slotted dataclass whose ``__post_init__`` checks the invariants.
+
+Everything the scheduler, block manager and runner agree on lives here, so that a replica is
+described by one value. Invalid values raise ``ValueError`` (never ``assert``): the CLI and the
+offline API turn them into clear messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # None: sized from memory (CPU: kv_cache_memory_gb; CUDA: gpu_memory_utilization of free memory).
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    # Per-step token budget shared by decode tokens and prefill chunks.
+    max_num_batched_tokens: int = 2048
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # None: "triton" on CUDA, "torch" elsewhere.
+    attention_backend: str | None = None
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.attention_backend is None:
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,130 @@
+"""Per-request state shared by the scheduler, block manager, runner and sampler.
+
+A ``Sequence`` is one generation stream (a request with ``n > 1`` owns ``n`` sequences that share the
+prompt's blocks). Invariants:
+
+- ``token_ids`` is the prompt followed by every generated token; ``num_prompt_tokens`` never changes.
+- ``num_computed_tokens`` tokens have their K/V in the cache (blocks in ``block_table``); it only
+  grows, except on preemption by recompute, which resets it (and ``block_table``) to zero.
+- ``num_cached_tokens`` is the prompt tokens served from the prefix cache the first time the sequence
+  started; set once, never changed by a preemption (recompute is the platform's cost, never billed).
+- The scheduler hands the runner a ``ScheduledBatch``: for each sequence, how many of its tokens after
+  ``num_computed_tokens`` to compute this step. A sequence whose chunk reaches ``len(token_ids)``
+  produces logits for its last token and is sampled; a partial prefill chunk is not.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    tenant: str = ""
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    # Index of this stream inside its request (0..n-1).
+    index: int = 0
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # Per-token logprob records produced by the sampler (engine-defined objects).
+    logprobs: list[Any] = field(default_factory=list)
+    # Sampler-owned state (e.g. a grammar matcher); opaque to everyone else.
+    sampler_state: Any = None
+    # Timing marks (monotonic seconds), filled by the engine.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    # Tokens token_ids[start : start + num_tokens] are computed this step, start = num_computed_tokens.
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so the step yields a new token."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[ScheduledSeq]
+    # Sequences preempted (by recompute) while building this step, for counters and logs.
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs everything Tollgate needs on a fresh Debian machine, idempotently:
+#   - Debian packages: postgresql (server binaries), redis-server, chromium (dashboard browser tests)
+#   - a virtualenv at .venv with the project and its test extras
+# On a machine without an NVIDIA GPU torch is pinned to the CPU build through constraints/cpu.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ "${TOLLGATE_SKIP_BROWSER:-0}" != "1" ]; then
+  command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = "0" ]; then
+    echo "bootstrap: installing Debian packages: ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    echo "bootstrap: please install the Debian packages: ${need_apt[*]} (sudo apt-get install ${need_apt[*]})" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv"
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+
+constraints=()
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  constraints=(-c constraints/cpu.txt)
+fi
+stamp=.venv/.tollgate-installed
+want=$(cat pyproject.toml constraints/*.txt | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: installing Python packages into .venv"
+  .venv/bin/pip install -q "${constraints[@]}" -e '.[test]'
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,134 @@
+"""Platform settings: environment variables with the ``TOLLGATE_`` prefix, plus an optional
+``tollgate.toml`` (models, pools and replicas, tiers and their SLOs) found through
+``TOLLGATE_CONFIG_FILE`` or in the working directory.
+
+Secrets come only from the environment. Outside ``development``/``test`` the default secrets are
+refused, so a production deployment cannot run with a key-hashing secret everyone knows.
+
+Time constants (rate-limit windows, lease and visibility timeouts, flush and poll intervals) are
+settings, so tests shorten them instead of waiting out real minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEV_SECRET = "tollgate-development-secret"
+
+
+class TierConfig(BaseModel):
+    """A service tier (named like OpenAI's ``service_tier`` values)."""
+
+    engine_priority: int
+    ttft_slo_ms: int
+    tpot_slo_ms: int
+    rank: int  # higher rank = better tier; a request may ask for a tier of lower or equal rank
+
+
+def default_tiers() -> dict[str, TierConfig]:
+    return {
+        "priority": TierConfig(engine_priority=0, ttft_slo_ms=500, tpot_slo_ms=30, rank=3),
+        "default": TierConfig(engine_priority=1, ttft_slo_ms=700, tpot_slo_ms=40, rank=2),
+        "flex": TierConfig(engine_priority=2, ttft_slo_ms=5000, tpot_slo_ms=200, rank=1),
+    }
+
+
+class PoolConfig(BaseModel):
+    """Engine replicas of one pool (``interactive`` or ``batch``), by base URL."""
+
+    replicas: list[str] = Field(default_factory=list)
+
+
+class ModelConfig(BaseModel):
+    """A model served under ``name``; ``path`` is the checkpoint directory the engines load."""
+
+    name: str
+    path: str | None = None
+    pools: list[str] = Field(default_factory=lambda: ["interactive"])
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOLLGATE_", extra="ignore", env_nested_delimiter="__")
+
+    environment: Literal["development", "test", "production"] = "development"
+    config_file: Path | None = None
+    data_dir: Path = Path(".tollgate")
+
+    database_url: str | None = None
+    redis_url: str | None = None
+
+    # HMAC-SHA256 secret for API key hashes; refuse the default outside development.
+    key_hash_secret: SecretStr = SecretStr(DEV_SECRET)
+    session_secret: SecretStr = SecretStr(DEV_SECRET)
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateway_workers: int = 1
+    engine_port: int = 8100
+
+    models: list[ModelConfig] = Field(default_factory=list)
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    tiers: dict[str, TierConfig] = Field(default_factory=default_tiers)
+
+    # Admission defaults.
+    default_max_tokens_reservation: int = 1024
+    rate_limit_window_s: float = 60.0
+    stream_lease_ttl_s: float = 30.0
+    key_cache_ttl_s: float = 5.0
+
+    # Operations.
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 30.0
+    health_poll_interval_s: float = 1.0
+
+    # Usage outbox → ledger.
+    usage_flush_interval_s: float = 1.0
+    usage_flush_batch: int = 500
+
+    # Stripe (billing issue).
+    stripe_api_key: SecretStr | None = None
+    stripe_api_base: str | None = None
+    stripe_webhook_secret: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _refuse_default_secrets(self) -> Settings:
+        if self.environment == "production":
+            for name in ("key_hash_secret", "session_secret"):
+                if getattr(self, name).get_secret_value() == DEV_SECRET:
+                    raise ValueError(f"TOLLGATE_{name.upper()} must be set outside development")
+        return self
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):  # type: ignore[override]
+        return (init_settings, env_settings, _TomlSource(settings_cls), file_secret_settings)
+
+
+class _TomlSource:
+    """Reads ``tollgate.toml`` (lowest precedence after defaults)."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        self.settings_cls = settings_cls
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("TOLLGATE_CONFIG_FILE")
+        candidate = Path(path) if path else Path("tollgate.toml")
+        if not candidate.is_file():
+            if path:
+                raise FileNotFoundError(f"TOLLGATE_CONFIG_FILE={path} does not exist")
+            return {}
+        with candidate.open("rb") as f:
+            return tomllib.load(f)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
