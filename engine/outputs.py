@@ -1,0 +1,156 @@
+"""What the engine hands back: per-step deltas (``LLMEngine.step``), the offline API's ``RequestOutput``
+(vLLM's shape), and the counters snapshot behind ``/load`` and ``/metrics``.
+
+Plain dataclasses, no torch. Invariants:
+
+- A ``RequestDelta`` carries, per completion index, only what is new since the previous step; the text
+  of a completion is the concatenation of its deltas' ``text`` (stop strings already removed).
+- ``usage`` and ``timings`` are set exactly once, on the delta with ``finished == True``; ``usage``
+  counts the prompt once for ``n > 1`` and sums the completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Timings:
+    """Seconds since the engine accepted the request (``tpot``: mean per output token after the first)."""
+
+    queued: float
+    ttft: float
+    tpot: float
+    e2e: float
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+    # One record per new token when logprobs were asked for (sampler-defined ``token_id``/``logprob``/
+    # ``top_logprobs`` objects), else None.
+    logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool = False
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [c.finish_reason for c in self.completions]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` completions of a request (vLLM's ``CompletionOutput``)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return float(sum(record.logprob for record in self.logprobs))
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request of the offline API. ``token_ids``/``text``/``finish_reason``/``logprobs``
+    are those of the first completion; ``outputs`` has all ``n``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False
+    usage: Usage | None = None
+    timings: Timings | None = None
+    prompt: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[Any] | None:
+        return self.outputs[0].logprobs
+
+    def add(self, delta: RequestDelta) -> None:
+        """Fold one step's delta into this output."""
+        for completion in delta.completions:
+            out = self.outputs[completion.index]
+            out.token_ids.extend(completion.token_ids)
+            out.text += completion.text
+            if completion.logprobs is not None:
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.extend(completion.logprobs)
+            if completion.finish_reason is not None:
+                out.finish_reason = completion.finish_reason
+        if delta.finished:
+            self.finished = True
+            self.usage = delta.usage
+            self.timings = delta.timings
+            if delta.usage is not None:
+                self.num_cached_tokens = delta.usage.cached_tokens
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A point-in-time snapshot of the engine's gauges and (monotonic) counters."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    pending_prefill_tokens: int = 0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    kv_usage: float = 0.0
+    # Counters since start.
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_partial_prefill_chunks: int = 0
+    computed_prefill_tokens: int = 0
+    computed_decode_tokens: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_requests_finished: dict[str, int] = field(default_factory=dict)
+    # Moving averages over recent steps / requests.
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        if not self.prefix_query_tokens:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens

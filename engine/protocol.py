@@ -1,0 +1,231 @@
+"""Wire schema of an engine replica's internal HTTP API (the gateway's only way to reach an engine).
+
+This module imports no torch: the gateway imports it. Endpoints (``engine/server.py``):
+
+- ``POST /generate`` takes a ``GenerateRequest`` (prompt *token ids*: the gateway tokenizes, so
+  admission, routing and billing count the same tokens). A request that fails validation is answered
+  ``400`` with an ``ErrorRecord`` body before any streaming starts. Otherwise the answer is
+  ``200 application/x-ndjson``: zero or more ``DeltaRecord`` lines, then exactly one ``FinalRecord``
+  line (or one ``ErrorRecord`` line if the engine failed mid-request). Closing the stream aborts the
+  request within one engine step.
+- ``POST /abort`` takes an ``AbortRequest``; ``GET /health`` → ``HealthResponse``; ``GET /info`` →
+  ``InfoResponse``; ``GET /load`` → ``LoadReport``; ``GET /metrics`` → Prometheus text.
+
+Every record carries a ``type`` discriminator (``delta`` / ``final`` / ``error``); ``parse_record``
+turns one NDJSON line back into a model. Invariants of a stream:
+
+- ``DeltaRecord.index`` is the completion index (``0 .. n-1``); the concatenation of one index's
+  ``text`` values is that completion's final text (stop strings already cut off), and of its
+  ``token_ids`` all the tokens it generated (a stop/eos token included, its text excluded).
+- ``FinalRecord.finish_reasons[i]`` is the finish reason of completion ``i``.
+- ``Usage`` counts the prompt once even when ``n > 1``; ``cached_tokens`` are prompt tokens served from
+  the prefix cache when the request first started (recompute after a preemption is never billed);
+  ``completion_tokens`` sums the tokens of all ``n`` completions.
+- ``Timings`` are in **seconds** (floats), measured on the engine's monotonic clock from the moment the
+  engine accepted the request: ``queued`` until first scheduled, ``ttft`` until the first token,
+  ``tpot`` mean time per output token after the first (0 when fewer than two), ``e2e`` until finished.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+FinishReasonName = Literal["stop", "length", "abort", "error"]
+
+MAX_STOP_SEQUENCES = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ResponseFormat(_Strict):
+    """Structured output. ``json_object``: any JSON object; ``json_schema``: JSON matching ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and not isinstance(self.json_schema, dict):
+            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        return self
+
+
+class GenerateRequest(_Strict):
+    """One generation request. Sampling fields mirror ``engine.sampling_params.SamplingParams``."""
+
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    n: int = Field(default=1, ge=1, le=128)
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    # Who is asking: fair sharing between tenants and the prefix-cache salt default.
+    tenant: str = ""
+    # Prefix-cache isolation: requests only share cached blocks with requests of the same salt.
+    cache_salt: str | None = None
+    # Larger runs first (interactive tiers above batch).
+    priority: int = 0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``SamplingParams`` this request asks for."""
+        kwargs = self.model_dump(
+            exclude={"request_id", "prompt_token_ids", "tenant", "cache_salt", "priority", "response_format"}
+        )
+        if self.response_format is not None and self.response_format.type != "text":
+            kwargs["response_format"] = self.response_format.model_dump(exclude_none=True)
+        return kwargs
+
+
+class AbortRequest(_Strict):
+    request_id: str = Field(min_length=1, max_length=256)
+
+
+class TopLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """Log-probability of a sampled token and, if asked for, of the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class DeltaRecord(BaseModel):
+    type: Literal["delta"] = "delta"
+    request_id: str
+    index: int = 0
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(BaseModel):
+    """Seconds on the engine's clock since the request was accepted (``tpot``: per output token)."""
+
+    queued: float
+    ttft: float
+    tpot: float
+    e2e: float
+
+
+class FinalRecord(BaseModel):
+    type: Literal["final"] = "final"
+    request_id: str
+    finish_reasons: list[FinishReasonName]
+    usage: Usage
+    timings: Timings
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorRecord(BaseModel):
+    """An error: the body of a ``400`` before streaming, or the last line of a failed stream."""
+
+    type: Literal["error"] = "error"
+    request_id: str | None = None
+    error: ErrorInfo
+
+
+StreamRecord = Annotated[DeltaRecord | FinalRecord | ErrorRecord, Field(discriminator="type")]
+_record_adapter: TypeAdapter[DeltaRecord | FinalRecord | ErrorRecord] = TypeAdapter(StreamRecord)
+
+
+def parse_record(line: bytes | str) -> DeltaRecord | FinalRecord | ErrorRecord:
+    """Parse one NDJSON line of a ``/generate`` stream."""
+    return _record_adapter.validate_python(orjson.loads(line))
+
+
+def encode_record(record: BaseModel) -> bytes:
+    """One NDJSON line (with its trailing newline)."""
+    return orjson.dumps(record.model_dump(exclude_none=True)) + b"\n"
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    pool: str
+
+
+class InfoResponse(BaseModel):
+    model: str
+    pool: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # True for ``--model synthetic`` (a load-test stand-in that runs no model).
+    synthetic: bool = False
+
+
+class LoadReport(BaseModel):
+    """What the gateway routes and admits on. Rates are exponential moving averages."""
+
+    model: str
+    pool: str
+    waiting: int
+    running: int
+    # Prompt tokens still to be computed by waiting and running requests (prefill backlog).
+    pending_prefill_tokens: int
+    kv_usage: float
+    num_kv_blocks: int
+    free_kv_blocks: int
+    prefix_hit_rate: float
+    num_preemptions: int
+    # Recent throughput: tokens computed per second of engine step time (prefill and decode together).
+    tokens_per_s: float
+    # Recent mean wall time of one engine step, seconds.
+    step_time_s: float
+    # Recent mean time to first token of finished requests, seconds.
+    ttft_s: float
