@@ -1,0 +1,81 @@
+"""``tollgate model ...`` (checkpoint tools) and ``tollgate engine`` (one engine replica).
+
+Heavy imports (torch, the engine) happen inside the commands so that ``tollgate --help`` stays fast.
+Invalid engine settings raise ``ValueError`` in ``EngineConfig``; they are shown as usage errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@click.group()
+def model() -> None:
+    """Model checkpoint tools."""
+
+
+@model.command("create-tiny")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice(_ARCHS), default="llama", show_default=True,
+              help="Decoder family variant to write.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random weights (same seed, same files).")
+def create_tiny(directory: Path, arch: str, seed: int) -> None:
+    """Write a tiny random-weight HF checkpoint (real BPE tokenizer + chat template) into DIRECTORY."""
+    from engine.tiny import create_tiny_checkpoint
+
+    out = create_tiny_checkpoint(directory, arch=arch, seed=seed)
+    click.echo(f"wrote tiny {arch} checkpoint (seed {seed}) to {out}")
+
+
+@click.command()
+@click.option("--model", "model_path", required=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Hugging Face checkpoint directory.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8100, show_default=True)
+@click.option("--pool", default="interactive", show_default=True, help="Pool this replica serves.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
+              show_default=True)
+@click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None,
+              help="Default: triton on CUDA, torch elsewhere.")
+@click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
+              help="Default: sized from memory.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+def engine(
+    model_path: Path,
+    host: str,
+    port: int,
+    pool: str,
+    device: str,
+    dtype: str,
+    attention_backend: str | None,
+    num_kv_blocks: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> None:
+    """Run one engine replica: the internal HTTP server over the paged-KV engine."""
+    from engine.config import EngineConfig
+
+    try:
+        config = EngineConfig(
+            model=str(model_path),
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+
+    from engine.server import serve
+
+    serve(config, host=host, port=port, pool=pool)
