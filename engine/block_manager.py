@@ -1,0 +1,251 @@
+"""Paged KV-cache block accounting with a hash-chain prefix cache. Pure Python, no torch.
+
+The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. A sequence's ``block_table`` maps
+its token positions to blocks (position ``p`` lives in ``block_table[p // block_size]``).
+
+Invariants:
+
+- Every block is in exactly one of three states: *in use* (``ref_count > 0``, listed in the block
+  tables of ``ref_count`` sequences), *free* (``ref_count == 0``, no hash) or *evictable*
+  (``ref_count == 0``, still registered in the prefix cache under its chain hash).
+- A hash maps to at most one block and a block carries at most one hash. Only *full* blocks whose K/V
+  have been computed are registered (``commit_computed``), so a cache hit always serves valid K/V.
+- Allocation takes free blocks first and evicts evictable blocks in LRU order (least recently
+  released first) only when no free block is left; eviction drops the hash.
+- Blocks are released in reverse table order, so a sequence's tail is evicted before its prefix,
+  which is the part other requests are likely to share.
+- A prefix hit never covers the block that holds a sequence's last token: at least one token is always
+  computed to produce logits, so a prompt of exactly N full blocks reuses N - 1.
+- ``allocate_for_prefill`` reserves blocks for all of the sequence's known tokens at once: a sequence is
+  admitted only when its whole prompt fits, so partially prefilled prompts never thrash each other.
+  Decode growth goes through ``ensure_slots``.
+
+n > 1 requests share the prompt's full blocks: with prefix caching, through the cache (the scheduler
+admits siblings once the first stream has computed its prompt); without it, through :meth:`fork`,
+which shares the parent's full prompt blocks by reference count. Only full blocks are ever shared and
+the partial last block is recomputed by each sibling, so no copy-on-write is needed: a shared block is
+never written again.
+
+``num_cached_tokens`` is set on the first allocation only: recompute after a preemption is the
+platform's cost and is never reported as cached. The query/hit counters count every allocation
+(including re-admissions after preemption): they describe the cache, not billing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from engine.block_hash import hash_block, salt_digest
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        # Evictable blocks in LRU order: the first key is the least recently released.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Per sequence (by seq_id): chain hashes of its full blocks computed so far, and how many of its
+        # blocks have been offered to the cache by commit_computed.
+        self._seq_hashes: dict[int, list[bytes]] = {}
+        self._seq_committed: dict[int, int] = {}
+        self.prefix_queries_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- capacity -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free plus evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live sequences (evictable cache blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queries_tokens if self.prefix_queries_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation -----------------------------------------------------------------------------
+    def allocate_for_prefill(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached full blocks.
+
+        Sets ``seq.num_computed_tokens`` to the reused tokens and ``seq.num_cached_tokens`` if it is
+        still None. Returns False, changing nothing, when blocks are short.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks; free it before re-allocating")
+        num_tokens = len(seq.token_ids)
+        if num_tokens == 0:
+            raise ValueError(f"sequence {seq.seq_id} has no tokens")
+        hits = self._cache_hits(seq) if self.enable_prefix_caching else []
+        num_new = self.blocks_needed(num_tokens) - len(hits)
+        hits_evictable = sum(1 for b in hits if self._ref_counts[b] == 0)
+        if num_new > self.num_free_blocks - hits_evictable:
+            return False
+        for block in hits:
+            self._take(block)
+        table = hits + [self._pop_free_block() for _ in range(num_new)]
+        seq.block_table = table
+        num_hit_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = num_hit_tokens
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_hit_tokens
+        self._seq_committed[seq.seq_id] = len(hits)
+        if self.enable_prefix_caching:
+            self.prefix_queries_tokens += num_tokens
+            self.prefix_hit_tokens += num_hit_tokens
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Admit ``child`` (a waiting sibling of ``parent``) sharing the parent's computed full prompt blocks.
+
+        Shares only blocks lying wholly inside the common prompt and already computed by the parent,
+        never the block holding the child's last token; the rest of the child's tokens get fresh blocks.
+        Sets the child's ``num_computed_tokens`` (and ``num_cached_tokens`` if None) to the shared
+        tokens. Returns False, changing nothing, when blocks are short.
+        """
+        if child.block_table:
+            raise ValueError(f"sequence {child.seq_id} already holds blocks; free it before forking")
+        if parent.prompt_token_ids != child.prompt_token_ids:
+            raise ValueError("fork needs sequences with the same prompt")
+        shareable = min(
+            parent.num_computed_tokens, parent.num_prompt_tokens, len(child.token_ids) - 1
+        ) // self.block_size
+        shareable = min(shareable, len(parent.block_table))
+        shared = parent.block_table[:shareable]
+        num_new = self.blocks_needed(len(child.token_ids)) - len(shared)
+        if num_new > self.num_free_blocks:
+            return False
+        for block in shared:
+            self._ref_counts[block] += 1
+        child.block_table = shared + [self._pop_free_block() for _ in range(num_new)]
+        child.num_computed_tokens = shareable * self.block_size
+        if child.num_cached_tokens is None:
+            child.num_cached_tokens = child.num_computed_tokens
+        parent_hashes = self._seq_hashes.get(parent.seq_id, [])
+        self._seq_hashes[child.seq_id] = parent_hashes[:shareable]
+        self._seq_committed[child.seq_id] = shareable
+        return True
+
+    def ensure_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow ``seq.block_table`` to cover positions below ``num_computed_tokens + num_new_tokens``.
+
+        Returns False, changing nothing, when not enough blocks are free (the caller preempts).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if missing > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._pop_free_block() for _ in range(missing))
+        return True
+
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return missing <= self.num_free_blocks
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Register the chain hashes of the sequence's blocks that became full and computed."""
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        num_full = min(num_full, len(seq.block_table))
+        committed = self._seq_committed.get(seq.seq_id, 0)
+        if num_full <= committed:
+            return
+        self._seq_committed[seq.seq_id] = num_full
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes_upto(seq, num_full)
+        for i in range(committed, num_full):
+            block = seq.block_table[i]
+            digest = hashes[i]
+            if self._block_hash[block] is None and digest not in self._hash_to_block:
+                self._block_hash[block] = digest
+                self._hash_to_block[digest] = block
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; cached blocks become evictable, others free."""
+        for block in reversed(seq.block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] < 0:
+                raise RuntimeError(f"block {block} released more often than it was taken")
+            if self._ref_counts[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        self._seq_committed.pop(seq.seq_id, None)
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (in-use blocks keep their contents, evictable ones become free)."""
+        for block in self._hash_to_block.values():
+            self._block_hash[block] = None
+        self._hash_to_block.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        if len(hashes) < num_blocks:
+            salt = salt_digest(seq.cache_salt)
+            bs = self.block_size
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_blocks):
+                parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], salt)
+                hashes.append(parent)
+        return hashes
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        hits: list[int] = []
+        if max_blocks == 0:
+            return hits
+        for digest in self._hashes_upto(seq, max_blocks)[:max_blocks]:
+            block = self._hash_to_block.get(digest)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _take(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            self._evictable.pop(block, None)
+        self._ref_counts[block] += 1
+
+    def _pop_free_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            digest = self._block_hash[block]
+            if digest is not None:
+                del self._hash_to_block[digest]
+                self._block_hash[block] = None
+        self._ref_counts[block] = 1
+        return block

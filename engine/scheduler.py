@@ -1,0 +1,376 @@
+"""Continuous-batching scheduler: priorities, chunked prefill, preemption by recompute, tenant fairness.
+
+Pure Python (no torch), so it is unit-tested on any machine. One ``schedule()`` call builds one engine
+step. Invariants and policies:
+
+- **Budget.** A step computes at most ``max_num_batched_tokens`` tokens, decode tokens and prefill
+  chunks together; at most ``max_num_seqs`` sequences are running. A prompt longer than what is left of
+  the budget is computed in chunks over several steps (chunked prefill); only the chunk that reaches
+  the last known token produces logits.
+- **Priorities.** Lower value first. Priority levels are served in order; within a level, running
+  sequences (decodes and unfinished prefill chunks) are scheduled before new admissions, so new
+  prefills never stall the streams of the same or a lower priority. A waiting request of a strictly
+  higher priority may preempt lower-priority running sequences when blocks or sequence slots are short.
+- **Preemption by recompute.** When a running sequence needs a block and none is free, the
+  lowest-priority, latest-arrived running sequence is preempted (possibly the requester itself): its
+  blocks are freed, ``num_computed_tokens`` goes back to 0 and it re-enters the waiting queue at its
+  original place in line (arrival order), keeping its generated tokens. The earliest-arrived sequence
+  of the highest priority therefore always progresses, so no livelock, and a sequence that fits the
+  cache alone (checked in ``add``) always finishes.
+- **No starvation.** Priorities are strict, so batch work waits while interactive work is present and
+  is served as soon as it stops. Admission is head-of-line: when the next request in order cannot be
+  admitted, no later request is admitted ahead of it (a long prompt is not starved by short ones).
+- **Tenant fairness.** Within one priority, work is picked tenant by tenant: the tenant with the least
+  *served tokens* (a virtual token counter, charged with every token computed for it) goes first,
+  FCFS within a tenant and between equal tenants. A tenant that becomes active starts at the current
+  minimum of the active tenants (the virtual time), so idle time never banks credit.
+- **n > 1.** Siblings (same ``request_id``) are admitted once the first stream has computed its prompt,
+  so they reuse its full prompt blocks: through the prefix cache, or through ``BlockManager.fork`` when
+  prefix caching is disabled.
+
+The engine loop calls ``schedule()`` → runs the model → ``update_after_step(batch)`` (which returns the
+sequences that yield a token, one per logits row) → samples, appends tokens and calls ``finish`` for
+the sequences that stop.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import FinishReason, ScheduledBatch, ScheduledSeq, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        # priority -> tenant -> waiting sequences in arrival order.
+        self._waiting: dict[int, dict[str, list[Sequence]]] = {}
+        self._num_waiting = 0
+        self.running: list[Sequence] = []
+        self._arrival_rank: dict[int, int] = {}
+        self._arrivals = itertools.count()
+        self._by_request: dict[str, list[Sequence]] = {}
+        # Virtual token counters: tokens served per tenant, and the tenants with unfinished work.
+        self._served: dict[str, int] = {}
+        self._active: dict[str, int] = {}
+        self._vtime = 0
+        self.num_preemptions = 0
+        self.num_partial_prefill_chunks = 0
+        self.computed_prefill_tokens = 0
+        self.computed_decode_tokens = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    # ---- queue management -----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises ValueError if it could never fit the KV cache."""
+        if seq.seq_id in self._arrival_rank:
+            raise ValueError(f"sequence {seq.seq_id} of request {seq.request_id!r} was already added")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} must be new (waiting, no blocks) to be added")
+        if not seq.token_ids:
+            raise ValueError(f"request {seq.request_id!r} has an empty prompt")
+        if not isinstance(seq.priority, int) or isinstance(seq.priority, bool):
+            raise ValueError(f"priority must be an int, got {seq.priority!r}")
+        max_tokens = getattr(seq.params, "max_tokens", 1) or 1
+        bm = self.block_manager
+        needed = bm.blocks_needed(len(seq.token_ids) + max_tokens - 1)
+        if needed > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r} needs up to {len(seq.token_ids) + max_tokens - 1} tokens "
+                f"of KV cache ({needed} blocks of {bm.block_size}) but the cache holds only "
+                f"{bm.num_blocks} blocks; shorten the prompt or max_tokens"
+            )
+        self._arrival_rank[seq.seq_id] = next(self._arrivals)
+        self._by_request.setdefault(seq.request_id, []).append(seq)
+        self._activate(seq.tenant)
+        self._push_waiting(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of the request with reason ABORT and free its blocks."""
+        seqs = [s for s in self._by_request.get(request_id, []) if not s.is_finished]
+        for seq in seqs:
+            self.finish(seq, FinishReason.ABORT)
+        return seqs
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark a sequence finished, remove it from the queues and free its blocks (idempotent)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.seq_id in self._arrival_rank:
+            self._remove_waiting(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.num_finished += 1
+        if reason is FinishReason.ABORT:
+            self.num_aborted += 1
+        self._arrival_rank.pop(seq.seq_id, None)
+        siblings = self._by_request.get(seq.request_id)
+        if siblings is not None:
+            siblings.remove(seq)
+            if not siblings:
+                del self._by_request[seq.request_id]
+        self._deactivate(seq.tenant)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting_tokens(self) -> int:
+        """Tokens still to compute for waiting sequences (for time-to-first-token predictions)."""
+        return sum(
+            len(s.token_ids) for tenants in self._waiting.values() for q in tenants.values() for s in q
+        )
+
+    def served_tokens(self, tenant: str) -> int:
+        """The tenant's virtual token counter (tokens served, shifted by the virtual time on activation)."""
+        return self._served.get(tenant, self._vtime)
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters and gauges for ``/load`` and ``/metrics``."""
+        bm = self.block_manager
+        return {
+            "num_waiting": self._num_waiting,
+            "num_running": len(self.running),
+            "num_waiting_tokens": self.num_waiting_tokens(),
+            "kv_usage": bm.usage,
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "num_cached_kv_blocks": bm.num_cached_blocks,
+            "prefix_queries_tokens": bm.prefix_queries_tokens,
+            "prefix_hit_tokens": bm.prefix_hit_tokens,
+            "prefix_hit_rate": bm.prefix_hit_rate,
+            "num_preemptions": self.num_preemptions,
+            "num_partial_prefill_chunks": self.num_partial_prefill_chunks,
+            "computed_prefill_tokens": self.computed_prefill_tokens,
+            "computed_decode_tokens": self.computed_decode_tokens,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+        }
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick the work of one step (see the module docstring for the policy)."""
+        self._advance_vtime()
+        step = _Step(self.max_num_batched_tokens)
+        running_by_level: dict[int, list[Sequence]] = {}
+        for seq in self.running:
+            running_by_level.setdefault(seq.priority, []).append(seq)
+        admitting = True
+        for level in sorted(running_by_level.keys() | self._waiting.keys()):
+            for seq in self._fair_order(_group_by_tenant(running_by_level.get(level, ()))):
+                if step.budget <= 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled:
+                    continue
+                num = min(seq.num_uncomputed_tokens, step.budget)
+                if num > 0 and self._reserve_slots(seq, num, step):
+                    self._grant(seq, num, step)
+            if admitting and level in self._waiting:
+                admitting = self._admit_level(level, step)
+        return ScheduledBatch(list(step.scheduled.values()), step.preempted)
+
+    def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance ``num_computed_tokens`` by each chunk and publish newly full blocks to the prefix cache.
+
+        Returns the sequences whose chunk reached their last token, in batch order: one per row of the
+        runner's logits, i.e. the sequences to sample. Sequences finished since ``schedule()`` (aborted)
+        are still returned, to keep rows aligned, but not advanced.
+        """
+        sampled: list[Sequence] = []
+        for item in batch.seqs:
+            seq = item.seq
+            samples = item.samples
+            if samples:
+                sampled.append(seq)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            start = seq.num_computed_tokens
+            end = start + item.num_tokens
+            if end > len(seq.token_ids):
+                raise RuntimeError(
+                    f"sequence {seq.seq_id} scheduled past its tokens ({end} > {len(seq.token_ids)})"
+                )
+            prompt_part = max(0, min(end, seq.num_prompt_tokens) - start)
+            self.computed_prefill_tokens += prompt_part
+            if start >= seq.num_prompt_tokens and item.num_tokens == 1:
+                self.computed_decode_tokens += 1
+            if not samples:
+                self.num_partial_prefill_chunks += 1
+            seq.num_computed_tokens = end
+            self.block_manager.commit_computed(seq)
+        return sampled
+
+    # ---- internals: scheduling ------------------------------------------------------------------
+    def _admit_level(self, level: int, step: _Step) -> bool:
+        """Admit waiting sequences of one priority; False when admission must stop for this step."""
+        prefilling = {s.request_id for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
+        for seq in self._fair_order(self._waiting.get(level, {})):
+            if step.budget <= 0:
+                return True
+            if seq.status is not SequenceStatus.WAITING or seq in step.preempted:
+                continue
+            if seq.request_id in prefilling and getattr(seq.params, "n", 1) > 1:
+                continue  # a sibling is computing the shared prompt; reuse its blocks next step
+            if len(self.running) >= self.max_num_seqs:
+                victim = self._pick_victim(lower_than=level)
+                if victim is None:
+                    return False
+                self._preempt(victim, step)
+            while not self._allocate(seq):
+                victim = self._pick_victim(lower_than=level)
+                if victim is None:
+                    return False
+                self._preempt(victim, step)
+            self._remove_waiting(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            prefilling.add(seq.request_id)
+            num = min(seq.num_uncomputed_tokens, step.budget)
+            self._grant(seq, num, step)
+        return True
+
+    def _allocate(self, seq: Sequence) -> bool:
+        bm = self.block_manager
+        if not bm.enable_prefix_caching and getattr(seq.params, "n", 1) > 1:
+            for sibling in self._by_request.get(seq.request_id, ()):
+                if (
+                    sibling is not seq
+                    and sibling.status is SequenceStatus.RUNNING
+                    and sibling.num_computed_tokens >= sibling.num_prompt_tokens
+                ):
+                    return bm.fork(sibling, seq)
+        return bm.allocate_for_prefill(seq)
+
+    def _reserve_slots(self, seq: Sequence, num: int, step: _Step) -> bool:
+        """Blocks for ``num`` more tokens of a running sequence, preempting if needed; False if it was."""
+        while not self.block_manager.ensure_slots(seq, num):
+            victim = self._pick_victim(lower_than=None)
+            if victim is None:  # unreachable: seq itself is running
+                return False
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _pick_victim(self, lower_than: int | None) -> Sequence | None:
+        """The lowest-priority, latest-arrived running sequence (of priority > ``lower_than`` if given)."""
+        if lower_than is None:
+            candidates = self.running
+        else:
+            candidates = [s for s in self.running if s.priority > lower_than]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda s: (s.priority, self._arrival_rank[s.seq_id]))
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        item = step.scheduled.pop(seq.seq_id, None)
+        if item is not None:
+            step.budget += item.num_tokens
+            self._served[seq.tenant] -= item.num_tokens
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        step.preempted.append(seq)
+        self._push_waiting(seq)
+
+    def _grant(self, seq: Sequence, num: int, step: _Step) -> None:
+        step.scheduled[seq.seq_id] = ScheduledSeq(seq, num)
+        step.budget -= num
+        self._served[seq.tenant] = self._served.get(seq.tenant, self._vtime) + num
+
+    def _fair_order(self, by_tenant: dict[str, list[Sequence]]) -> Iterator[Sequence]:
+        """Yield sequences tenant by tenant, least-served tenant first, re-reading counters as they grow.
+
+        Iterates over snapshots, so callers may admit or preempt while iterating.
+        """
+        queues = {tenant: list(seqs) for tenant, seqs in by_tenant.items() if seqs}
+        rank = self._arrival_rank
+        heap = [(self.served_tokens(t), rank[q[0].seq_id], t) for t, q in queues.items()]
+        heapq.heapify(heap)
+        position = dict.fromkeys(queues, 0)
+        while heap:
+            _, _, tenant = heapq.heappop(heap)
+            queue = queues[tenant]
+            i = position[tenant]
+            yield queue[i]
+            position[tenant] = i + 1
+            if i + 1 < len(queue):
+                heapq.heappush(heap, (self.served_tokens(tenant), rank[queue[i + 1].seq_id], tenant))
+
+    # ---- internals: queues and tenants ----------------------------------------------------------
+    def _push_waiting(self, seq: Sequence) -> None:
+        queue = self._waiting.setdefault(seq.priority, {}).setdefault(seq.tenant, [])
+        rank = self._arrival_rank
+        bisect.insort(queue, seq, key=lambda s: rank[s.seq_id])
+        self._num_waiting += 1
+
+    def _remove_waiting(self, seq: Sequence) -> None:
+        tenants = self._waiting[seq.priority]
+        queue = tenants[seq.tenant]
+        queue.remove(seq)
+        self._num_waiting -= 1
+        if not queue:
+            del tenants[seq.tenant]
+            if not tenants:
+                del self._waiting[seq.priority]
+
+    def _activate(self, tenant: str) -> None:
+        count = self._active.get(tenant, 0)
+        if count == 0:
+            self._advance_vtime()
+            self._served[tenant] = max(self._served.get(tenant, self._vtime), self._vtime)
+        self._active[tenant] = count + 1
+
+    def _deactivate(self, tenant: str) -> None:
+        count = self._active[tenant] - 1
+        if count:
+            self._active[tenant] = count
+            return
+        del self._active[tenant]
+        self._advance_vtime()
+        if self._served.get(tenant, 0) <= self._vtime:
+            # It would restart at the virtual time anyway; forget it so idle tenants cost no memory.
+            self._served.pop(tenant, None)
+
+    def _advance_vtime(self) -> None:
+        if self._active:
+            self._vtime = max(self._vtime, min(self._served.get(t, self._vtime) for t in self._active))
+
+
+class _Step:
+    """What one ``schedule()`` call has granted so far."""
+
+    __slots__ = ("budget", "scheduled", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[int, ScheduledSeq] = {}
+        self.preempted: list[Sequence] = []
+
+
+def _group_by_tenant(seqs: Iterable[Sequence]) -> dict[str, list[Sequence]]:
+    groups: dict[str, list[Sequence]] = {}
+    for seq in seqs:
+        groups.setdefault(seq.tenant, []).append(seq)
+    return groups
