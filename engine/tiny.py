@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -39,6 +39,10 @@ SPECIAL_TOKENS = (PAD_TOKEN, "<|im_start|>", EOS_TOKEN, BOS_TOKEN)
 # Added but not special: they survive ``skip_special_tokens`` so tool calls stay visible in the text.
 ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 BPE_VOCAB_SIZE = 3000
+_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 # Standard-library modules the tokenizer is trained on: stable, plain-text-heavy sources.
 _CORPUS_MODULES = (
@@ -141,7 +145,13 @@ def train_tokenizer(llama_bos: bool = False) -> Tokenizer:
     """Train the byte-level BPE tokenizer (deterministic; ~1 s) and add the special tokens."""
     texts = [_CHAT_CORPUS] * 20 + [p.read_text(encoding="utf-8") for p in corpus_files()]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # The Qwen2 / Llama 3 pipeline (NFC, split regex, byte level): transformers 5 rebuilds Qwen2
+    # tokenizers with exactly this one, so ours must match it to give the same ids.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=BPE_VOCAB_SIZE,

@@ -22,11 +22,13 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_cli_writes_deterministic_checkpoint(tmp_path: Path) -> None:
     runner = CliRunner()
     for name in ("a", "b"):
-        result = runner.invoke(main, ["model", "create-tiny", str(tmp_path / name), "--arch", "qwen2",
-                                      "--seed", "3"])
+        result = runner.invoke(
+            main, ["model", "create-tiny", str(tmp_path / name), "--arch", "qwen2", "--seed", "3"]
+        )
         assert result.exit_code == 0, result.output
-    result = runner.invoke(main, ["model", "create-tiny", str(tmp_path / "c"), "--arch", "qwen2",
-                                  "--seed", "4"])
+    result = runner.invoke(
+        main, ["model", "create-tiny", str(tmp_path / "c"), "--arch", "qwen2", "--seed", "4"]
+    )
     assert result.exit_code == 0, result.output
     a, b, c = (_files(tmp_path / n) for n in "abc")
     assert a == b
@@ -76,10 +78,17 @@ def test_chat_template_renders_tools_and_tool_messages(tiny_qwen2_dir: Path) -> 
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
