@@ -1,0 +1,1 @@
+"""OpenAI request schemas and response/stream encoding shared by the public endpoints."""

@@ -1,0 +1,242 @@
+"""``POST /v1/chat/completions`` request body (OpenAI's ``CreateChatCompletionRequest``).
+
+Messages are a union discriminated by ``role`` (``system``, ``developer``, ``user``, ``assistant``,
+``tool``, and the deprecated ``function``); ``content`` is a string or an array of parts. Only text
+parts can be served by a text model: image, audio and file parts are refused with a 400 naming the part.
+``to_template_dict`` flattens a message to what chat templates expect (string content, tool calls with
+string arguments).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.errors import InvalidRequestError
+from gateway.openai.schemas import RequestModel, ResponseFormat, SamplingFields
+
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class RefusalPart(RequestModel):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class _UnsupportedPart(RequestModel):
+    @model_validator(mode="after")
+    def _refuse(self) -> _UnsupportedPart:
+        raise ValueError(f"{self.type} content is not supported by this model (it reads text only)")
+
+
+class ImagePart(_UnsupportedPart):
+    type: Literal["image_url"]
+
+
+class AudioPart(_UnsupportedPart):
+    type: Literal["input_audio"]
+
+
+class FilePart(_UnsupportedPart):
+    type: Literal["file"]
+
+
+UserPart = Annotated[TextPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
+AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
+def _text_of(content: str | list | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.text if isinstance(p, TextPart) else getattr(p, "refusal", "") for p in content)
+
+
+class SystemMessage(RequestModel):
+    role: Literal["system"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class DeveloperMessage(RequestModel):
+    role: Literal["developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class UserMessage(RequestModel):
+    role: Literal["user"]
+    content: str | list[UserPart]
+    name: str | None = None
+
+
+class FunctionCallSpec(RequestModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallSpec
+
+
+class AssistantMessage(RequestModel):
+    role: Literal["assistant"]
+    content: str | list[AssistantPart] | None = None
+    refusal: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls and self.refusal is None:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(RequestModel):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+class FunctionMessage(RequestModel):
+    """Deprecated by OpenAI in favour of ``tool``; rendered as a tool response."""
+
+    role: Literal["function"]
+    content: str | None
+    name: str
+
+
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage,
+    Field(discriminator="role"),
+]
+
+
+def to_template_dict(message: Any) -> dict[str, Any]:
+    """A message as chat templates read it: ``developer`` as ``system``, string content."""
+    role = message.role
+    if role == "developer":
+        role = "system"
+    if role == "function":
+        return {"role": "tool", "content": message.content or "", "name": message.name}
+    out: dict[str, Any] = {"role": role, "content": _text_of(message.content)}
+    if role == "assistant":
+        if not out["content"] and message.refusal:
+            out["content"] = message.refusal
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in message.tool_calls
+            ]
+    elif role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    if getattr(message, "name", None):
+        out["name"] = message.name
+    return out
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CustomTool(RequestModel):
+    type: Literal["custom"]
+
+    @model_validator(mode="after")
+    def _refuse(self) -> CustomTool:
+        raise ValueError("custom tools are not supported; use function tools")
+
+
+Tool = Annotated[FunctionTool | CustomTool, Field(discriminator="type")]
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(m != "text" for m in value):
+            raise ValueError("only the 'text' modality is supported by this model")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            raise ValueError("audio output is not supported by this model")
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("the deprecated functions/function_call are not supported; "
+                             "use tools and tool_choice")
+        return value
+
+    def check(self) -> None:
+        """Rules across fields (pydantic would report them without a parameter name)."""
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("logprobs must be set to true if top_logprobs is used.",
+                                      param="top_logprobs", code="invalid_value")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.function_tools}
+            if self.tool_choice.function.name not in names:
+                raise InvalidRequestError(
+                    f"Invalid 'tool_choice': the function '{self.tool_choice.function.name}' "
+                    "is not among the tools.", param="tool_choice", code="invalid_value")
+        elif self.tool_choice == "required" and not self.tools:
+            raise InvalidRequestError("Invalid 'tool_choice': 'required' needs at least one tool.",
+                                      param="tool_choice", code="invalid_value")
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def function_tools(self) -> list[FunctionTool]:
+        return [t for t in self.tools or () if isinstance(t, FunctionTool)]
