@@ -1,0 +1,92 @@
+"""Plumbing shared by every op in ``kernels/``: launch counting, device checks, input checks.
+
+Interpreter. Triton decides whether a ``@triton.jit`` function is compiled or interpreted when it is
+*decorated*, reading ``TRITON_INTERPRET`` then; ``triton.language``'s own helpers (``tl.sum``,
+``tl.max``, ``tl.cdiv`` ...) are decorated when ``triton`` is first imported. So the variable must be
+set before anything imports ``triton``: setting it later yields kernels whose library calls fail inside
+the interpreter. ``kernels/__init__.py`` therefore sets ``TRITON_INTERPRET=1`` itself when the host has
+no CUDA device and ``triton`` is not imported yet (on such a host the interpreter is the only way a
+Triton kernel runs at all); tests set it too, before importing anything (``tests/kernels/conftest.py``).
+The interpreter runs one program at a time in NumPy: it is for tests and the CPU engine with
+``attention_backend="triton"``, never for speed. If ``triton`` was imported earlier without the
+variable, :func:`launcher_for` refuses CPU tensors with a message saying so, rather than crashing deep
+in the launch.
+
+Launch counting. Every launcher increments ``launch_counts[op]`` once per call that launches work, so a
+test can prove that a code path really ran the Triton kernels rather than falling back to PyTorch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+# op name -> number of launcher calls that launched a kernel. Read by tests; reset with
+# reset_launch_counts(). Plain Counter: launches happen on the engine's single stepping thread.
+launch_counts: Counter[str] = Counter()
+
+def reset_launch_counts() -> None:
+    launch_counts.clear()
+
+
+def count_launch(op: str) -> None:
+    launch_counts[op] += 1
+
+
+def launcher_for(kernel: Any, device: torch.device) -> Any:
+    """The kernel object to index with a grid for tensors on ``device``; refuses impossible pairs."""
+    if isinstance(kernel, InterpretedFunction) or device.type == "cuda":
+        return kernel
+    raise RuntimeError(
+        f"Triton kernel {kernel.fn.__name__} was compiled for CUDA but got tensors on {device}; run "
+        "Triton on the CPU by setting TRITON_INTERPRET=1 before triton is first imported"
+    )
+
+
+def kernels_are_interpreted() -> bool:
+    """True when this process runs the Triton kernels in the interpreter (CPU tensors allowed)."""
+    from kernels.silu_and_mul import _silu_and_mul_kernel
+
+    return isinstance(_silu_and_mul_kernel, InterpretedFunction)
+
+
+def check_tensor(
+    name: str,
+    t: Any,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = False,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` with a message naming ``name`` if ``t`` is not as required."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        allowed = tuple(dtypes)
+        if t.dtype not in allowed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).removeprefix('torch.')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (all operands on one device)")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+
+
+def check_same_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

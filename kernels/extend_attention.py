@@ -1,0 +1,238 @@
+"""Prefill / extend attention: causal attention of a batch of new-token chunks over the paged cache.
+
+Each sequence ``b`` brings ``q_len = query_start_loc[b + 1] - query_start_loc[b]`` new tokens that sit
+at positions ``[seq_lens[b] - q_len, seq_lens[b])``; their K/V have already been written to the cache
+(``store_kv_cache`` runs first), and positions before them are a cached prefix (a prefix-cache hit or
+the earlier chunks of a chunked prefill). Query ``i`` attends to cache positions ``0 .. its own``. So a
+plain prefill (no prefix), a chunked prefill, a prefix-cache hit and a decode token (``q_len = 1``) are
+all the same computation, read entirely through the block table.
+
+Shapes:
+  q                [T, num_heads, head_dim]   new tokens of all sequences, packed
+  key/value_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables     [B, max_blocks] int32/int64 (arbitrary block ids; entries past the context unread)
+  query_start_loc  [B + 1] int32/int64, cumulative; seq_lens [B] (context including the new tokens)
+  out              [T, num_heads, head_dim]
+
+Design:
+- GQA: a program owns (sequence, kv head, BLOCK_M query tokens) and stacks the ``group`` query heads
+  of those tokens into the rows of one tile (row = token * GROUP_PAD + head), so each K/V tile is read
+  once for the whole group and feeds a single ``tl.dot`` of BLOCK_M * GROUP_PAD rows.
+- The KV loop stops at the last position this tile's tokens can see, so causal tiles above the
+  diagonal are never loaded; the causal mask is applied per element on every tile (a compare and a
+  select, cheap next to the two dots).
+- Online softmax in base 2, fp32 accumulation, finite initial max (fully masked padding rows give 0).
+- The grid covers ``cdiv(max_query_len, BLOCK_M)`` query tiles per sequence; tiles past a sequence's
+  own length exit at once, so ``max_query_len`` (host metadata) is the only host-side number needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_tensor,
+    count_launch,
+    launcher_for,
+    next_power_of_2,
+)
+from kernels.paged_decode_attention import gather_paged_kv
+
+# Rows (query tokens x group heads) per program and keys per tile. Untuned (no GPU this session):
+# 64 x 64 tiles with head_dim 128 keep the fp32 accumulator at 32 KiB of registers for 4 warps.
+_ROWS = 64
+_BLOCK_N = 64
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_attention_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    q_tile = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start).to(tl.int32)
+    if q_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    prefix_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    token = q_tile * BLOCK_M + rows // GROUP_PAD
+    head = rows % GROUP_PAD
+    row_mask = (token < q_len) & (head < GROUP)
+    q_pos = prefix_len + token
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_heads = kv_head * GROUP + head
+    q_offsets = (q_start + token.to(tl.int64))[:, None] * stride_qt + q_heads[:, None] * stride_qh
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + q_offsets + dims[None, :], mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M * GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq * stride_bt
+    k_base = key_cache_ptr + kv_head * stride_kc_head
+    v_base = value_cache_ptr + kv_head * stride_vc_head
+    # The last token of this tile sees up to its own position; nothing after it is loaded.
+    kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
+
+    for tile_start in range(0, kv_end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = (offs_n % PAGE_SIZE).to(tl.int64)
+        kv_mask = n_mask[:, None] & dim_mask[None, :]
+        k = tl.load(
+            k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_offsets = (q_start + token.to(tl.int64))[:, None] * stride_ot + q_heads[:, None] * stride_oh
+    tl.store(out_ptr + out_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their paged context; returns ``out [T, H, D]``.
+
+    ``max_query_len`` must be at least the longest chunk (it sizes the grid; a smaller value would
+    leave tokens unwritten), which is why it is required rather than read back from the device.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device, dtype = q.device, q.dtype
+    num_tokens, num_heads, head_dim = q.shape
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_tensor(name, cache, ndim=4, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+        if cache.shape[3] != head_dim:
+            raise ValueError(f"{name} head_dim {cache.shape[3]} != q head_dim {head_dim}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
+    page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {page_size}")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    batch = seq_lens.shape[0]
+    if block_tables.shape[0] != batch or query_start_loc.shape[0] != batch + 1:
+        raise ValueError(
+            f"for {batch} sequences expected block_tables [{batch}, max_blocks] and query_start_loc "
+            f"[{batch + 1}], got {tuple(block_tables.shape)} and {tuple(query_start_loc.shape)}"
+        )
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dimension, got {block_tables.stride()}")
+    if not 0 <= max_query_len <= max(num_tokens, 0) or (num_tokens and max_query_len < 1):
+        raise ValueError(f"max_query_len must be in [1, {num_tokens}] for {num_tokens} tokens, got {max_query_len}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+        if out.shape != q.shape:
+            raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if batch == 0 or num_tokens == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_m = max(1, _ROWS // group_pad)
+    count_launch("extend_attention")
+    launcher_for(_extend_attention_kernel, device)[(batch, num_kv_heads, triton.cdiv(max_query_len, block_m))](
+        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E, q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
+def extend_attention_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch reference: per sequence, gather the context and run causal softmax attention in fp32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // key_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_b = q[starts[b] : starts[b + 1]].float()
+        q_len = q_b.shape[0]
+        k = gather_paged_kv(key_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_paged_kv(value_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len, device=q.device)[None, :] > q_pos, float("-inf"))
+        out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,337 @@
+"""Paged decode attention: one new query token per sequence against its whole paged KV context.
+
+Shapes (B = number of sequences, one query token each):
+  q             [B, num_heads, head_dim]
+  key_cache     [num_blocks, block_size, num_kv_heads, head_dim]   (kv_cache[0] of a layer)
+  value_cache   same shape as key_cache                             (kv_cache[1])
+  block_tables  [B, max_blocks_per_seq] int32/int64: logical block i of sequence b lives in physical
+                block ``block_tables[b, i]``; ids are arbitrary (shuffled, with holes) and entries past
+                ``cdiv(seq_lens[b], block_size)`` are never read.
+  seq_lens      [B] int32/int64: tokens in the cache for each sequence, the new one included.
+  out           [B, num_heads, head_dim]
+
+Design:
+- GQA: one program owns one (sequence, kv head) pair and all ``group = num_heads // num_kv_heads`` query
+  heads that share it, so every K/V tile is loaded from HBM once per group instead of once per query
+  head. The group's query rows are padded to 16 so ``tl.dot`` (tensor cores need M >= 16) applies.
+- Split-K (flash-decoding): a long context is cut into ``num_splits`` contiguous token ranges processed
+  by separate programs, each writing a partial output normalised by its own softmax sum plus its
+  log-sum-exp; ``_merge_splits_kernel`` rescales and sums them. With few sequences this is what fills
+  the GPU: B * num_kv_heads programs alone leave most SMs idle at batch 1-8.
+- Online softmax in base 2 (``exp2`` with the scale pre-multiplied by log2(e)), fp32 accumulation.
+  The running max starts at a finite -1e30 rather than -inf so a fully masked row yields p = 0, not
+  NaN; an empty split (seq shorter than the split start) reports lse = -inf and weighs nothing.
+- The split count is a launch parameter, not derived from data on the device, so the grid is fixed for
+  a given batch size (CUDA-graph friendly); each program derives its token range from ``seq_lens`` on
+  the device, so one grid serves every context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_tensor,
+    count_launch,
+    launcher_for,
+    next_power_of_2,
+)
+
+# Tokens per K/V tile. Untuned (no GPU was available when this was written): 64 keeps a
+# [64, 128] half-precision K tile at 16 KiB so two stages fit in shared memory on any sm_80+ part.
+# benchmarks/kernels.py reports the fraction of the HBM floor this reaches; tune it there.
+_BLOCK_N = 64
+# A split shorter than this costs more in the merge than it gains in parallelism.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_attention_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    sm_scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # Splits start on tile boundaries so only the last tile of a split is ragged.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    q_heads = kv_head * GROUP + rows
+    q = tl.load(
+        q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq * stride_bt
+    k_base = key_cache_ptr + kv_head * stride_kc_head
+    v_base = value_cache_ptr + kv_head * stride_vc_head
+
+    for tile_start in range(start, end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = (offs_n % PAGE_SIZE).to(tl.int64)
+        kv_mask = n_mask[:, None] & dim_mask[None, :]
+        k = tl.load(
+            k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    if NUM_SPLITS > 1:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lb + q_heads * stride_lh + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < NUM_SPLITS
+    lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # Every split empty only for seq_len == 0; subtracting 0 then keeps exp2(-inf) = 0 instead of NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    denom = tl.sum(weights, axis=0)
+    partial = tl.load(
+        partial_ptr + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+        mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+def default_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to give every SM two, never splits under 256 tokens."""
+    if device.type == "cuda":
+        target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        # The interpreter runs one program at a time: splitting only adds the merge.
+        target_programs = 1
+    wanted = math.ceil(target_programs / max(1, batch_size * num_kv_heads))
+    by_length = max(1, math.ceil(max_seq_len / _MIN_TOKENS_PER_SPLIT))
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context; returns ``out [B, H, D]``.
+
+    ``num_splits`` fixes the split-K factor (keep it fixed under CUDA-graph capture); ``None`` picks it
+    from ``max_seq_len``, which is read from ``seq_lens`` (a host sync) if not given.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device, dtype = q.device, q.dtype
+    batch, num_heads, head_dim = q.shape
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_tensor(name, cache, ndim=4, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+        if cache.shape[3] != head_dim:
+            raise ValueError(f"{name} head_dim {cache.shape[3]} != q head_dim {head_dim}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
+    page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {page_size}")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
+            f"{batch} rows (one per query)"
+        )
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dimension, got {block_tables.stride()}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+        if out.shape != q.shape:
+            raise ValueError(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item()) if batch else 0
+        num_splits = default_num_splits(batch, num_kv_heads, max_seq_len, device)
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+    if batch == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_d = next_power_of_2(head_dim)
+    common = dict(
+        GROUP=group,
+        GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=_BLOCK_N,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
+    cache_strides = (
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+    )
+    count_launch("paged_decode_attention")
+    kernel = launcher_for(_paged_decode_attention_kernel, device)
+    grid = (batch, num_kv_heads, num_splits)
+    if num_splits == 1:
+        kernel[grid](
+            q, key_cache, value_cache, block_tables, seq_lens, out, out,
+            scale * _LOG2E, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1), 0, 0, 0,
+            **common,
+        )  # fmt: skip
+        return out
+
+    # fp32 partials: rounding each split to half precision before the merge would add error that a
+    # single-pass kernel does not have.
+    partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
+    kernel[grid](
+        q, key_cache, value_cache, block_tables, seq_lens, partial, lse,
+        scale * _LOG2E, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        **common,
+    )  # fmt: skip
+    launcher_for(_merge_splits_kernel, device)[(batch, num_heads)](
+        partial, lse, out,
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out
+
+
+def gather_paged_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """Contiguous ``[seq_len, num_kv_heads, head_dim]`` view of one sequence's paged K or V (reference)."""
+    page_size = cache.shape[1]
+    positions = torch.arange(seq_len, device=cache.device)
+    blocks = block_table.long()[positions // page_size]
+    return cache[blocks, positions % page_size]
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch reference: gather each sequence's K/V, softmax in fp32, output in q's dtype."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // key_cache.shape[2]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        k = gather_paged_kv(key_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_paged_kv(value_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
+        out[b] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out
