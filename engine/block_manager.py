@@ -130,9 +130,10 @@ class BlockManager:
             raise ValueError(f"sequence {child.seq_id} already holds blocks; free it before forking")
         if parent.prompt_token_ids != child.prompt_token_ids:
             raise ValueError("fork needs sequences with the same prompt")
-        shareable = min(
-            parent.num_computed_tokens, parent.num_prompt_tokens, len(child.token_ids) - 1
-        ) // self.block_size
+        shareable = (
+            min(parent.num_computed_tokens, parent.num_prompt_tokens, len(child.token_ids) - 1)
+            // self.block_size
+        )
         shareable = min(shareable, len(parent.block_table))
         shared = parent.block_table[:shareable]
         num_new = self.blocks_needed(len(child.token_ids)) - len(shared)

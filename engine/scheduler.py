@@ -221,14 +221,21 @@ class Scheduler:
     # ---- internals: scheduling ------------------------------------------------------------------
     def _admit_level(self, level: int, step: _Step) -> bool:
         """Admit waiting sequences of one priority; False when admission must stop for this step."""
+        # n > 1: a sibling that arrives while another stream computes the shared prompt waits for it,
+        # unless some stream already has the whole prompt computed (then its blocks can be shared).
         prefilling = {s.request_id for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
+        prompt_ready = {s.request_id for s in self.running if s.num_computed_tokens >= s.num_prompt_tokens}
         for seq in self._fair_order(self._waiting.get(level, {})):
             if step.budget <= 0:
                 return True
             if seq.status is not SequenceStatus.WAITING or seq in step.preempted:
                 continue
-            if seq.request_id in prefilling and getattr(seq.params, "n", 1) > 1:
-                continue  # a sibling is computing the shared prompt; reuse its blocks next step
+            if (
+                getattr(seq.params, "n", 1) > 1
+                and seq.request_id in prefilling
+                and seq.request_id not in prompt_ready
+            ):
+                continue
             if len(self.running) >= self.max_num_seqs:
                 victim = self._pick_victim(lower_than=level)
                 if victim is None:
