@@ -90,3 +90,28 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_paged_kv_cache(
+    key_cache: Any, value_cache: Any, *, dtype: torch.dtype, device: torch.device, head_dim: int
+) -> tuple[int, int]:
+    """Check the two halves of a layer's paged cache ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    returns ``(block_size, num_kv_heads)``."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_tensor(name, cache, ndim=4, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+        if cache.shape[3] != head_dim:
+            raise ValueError(f"{name} head_dim {cache.shape[3]} != head_dim {head_dim} of the tokens")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
+    block_size = key_cache.shape[1]
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"cache block_size must be a power of two, got {block_size}")
+    return block_size, key_cache.shape[2]
+
+
+def check_block_tables(block_tables: Any, batch: int, device: torch.device) -> None:
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables rows must be contiguous, got strides {block_tables.stride()}")

@@ -35,6 +35,8 @@ import triton.language as tl
 from kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_block_tables,
+    check_paged_kv_cache,
     check_tensor,
     count_launch,
     launcher_for,
@@ -117,11 +119,8 @@ def _extend_attention_kernel(
         block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = (offs_n % PAGE_SIZE).to(tl.int64)
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(
-            k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k_rows = k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot
+        k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -129,11 +128,8 @@ def _extend_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        v_rows = v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot
+        v = tl.load(v_rows + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -162,30 +158,19 @@ def extend_attention(
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device, dtype = q.device, q.dtype
     num_tokens, num_heads, head_dim = q.shape
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, ndim=4, dtypes=(dtype,), device=device, last_dim_contiguous=True)
-        if cache.shape[3] != head_dim:
-            raise ValueError(f"{name} head_dim {cache.shape[3]} != q head_dim {head_dim}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
-    page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    page_size, num_kv_heads = check_paged_kv_cache(
+        key_cache, value_cache, dtype=dtype, device=device, head_dim=head_dim
+    )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if page_size & (page_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {page_size}")
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     batch = seq_lens.shape[0]
-    if block_tables.shape[0] != batch or query_start_loc.shape[0] != batch + 1:
-        raise ValueError(
-            f"for {batch} sequences expected block_tables [{batch}, max_blocks] and query_start_loc "
-            f"[{batch + 1}], got {tuple(block_tables.shape)} and {tuple(query_start_loc.shape)}"
-        )
-    if block_tables.shape[1] and block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be contiguous in its last dimension, got {block_tables.stride()}")
-    if not 0 <= max_query_len <= max(num_tokens, 0) or (num_tokens and max_query_len < 1):
-        raise ValueError(f"max_query_len must be in [1, {num_tokens}] for {num_tokens} tokens, got {max_query_len}")
+    if query_start_loc.shape[0] != batch + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {batch} sequences")
+    check_block_tables(block_tables, batch, device)
+    if num_tokens and not 1 <= max_query_len <= num_tokens:
+        raise ValueError(f"max_query_len must be in [1, {num_tokens}] (the token count), got {max_query_len}")
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -199,7 +184,8 @@ def extend_attention(
     group_pad = next_power_of_2(group)
     block_m = max(1, _ROWS // group_pad)
     count_launch("extend_attention")
-    launcher_for(_extend_attention_kernel, device)[(batch, num_kv_heads, triton.cdiv(max_query_len, block_m))](
+    grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_m))
+    launcher_for(_extend_attention_kernel, device)[grid](
         q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -63,8 +63,9 @@ def _rotary_embedding_kernel(
     half = ROTARY_DIM // 2
     idx = tl.arange(0, BLOCK_HALF)
     idx_mask = idx < half
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + idx, mask=idx_mask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + idx, mask=idx_mask, other=0.0).to(tl.float32)[None, :]
+    cos_sin_row = cos_sin_ptr + pos * stride_cs
+    cos = tl.load(cos_sin_row + idx, mask=idx_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_row + half + idx, mask=idx_mask, other=0.0).to(tl.float32)[None, :]
     if IS_NEOX:
         first = idx
         second = idx + half
@@ -131,7 +132,7 @@ def rotary_embedding(
                  last_dim_contiguous=True)  # fmt: skip
     rotary_dim = cos_sin_cache.shape[1]
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"cos_sin_cache width (rotary_dim) must be even and in [2, {head_dim}], got {rotary_dim}")
+        raise ValueError(f"cos_sin_cache width (rotary_dim) must be even, in [2, {head_dim}]: {rotary_dim}")
     q_out = torch.empty_like(q) if q_out is None else q_out
     k_out = torch.empty_like(k) if k_out is None else k_out
     for name, t, ref in (("q_out", q_out, q), ("k_out", k_out, k)):
@@ -147,7 +148,8 @@ def rotary_embedding(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
         BLOCK_QH=next_power_of_2(num_q_heads), BLOCK_KH=next_power_of_2(k.shape[1]),
-        BLOCK_HALF=next_power_of_2(rotary_dim // 2), BLOCK_PASS=next_power_of_2(max(1, head_dim - rotary_dim)),
+        BLOCK_HALF=next_power_of_2(rotary_dim // 2),
+        BLOCK_PASS=next_power_of_2(max(1, head_dim - rotary_dim)),
         IS_NEOX=is_neox,
     )  # fmt: skip
     return q_out, k_out
@@ -201,7 +203,12 @@ def rope_cos_sin_cache(
 
 
 def rotary_embedding_reference(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, is_neox: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rotary_dim = cos_sin_cache.shape[1]
     cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)

@@ -19,6 +19,7 @@ import triton.language as tl
 from kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_paged_kv_cache,
     check_tensor,
     count_launch,
     launcher_for,
@@ -86,15 +87,11 @@ def store_kv_cache(
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
     num_tokens, num_kv_heads, head_dim = key.shape
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, ndim=4, dtypes=(key.dtype,), device=device, last_dim_contiguous=True)
-        if cache.shape[2:] != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"{name} shape {tuple(cache.shape)} must be [num_blocks, block_size, {num_kv_heads}, "
-                f"{head_dim}] to match key"
-            )
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
+    cache_kv_heads = check_paged_kv_cache(
+        key_cache, value_cache, dtype=key.dtype, device=device, head_dim=head_dim
+    )[1]
+    if cache_kv_heads != num_kv_heads:
+        raise ValueError(f"key has {num_kv_heads} kv heads but the cache has {cache_kv_heads}")
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
