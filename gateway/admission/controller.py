@@ -1,0 +1,177 @@
+"""Admission: one Redis Lua script per request decides, atomically across every gateway process and
+machine, whether a tenant may start a request now.
+
+Checks, all in ``admit.lua`` against Redis ``TIME`` (so gateways with skewed clocks agree):
+- **RPM** and **TPM** are token buckets of capacity ``limit`` refilled continuously at
+  ``limit / rate_limit_window_s`` per second (OpenAI describes its limits this way). A request takes one
+  request and reserves ``prompt + max_tokens`` tokens (``reservation_tokens``); it is admitted only if
+  the bucket holds them, so the tokens admitted in any interval never exceed capacity + refill.
+  ``settle`` reconciles the reservation with the real usage: it refunds the unused part (never above
+  capacity) and charges an overshoot, which may leave the bucket in debt.
+- **Concurrency**: every admitted request holds a lease (a ZSET member scored by its expiry,
+  ``stream_lease_ttl_s`` ahead). ``settle`` releases it; a long request calls ``renew_lease`` well within
+  the TTL; a lease whose gateway died expires and is pruned inside the next script. ``max_concurrency``
+  caps the live leases of a tenant (streaming or not).
+- **Monthly budget** (interactive + batch spend, ``billing.spend``): a request is admitted while
+  ``spent + held < budget``, where ``held`` sums the estimated (worst-case) cost of the tenant's admitted
+  but unsettled requests. So concurrent requests cannot jointly overshoot: the month's spend exceeds the
+  budget by at most the cost of the one request admitted last. ``settle`` adds the real cost.
+- **Status**: an admin-suspended tenant gets 403 ``account_deactivated``; a tenant suspended for billing
+  gets 429 ``insufficient_quota`` with ``x-should-retry: false`` (OpenAI's answer to an account without
+  credit). Checked before the script, from the (pub/sub-invalidated) auth cache.
+
+Rejections are ``AdmissionRejected`` (429) with OpenAI's types (``requests``, ``tokens``,
+``insufficient_quota``), ``x-ratelimit-*``, ``retry-after``/``retry-after-ms`` when waiting helps, and
+``x-should-retry: false`` when it cannot help soon (budget spent, a zero limit, a request larger than
+the TPM bucket). Redis unreachable → 503: admission fails closed, because the usage outbox lives in the
+same Redis and unmetered traffic would be unbillable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from importlib import resources
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from billing.spend import MONTH_OF_LUA, spend_key, tenant_tag
+from gateway.admission.headers import format_duration_ms, rate_limit_headers, retry_headers
+from gateway.admission.limits import STATUS_ACTIVE, STATUS_SUSPENDED_BILLING, Admission, TenantLimits
+from gateway.errors import PermissionDeniedError, RateLimitError, ServiceUnavailableError
+from tollgate.settings import Settings
+
+QUOTA_MESSAGE = "You exceeded your current quota, please check your plan and billing details."
+
+
+class AdmissionRejected(RateLimitError):
+    """429: a rate limit, the concurrency cap or the monthly budget said no."""
+
+
+def _script(name: str) -> str:
+    common = resources.files(__package__).joinpath("common.lua").read_text()
+    body = resources.files(__package__).joinpath(name).read_text()
+    return MONTH_OF_LUA + common + body
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def admission_keys(tenant_id: int) -> tuple[str, str, str, str]:
+    """(request bucket, token bucket, leases, cost holds) of a tenant; one Redis Cluster slot."""
+    prefix = f"tollgate:adm:{tenant_tag(tenant_id)}"
+    return f"{prefix}:rpm", f"{prefix}:tpm", f"{prefix}:leases", f"{prefix}:holds"
+
+
+def _limit_arg(limit: int | None) -> int:
+    return -1 if limit is None else limit
+
+
+class AdmissionController:
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        if settings.rate_limit_window_s <= 0 or settings.stream_lease_ttl_s <= 0:
+            raise ValueError("rate_limit_window_s and stream_lease_ttl_s must be > 0")
+        self._redis = redis
+        self._window_us = round(settings.rate_limit_window_s * 1_000_000)
+        self._lease_ttl_ms = max(1, round(settings.stream_lease_ttl_s * 1000))
+        self._admit = redis.register_script(_script("admit.lua"))
+        self._settle = redis.register_script(_script("settle.lua"))
+        self._renew = redis.register_script(_script("renew.lua"))
+
+    async def admit(self, limits: TenantLimits, request_id: str, reserved_tokens: int,
+                    estimated_cost_pico_usd: int) -> Admission:
+        """Admit the request or raise ``AdmissionRejected`` (or ``PermissionDeniedError`` for a suspended
+        tenant, ``ServiceUnavailableError`` when Redis cannot be reached)."""
+        if reserved_tokens < 0 or estimated_cost_pico_usd < 0:
+            raise ValueError("reserved_tokens and estimated_cost_pico_usd must be >= 0")
+        if limits.status == STATUS_SUSPENDED_BILLING:
+            raise AdmissionRejected(QUOTA_MESSAGE, type="insufficient_quota", code="insufficient_quota",
+                                    headers=retry_headers(None, should_retry=False))
+        if limits.status != STATUS_ACTIVE:
+            raise PermissionDeniedError("This organization has been deactivated; contact your administrator.",
+                                        code="account_deactivated")
+        lease_id = uuid.uuid4().hex
+        rpm_key, tpm_key, leases_key, holds_key = admission_keys(limits.tenant_id)
+        try:
+            raw = await self._admit(
+                keys=[rpm_key, tpm_key, leases_key, holds_key, spend_key(limits.tenant_id)],
+                args=[
+                    _limit_arg(limits.rpm_limit), _limit_arg(limits.tpm_limit),
+                    _limit_arg(limits.max_concurrency), _limit_arg(limits.monthly_budget_pico_usd),
+                    self._window_us, reserved_tokens, lease_id, self._lease_ttl_ms,
+                    str(estimated_cost_pico_usd),
+                ],
+            )
+        except RedisError as exc:
+            raise ServiceUnavailableError(
+                "Rate limiting is temporarily unavailable; please retry.",
+                headers=retry_headers(1000, should_retry=True),
+            ) from exc
+        verdict = _text(raw[0])
+        req_left, req_reset, tok_left, tok_reset, retry_ms = (int(v) for v in raw[1:])
+        headers = rate_limit_headers(
+            rpm_limit=limits.rpm_limit, requests_remaining=req_left, requests_reset_ms=req_reset,
+            tpm_limit=limits.tpm_limit, tokens_remaining=tok_left, tokens_reset_ms=tok_reset,
+        )
+        if verdict == "ok":
+            return Admission(request_id=request_id, tenant_id=limits.tenant_id, lease_id=lease_id,
+                             reserved_tokens=reserved_tokens, headers=headers, tpm_limit=limits.tpm_limit)
+        raise _rejection(verdict, limits, reserved_tokens, req_left, tok_left, retry_ms, headers)
+
+    async def settle(self, admission: Admission, used_tokens: int, cost_pico_usd: int) -> None:
+        """Release the lease, reconcile the token reservation with ``used_tokens`` (prompt + completion)
+        and add ``cost_pico_usd`` to the month's spend. A second call for the same admission does
+        nothing. Raises ``RedisError`` if Redis cannot be reached (the caller's outbox append would
+        fail the same way; the lease then expires by itself)."""
+        if used_tokens < 0 or cost_pico_usd < 0:
+            raise ValueError("used_tokens and cost_pico_usd must be >= 0")
+        if admission.settled:
+            return
+        _, tpm_key, leases_key, holds_key = admission_keys(admission.tenant_id)
+        await self._settle(
+            keys=[tpm_key, leases_key, holds_key, spend_key(admission.tenant_id)],
+            args=[_limit_arg(admission.tpm_limit), self._window_us, admission.reserved_tokens - used_tokens,
+                  admission.lease_id, str(cost_pico_usd)],
+        )
+        admission.settled = True
+
+    async def renew_lease(self, admission: Admission) -> None:
+        """Push the lease's expiry ``stream_lease_ttl_s`` ahead. Call it at least every TTL/3 while a
+        request runs. A lease that already lapsed is not revived (its slot may have been reused)."""
+        if admission.settled:
+            return
+        _, _, leases_key, holds_key = admission_keys(admission.tenant_id)
+        await self._renew(keys=[leases_key, holds_key], args=[admission.lease_id, self._lease_ttl_ms])
+
+
+def _rejection(verdict: str, limits: TenantLimits, reserved: int, req_left: int, tok_left: int,
+               retry_ms: int, headers: dict[str, str]) -> AdmissionRejected:
+    if verdict == "quota":
+        return AdmissionRejected(QUOTA_MESSAGE, type="insufficient_quota", code="insufficient_quota",
+                                 headers={**headers, **retry_headers(None, should_retry=False)})
+    if verdict == "blocked":
+        return AdmissionRejected(
+            "This organization's rate limit is 0 for this API; contact your administrator.",
+            type="requests", headers={**headers, **retry_headers(None, should_retry=False)})
+    if verdict == "too_large":
+        return AdmissionRejected(
+            f"Request too large for tokens per min (TPM): Limit {limits.tpm_limit}, Requested {reserved}. "
+            "The input or output tokens must be reduced in order to run successfully.",
+            type="tokens", headers={**headers, **retry_headers(None, should_retry=False)})
+    wait = f"Please try again in {format_duration_ms(max(1, retry_ms))}."
+    if verdict == "requests":
+        message = (f"Rate limit reached for requests per min (RPM): Limit {limits.rpm_limit}, "
+                   f"Used {limits.rpm_limit - max(0, req_left)}, Requested 1. {wait}")
+        kind = "requests"
+    elif verdict == "tokens":
+        message = (f"Rate limit reached for tokens per min (TPM): Limit {limits.tpm_limit}, "
+                   f"Used {limits.tpm_limit - tok_left}, Requested {reserved}. {wait}")
+        kind = "tokens"
+    elif verdict == "concurrency":
+        message = f"Too many concurrent requests: Limit {limits.max_concurrency}. {wait}"
+        kind = "requests"
+    else:
+        raise RuntimeError(f"unknown admission verdict {verdict!r}")
+    return AdmissionRejected(message, type=kind,
+                             headers={**headers, **retry_headers(retry_ms, should_retry=True)})
