@@ -29,6 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 # reset_launch_counts(). Plain Counter: launches happen on the engine's single stepping thread.
 launch_counts: Counter[str] = Counter()
 
+
 def reset_launch_counts() -> None:
     launch_counts.clear()
 

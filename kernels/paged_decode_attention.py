@@ -292,9 +292,7 @@ def paged_decode_attention(
     return out
 
 
-def gather_paged_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Contiguous ``[seq_len, num_kv_heads, head_dim]`` view of one sequence's paged K or V (reference)."""
     page_size = cache.shape[1]
     positions = torch.arange(seq_len, device=cache.device)

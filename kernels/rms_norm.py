@@ -51,8 +51,11 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(xf * xf, axis=0) / HIDDEN
     normed = (xf * (1.0 / tl.sqrt(mean_sq + eps))).to(out_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(
-        out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * stride_o + cols,
+        (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def _as_rows(name: str, t: torch.Tensor, rows: int, hidden: int) -> torch.Tensor:
