@@ -1,0 +1,99 @@
+"""Overload shedding by tier: reject a request before any prefill is spent on it when the replica it
+would run on cannot give it its first token within its tier's TTFT SLO.
+
+Model (a pure function of one replica's ``GET /load`` report):
+
+    predicted TTFT = (prefill tokens ahead + this prompt's uncached tokens) / tokens_per_s + step_time_s
+
+"Ahead" is the pending prefill of requests at an equal or better tier: the engine schedules by
+priority, so worse-tier backlog does not delay this request. Tiers are ordered by ``TierConfig.rank``
+(the gateway's notion of better), mapped to their ``engine_priority``; backlog at an engine priority no
+tier uses (the batch pool's lowest priority) is never ahead of interactive work. When the report breaks
+its backlog down by priority (``pending_prefill_tokens_by_priority``: engine priority → tokens) it is
+used; otherwise the whole ``pending_prefill_tokens`` counts as ahead for every tier (conservative).
+``tokens_per_s`` is the engine's measured compute rate; with no measurement yet (idle replica) there is
+nothing to predict from and nothing is shed.
+
+Invariant (lowest tier first): a request of tier T is shed if *any* tier ranked at or above T would
+miss its SLO with the same prompt now, so whenever a tier is being shed every lower tier is too.
+Shedding answers 503 with ``retry-after`` (the predicted excess, at least 1 s) and
+``x-should-retry: false``: an immediate automatic retry would land in the same overload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.admission.headers import retry_headers
+from gateway.errors import ServiceUnavailableError
+from tollgate.settings import TierConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ShedDecision:
+    """Why a request is shed: the tier whose SLO would be missed and by how much."""
+
+    tier: str
+    limiting_tier: str
+    predicted_ttft_ms: float
+    slo_ms: int
+    retry_after_ms: int
+
+    def error(self) -> ServiceUnavailableError:
+        return ServiceUnavailableError(
+            f"The service is overloaded for the '{self.tier}' service tier: the predicted time to first "
+            f"token ({self.predicted_ttft_ms:.0f} ms) exceeds the '{self.limiting_tier}' tier's objective "
+            f"({self.slo_ms} ms). Please retry later or use a higher service tier.",
+            code="overloaded",
+            headers=retry_headers(self.retry_after_ms, should_retry=False),
+        )
+
+
+def _tier(tiers: Mapping[str, TierConfig], name: str) -> TierConfig:
+    try:
+        return tiers[name]
+    except KeyError:
+        raise ValueError(f"unknown tier {name!r}; configured: {sorted(tiers)}") from None
+
+
+def prefill_tokens_ahead(load: Any, tier: str, tiers: Mapping[str, TierConfig]) -> int:
+    """Pending prefill tokens on the replica that run before a new request of ``tier``."""
+    by_priority: Mapping[int, int] | None = getattr(load, "pending_prefill_tokens_by_priority", None)
+    if by_priority is None:
+        return max(0, int(load.pending_prefill_tokens))
+    rank = _tier(tiers, tier).rank
+    ahead = {cfg.engine_priority for cfg in tiers.values() if cfg.rank >= rank}
+    return sum(max(0, int(tokens)) for prio, tokens in by_priority.items() if int(prio) in ahead)
+
+
+def predict_ttft_ms(load: Any, prompt_tokens: int, tier: str, tiers: Mapping[str, TierConfig],
+                    cached_tokens: int = 0) -> float:
+    """Predicted time to first token (ms) of a new request of ``tier`` on the replica of ``load``
+    (an ``engine.protocol.LoadReport``). ``cached_tokens``: prompt tokens the prefix cache is expected
+    to serve (0 when unknown). Returns ``0.0`` when the replica has no throughput measurement."""
+    if prompt_tokens < 0 or cached_tokens < 0:
+        raise ValueError("prompt_tokens and cached_tokens must be >= 0")
+    rate = float(load.tokens_per_s)
+    if rate <= 0:
+        return 0.0
+    own = max(1, prompt_tokens - cached_tokens)  # at least the last prompt token is always computed
+    work = prefill_tokens_ahead(load, tier, tiers) + own
+    return 1000.0 * (work / rate + max(0.0, float(load.step_time_s)))
+
+
+def should_shed(load: Any, prompt_tokens: int, tier: str, tiers: Mapping[str, TierConfig],
+                cached_tokens: int = 0) -> ShedDecision | None:
+    """A ``ShedDecision`` if the request must be rejected now (raise ``decision.error()``), else None."""
+    rank = _tier(tiers, tier).rank
+    worst: ShedDecision | None = None
+    for name, cfg in tiers.items():
+        if cfg.rank < rank:
+            continue
+        predicted = predict_ttft_ms(load, prompt_tokens, name, tiers, cached_tokens)
+        excess = predicted - cfg.ttft_slo_ms
+        if excess > 0 and (worst is None or excess > worst.predicted_ttft_ms - worst.slo_ms):
+            worst = ShedDecision(tier=tier, limiting_tier=name, predicted_ttft_ms=predicted,
+                                 slo_ms=cfg.ttft_slo_ms, retry_after_ms=max(1000, int(excess) + 1))
+    return worst
