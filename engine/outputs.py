@@ -15,6 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class RequestValidationError(ValueError):
+    """A request the engine refuses (an HTTP 400); ``param`` names the offending field, OpenAI style."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
 @dataclass(slots=True)
 class Usage:
     prompt_tokens: int
@@ -48,12 +57,10 @@ class RequestDelta:
     request_id: str
     completions: list[CompletionDelta]
     finished: bool = False
+    # Set with ``finished``: the finish reason of every completion, by index.
+    finish_reasons: list[str] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
-
-    @property
-    def finish_reasons(self) -> list[str | None]:
-        return [c.finish_reason for c in self.completions]
 
 
 @dataclass(slots=True)

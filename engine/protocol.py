@@ -62,25 +62,27 @@ class GenerateRequest(_Strict):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=128)
+    # None: up to the end of the model's context.
     max_tokens: int | None = Field(default=None, ge=1)
-    min_tokens: int = Field(default=0, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=-1, ge=-1)
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    skip_special_tokens: bool = True
     # Who is asking: fair sharing between tenants and the prefix-cache salt default.
     tenant: str = ""
     # Prefix-cache isolation: requests only share cached blocks with requests of the same salt.
     cache_salt: str | None = None
-    # Larger runs first (interactive tiers above batch).
+    # Lower runs first (interactive tiers above batch).
     priority: int = 0
 
     @field_validator("stop", mode="before")
@@ -98,12 +100,23 @@ class GenerateRequest(_Strict):
         return value
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``SamplingParams`` this request asks for."""
+        """Keyword arguments of ``SamplingParams`` (without ``max_tokens`` when it is None: the engine
+        fills in the rest of the context)."""
         kwargs = self.model_dump(
-            exclude={"request_id", "prompt_token_ids", "tenant", "cache_salt", "priority", "response_format"}
+            include={
+                "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
+                "skip_special_tokens",
+            }
         )
-        if self.response_format is not None and self.response_format.type != "text":
-            kwargs["response_format"] = self.response_format.model_dump(exclude_none=True)
+        if kwargs["max_tokens"] is None:
+            del kwargs["max_tokens"]
+        kwargs["logprobs"] = self.top_logprobs if self.logprobs else None
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            kwargs["json_object"] = True
+        elif fmt is not None and fmt.type == "json_schema":
+            kwargs["json_schema"] = fmt.json_schema
         return kwargs
 
 

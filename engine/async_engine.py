@@ -1,0 +1,248 @@
+"""Drives ``LLMEngine.step()`` in a dedicated thread and hands each request's deltas to asyncio.
+
+Invariants:
+
+- Only the engine thread touches the ``LLMEngine`` (it is single-threaded). Callers enqueue adds and
+  aborts under a condition variable; the thread applies them between steps, so an abort takes effect
+  before the next step (the request's blocks are freed then).
+- Validation happens in the caller (``add_request`` raises ``RequestValidationError`` before anything
+  is queued), so a server can answer 400 before streaming. Two requests with the same id cannot be in
+  flight at once.
+- Each request has its own unbounded ``asyncio.Queue``: a slow consumer never stalls the engine or
+  other requests (no back-pressure), and a consumer that goes away (the ``RequestStream`` is closed or
+  cancelled before its final delta) aborts its request.
+- The thread sleeps on the condition while there is no work; it wakes on an add, an abort or shutdown.
+- If a step raises, every in-flight request ends with an ``EngineError`` (the stream raises it) and
+  the loop keeps serving new requests.
+- ``stats()`` returns the snapshot the thread took after its last step: readers never touch live state.
+
+This module imports no torch itself (``LLMEngine`` is imported when an ``AsyncEngine`` is built), so the
+synthetic engine can share ``RequestStream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+from engine.metrics import EngineMetrics
+from engine.outputs import EngineStats, RequestDelta, RequestValidationError
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's fault): an ``error`` record."""
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestDelta``s; ends after the finished delta.
+
+    Closing it early (``aclose()``, cancellation of the consuming task, leaving an ``async for``) calls
+    ``on_close`` once, which aborts the request.
+    """
+
+    def __init__(self, request_id: str, on_close: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.finished = False
+        self._on_close = on_close
+
+    def put_nowait(self, item: RequestDelta | BaseException) -> None:
+        """Deliver from the stream's own event loop."""
+        self.queue.put_nowait(item)
+
+    def put_threadsafe(self, item: RequestDelta | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestDelta]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                if item.finished:
+                    self.finished = True
+                yield item
+        finally:
+            if not self.finished:
+                self.finished = True
+                self._on_close(self.request_id)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    cache_salt: str | None
+    priority: int
+    stream: RequestStream
+
+
+class AsyncEngine:
+    """An ``LLMEngine`` behind a thread, for the internal server."""
+
+    def __init__(self, config: EngineConfig, model_name: str | None = None, pool: str = "interactive",
+                 engine: LLMEngine | None = None) -> None:
+        if engine is None:
+            from engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(config)
+        self.engine = engine
+        self.config = config
+        self.model_name = model_name or config.model
+        self.pool = pool
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self._cond = threading.Condition()
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = False
+        self._stats = engine.stats()
+        self.metrics = EngineMetrics(self.stats, self.model_name, pool)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- public, any thread / the event loop ---------------------------------------------------
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    def info(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "model": self.model_name,
+            "pool": self.pool,
+            "max_model_len": e.max_model_len,
+            "vocab_size": e.vocab_size,
+            "block_size": self.config.block_size,
+            "eos_token_ids": sorted(e.eos_token_ids),
+            "num_kv_blocks": e.block_manager.num_blocks,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+        }
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        tenant: str = "",
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validate and queue a request; iterate the returned stream for its deltas."""
+        prompt = list(prompt_token_ids)
+        self.engine.validate_request(request_id, prompt, params)
+        stream = RequestStream(request_id, self.abort)
+        with self._cond:
+            if self._stopping:
+                raise EngineError("the engine is shutting down")
+            if request_id in self._streams:
+                raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
+            self._streams[request_id] = stream
+            self._adds.append(_Add(request_id, prompt, params, tenant, cache_salt, priority, stream))
+            self._cond.notify()
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       tenant: str = "", cache_salt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestDelta]:
+        stream = await self.add_request(request_id, prompt_token_ids, params, tenant, cache_salt, priority)
+        async for delta in stream:
+            yield delta
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request before the next step; returns False if it is not in flight."""
+        with self._cond:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return False
+            self._aborts.append(request_id)
+            self._cond.notify()
+        return True
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._adds or self._aborts or self._stopping or engine.has_unfinished()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for add in adds:
+                try:
+                    engine.add_request(add.request_id, add.prompt_token_ids, add.params, tenant=add.tenant,
+                                       cache_salt=add.cache_salt, priority=add.priority)
+                except Exception as exc:  # validated already; a late failure ends that request only
+                    self._fail(add.request_id, exc)
+            for request_id in aborts:
+                engine.abort(request_id)
+            try:
+                deltas = engine.step()
+            except Exception:
+                logger.exception("engine step failed; failing every in-flight request")
+                deltas = self._fail_all()
+            self._stats = engine.stats()
+            self._deliver(deltas)
+        self._fail_all_streams(EngineError("the engine shut down"))
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        with self._cond:
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if delta.finished:
+                    self._streams.pop(delta.request_id, None)
+                    if delta.timings is not None and delta.usage is not None:
+                        self.metrics.observe_finished(delta.timings, delta.usage.completion_tokens)
+                if stream is not None:
+                    stream.put_threadsafe(delta)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            error = exc if isinstance(exc, RequestValidationError) else EngineError(str(exc))
+            stream.put_threadsafe(error)
+
+    def _fail_all(self) -> list[RequestDelta]:
+        try:
+            self.engine.abort_all()
+        except Exception:
+            logger.exception("could not abort the in-flight requests after a failed step")
+        self._fail_all_streams(EngineError("the engine failed while running this request"))
+        return []
+
+    def _fail_all_streams(self, error: EngineError) -> None:
+        with self._cond:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put_threadsafe(error)

@@ -1,0 +1,101 @@
+"""Prometheus metrics of one engine replica, in a registry of its own (never the process-global one, so
+several engines or test apps in one process do not collide).
+
+Latency histograms are observed once per finished request (seconds). Gauges and counters are read at
+scrape time from the latest ``EngineStats`` snapshot, so the engine thread never blocks on a scrape and
+a counter can never go backwards (the engine's counters are monotonic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import EngineStats, Timings
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0,
+                    1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                 0.2, 0.3, 0.5, 1.0)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineStats], labels: dict[str, str]) -> None:
+        self._snapshot = snapshot
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("tollgate_engine_requests_running", "Sequences running (holding KV blocks).",
+                    s.num_running)
+        yield gauge("tollgate_engine_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("tollgate_engine_kv_cache_usage", "Fraction of KV blocks held by live sequences.",
+                    s.kv_usage)
+        yield gauge("tollgate_engine_kv_blocks", "KV cache blocks in the pool.", s.num_kv_blocks)
+        yield gauge("tollgate_engine_pending_prefill_tokens", "Prompt tokens still to compute.",
+                    s.pending_prefill_tokens)
+        yield counter("tollgate_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_query_tokens)
+        yield counter("tollgate_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      s.prefix_hit_tokens)
+        yield counter("tollgate_engine_preemptions", "Sequences preempted (by recompute).", s.num_preemptions)
+        yield counter("tollgate_engine_prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
+        yield counter("tollgate_engine_generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("tollgate_engine_computed_prefill_tokens", "Prompt tokens computed (incl. recompute).",
+                      s.computed_prefill_tokens)
+        yield counter("tollgate_engine_steps", "Engine steps run.", s.num_steps)
+        finished = CounterMetricFamily("tollgate_engine_sequences_finished",
+                                       "Finished sequences by finish reason.", labels=[*names, "reason"])
+        for reason, count in sorted(s.num_requests_finished.items()):
+            finished.add_metric([*values, reason], count)
+        yield finished
+
+
+class EngineMetrics:
+    """The replica's registry: latency histograms plus a collector over the latest stats snapshot."""
+
+    def __init__(self, snapshot: Callable[[], EngineStats], model: str, pool: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model": model, "pool": pool}
+        label_names = list(labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, label_names, buckets=buckets, registry=self.registry).labels(**labels)
+
+        self.ttft = histogram("tollgate_engine_time_to_first_token_seconds",
+                              "Time from acceptance to the first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("tollgate_engine_time_per_output_token_seconds",
+                              "Mean time per output token after the first.", _TPOT_BUCKETS)
+        self.queue_time = histogram("tollgate_engine_queue_time_seconds",
+                                    "Time from acceptance to first being scheduled.", _LATENCY_BUCKETS)
+        self.e2e = histogram("tollgate_engine_e2e_request_latency_seconds",
+                             "Time from acceptance to the last token.", _LATENCY_BUCKETS)
+        self.registry.register(_StatsCollector(snapshot, labels))
+
+    def observe_finished(self, timings: Timings, num_output_tokens: int) -> None:
+        if num_output_tokens > 0:
+            self.ttft.observe(timings.ttft)
+        if num_output_tokens > 1:
+            self.tpot.observe(timings.tpot)
+        self.queue_time.observe(timings.queued)
+        self.e2e.observe(timings.e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

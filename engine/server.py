@@ -1,0 +1,228 @@
+"""An engine replica's internal HTTP server (FastAPI + uvicorn). The wire schema is ``engine.protocol``.
+
+- ``POST /generate``: validates the request fully (schema, sampling parameters, context length, vocab)
+  and answers ``400`` with an error record before streaming if anything is wrong — never a 500, and
+  nobody else's request is affected. Otherwise streams NDJSON: delta records, then one final record
+  (or an error record if the engine failed). ``max_tokens`` omitted means "up to the end of the
+  context". Closing the HTTP stream aborts the request before the engine's next step.
+- ``POST /abort`` ``{"request_id"}``: 200 ``{"aborted": bool}`` (false if it was not in flight).
+- ``GET /health`` (200 once the model is loaded: the app exists only after that), ``GET /info``,
+  ``GET /load``, ``GET /metrics`` (Prometheus text from the replica's own registry).
+
+``serve(model, ...)`` builds the engine and runs uvicorn (one worker: the engine owns the device).
+``model="synthetic"`` runs ``engine.synthetic.SyntheticEngine`` instead, which emits tokens on a timer
+without any model — a stand-in for gateway load tests only, never a default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as SchemaError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.async_engine import EngineError, RequestStream
+from engine.config import EngineConfig
+from engine.metrics import CONTENT_TYPE
+from engine.outputs import EngineStats, RequestValidationError
+from engine.protocol import (
+    AbortRequest,
+    DeltaRecord,
+    ErrorInfo,
+    ErrorRecord,
+    FinalRecord,
+    GenerateRequest,
+    HealthResponse,
+    InfoResponse,
+    LoadReport,
+    TokenLogprob,
+    TopLogprob,
+    encode_record,
+)
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+
+
+class ServingEngine(Protocol):
+    """What the server needs from an engine (``AsyncEngine`` or ``SyntheticEngine``)."""
+
+    model_name: str
+    pool: str
+    max_model_len: int
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          tenant: str = "", cache_salt: str | None = None,
+                          priority: int = 0) -> RequestStream: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def render_metrics(self) -> bytes: ...
+
+    def shutdown(self) -> None: ...
+
+
+def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+           request_id: str | None = None) -> JSONResponse:
+    record = ErrorRecord(request_id=request_id, error=ErrorInfo(message=message, type=type_, param=param))
+    return JSONResponse(record.model_dump(exclude_none=True), status_code=status)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams messages start with the parameter's name (``top_p must be ...``)."""
+    head = message.split(" ", 1)[0].rstrip("[]")
+    return head if head in SamplingParams.__dataclass_fields__ else None
+
+
+def _logprob_records(records: list[Any] | None) -> list[TokenLogprob] | None:
+    if records is None:
+        return None
+    return [
+        TokenLogprob(
+            token_id=r.token_id,
+            logprob=r.logprob,
+            top_logprobs=[TopLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
+        )
+        for r in records
+    ]
+
+
+async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
+    request_id = stream.request_id
+    try:
+        async for delta in stream:
+            lines = [
+                encode_record(DeltaRecord(request_id=request_id, index=c.index, token_ids=c.token_ids,
+                                          text=c.text, logprobs=_logprob_records(c.logprobs)))
+                for c in delta.completions
+                if c.token_ids or c.text
+            ]
+            if delta.finished and delta.usage is not None and delta.timings is not None:
+                final = FinalRecord(
+                    request_id=request_id,
+                    finish_reasons=delta.finish_reasons or [],
+                    usage=asdict(delta.usage),
+                    timings=asdict(delta.timings),
+                )
+                lines.append(encode_record(final))
+            if lines:
+                yield b"".join(lines)
+    except (EngineError, RequestValidationError) as exc:
+        kind = "invalid_request_error" if isinstance(exc, RequestValidationError) else "server_error"
+        yield encode_record(ErrorRecord(request_id=request_id, error=ErrorInfo(message=str(exc), type=kind)))
+
+
+def create_app(engine: ServingEngine) -> FastAPI:
+    """The replica's FastAPI app over an already-loaded engine (shut down with the app)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="Tollgate engine replica", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(SchemaError)
+    async def schema_error(request: Request, exc: SchemaError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request")
+        param = ".".join(loc) or None
+        return _error(400, f"{param}: {message}" if param else message, param)
+
+    @app.post("/generate", response_model=None)
+    async def generate(body: GenerateRequest) -> Response:
+        kwargs = body.sampling_kwargs()
+        kwargs.setdefault("max_tokens", max(1, engine.max_model_len - len(body.prompt_token_ids)))
+        try:
+            params = SamplingParams(**kwargs)
+        except ValueError as exc:
+            return _error(400, str(exc), _param_of(str(exc)), request_id=body.request_id)
+        try:
+            stream = await engine.add_request(body.request_id, body.prompt_token_ids, params,
+                                              tenant=body.tenant, cache_salt=body.cache_salt,
+                                              priority=body.priority)
+        except RequestValidationError as exc:
+            return _error(400, exc.message, exc.param, request_id=body.request_id)
+        except EngineError as exc:
+            return _error(503, str(exc), type_="server_error", request_id=body.request_id)
+        return StreamingResponse(_ndjson(stream), media_type=NDJSON)
+
+    @app.post("/abort")
+    async def abort(body: AbortRequest) -> dict[str, bool]:
+        return {"aborted": engine.abort(body.request_id)}
+
+    @app.get("/health")
+    async def health() -> HealthResponse:
+        return HealthResponse(model=engine.model_name, pool=engine.pool)
+
+    @app.get("/info")
+    async def info() -> InfoResponse:
+        return InfoResponse(**engine.info())
+
+    @app.get("/load")
+    async def load() -> LoadReport:
+        s = engine.stats()
+        return LoadReport(
+            model=engine.model_name,
+            pool=engine.pool,
+            waiting=s.num_waiting,
+            running=s.num_running,
+            pending_prefill_tokens=s.pending_prefill_tokens,
+            kv_usage=s.kv_usage,
+            num_kv_blocks=s.num_kv_blocks,
+            free_kv_blocks=s.num_free_kv_blocks,
+            prefix_hit_rate=s.prefix_hit_rate,
+            num_preemptions=s.num_preemptions,
+            tokens_per_s=s.tokens_per_s,
+            step_time_s=s.step_time_s,
+            ttft_s=s.ttft_s,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.render_metrics(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def build_engine(model: str | EngineConfig, pool: str = "interactive", model_name: str | None = None,
+                 **engine_kwargs: Any) -> ServingEngine:
+    """The engine ``serve`` runs: an ``AsyncEngine`` over ``model`` (a checkpoint directory or a full
+    ``EngineConfig``), or the synthetic stand-in for ``model == "synthetic"``."""
+    if isinstance(model, EngineConfig):
+        if engine_kwargs:
+            raise ValueError(f"pass engine settings inside the EngineConfig, not as {sorted(engine_kwargs)}")
+        config = model
+    elif model == "synthetic":
+        from engine.synthetic import SyntheticEngine
+
+        return SyntheticEngine.from_engine_kwargs(pool=pool, model_name=model_name, **engine_kwargs)
+    else:
+        config = EngineConfig(model=str(model), **engine_kwargs)
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine(config, model_name=model_name or Path(config.model).name, pool=pool)
+
+
+def serve(model: str | EngineConfig, host: str = "127.0.0.1", port: int = 8100, pool: str = "interactive",
+          model_name: str | None = None, **engine_kwargs: Any) -> None:
+    """Load the model and serve it until interrupted. ``engine_kwargs`` are ``EngineConfig`` fields."""
+    import uvicorn
+
+    engine = build_engine(model, pool=pool, model_name=model_name, **engine_kwargs)
+    logger.info("engine %s (pool %s) listening on %s:%d", engine.model_name, pool, host, port)
+    uvicorn.run(create_app(engine), host=host, port=port, log_level="info", access_log=False)

@@ -1,0 +1,185 @@
+"""``--model synthetic``: a stand-in engine that runs NO model and emits tokens on a timer.
+
+For gateway load tests only (admission, routing, streaming and metering at scale without a model);
+never a default. It speaks the same protocol as a real replica (``engine.server`` serves it): it
+validates requests the same way (empty prompt, vocab range, context length), streams one token per
+completion every ``token_interval_s`` after ``ttft_s``, and stops at ``max_tokens`` (``length``) or
+when it emits one of ``stop_token_ids`` (``stop``). Token ids cycle through a small fixed word list, so
+texts are readable and deterministic per request. Prefix caching is simulated with the real block hash
+chain (``engine.block_hash``, same salt rules) over an LRU of ``cache_blocks`` hashes, so the gateway's
+cached-token pricing sees realistic ``cached_tokens``. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any
+
+from engine.async_engine import RequestStream
+from engine.block_hash import prefix_block_hashes
+from engine.metrics import EngineMetrics
+from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
+from engine.sampling_params import SamplingParams
+
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "then", "runs",
+         "far", "away", "into", "woods")
+FIRST_WORD_ID = 1000
+
+
+class SyntheticEngine:
+    """Timer-driven token source with the ``ServingEngine`` interface of ``engine.server``."""
+
+    def __init__(self, model_name: str = "synthetic", pool: str = "interactive", vocab_size: int = 32000,
+                 max_model_len: int = 8192, block_size: int = 16, token_interval_s: float = 0.01,
+                 ttft_s: float = 0.02, cache_blocks: int = 65536) -> None:
+        if token_interval_s < 0 or ttft_s < 0:
+            raise ValueError("token_interval_s and ttft_s must be >= 0")
+        if vocab_size <= FIRST_WORD_ID + len(WORDS):
+            raise ValueError(f"vocab_size must exceed {FIRST_WORD_ID + len(WORDS)}")
+        self.model_name = model_name
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.token_interval_s = token_interval_s
+        self.ttft_s = ttft_s
+        self._cache: OrderedDict[bytes, None] = OrderedDict()
+        self._cache_blocks = cache_blocks
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stats = EngineStats(num_kv_blocks=cache_blocks)
+        self.metrics = EngineMetrics(self.stats, model_name, pool)
+
+    @classmethod
+    def from_engine_kwargs(cls, pool: str = "interactive", model_name: str | None = None,
+                           **engine_kwargs: Any) -> SyntheticEngine:
+        """Build from ``EngineConfig``-style keyword arguments (``block_size``, ``max_model_len``, and
+        ``extra={"token_interval_s": ..., "ttft_s": ...}``); settings that need a model are ignored."""
+        extra = dict(engine_kwargs.get("extra") or {})
+        kwargs: dict[str, Any] = {k: extra.pop(k) for k in ("token_interval_s", "ttft_s", "vocab_size")
+                                  if k in extra}
+        if extra:
+            raise ValueError(f"unknown synthetic engine settings: {sorted(extra)}")
+        if engine_kwargs.get("block_size"):
+            kwargs["block_size"] = engine_kwargs["block_size"]
+        if engine_kwargs.get("max_model_len"):
+            kwargs["max_model_len"] = engine_kwargs["max_model_len"]
+        return cls(model_name=model_name or "synthetic", pool=pool, **kwargs)
+
+    # ---- ServingEngine --------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          tenant: str = "", cache_salt: str | None = None,
+                          priority: int = 0) -> RequestStream:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise RequestValidationError("the prompt is empty: at least one token is required", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise RequestValidationError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise RequestValidationError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt)} tokens and max_tokens asks for {params.max_tokens} more", "max_tokens")
+        if request_id in self._tasks:
+            raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
+        stream = RequestStream(request_id, self.abort)
+        cached = self._lookup_prefix(prompt, cache_salt)
+        self._stats.prompt_tokens += len(prompt)
+        self._stats.prefix_query_tokens += len(prompt)
+        self._stats.prefix_hit_tokens += cached
+        self._stats.num_running += params.n
+        self._tasks[request_id] = asyncio.create_task(self._emit(stream, prompt, params, cached))
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        task = self._tasks.get(request_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.model_name, "pool": self.pool, "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size, "block_size": self.block_size, "eos_token_ids": [],
+                "num_kv_blocks": self._cache_blocks, "max_num_seqs": 1 << 16,
+                "max_num_batched_tokens": 1 << 20, "synthetic": True}
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    def shutdown(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _lookup_prefix(self, prompt: list[int], cache_salt: str | None) -> int:
+        hashes = prefix_block_hashes(prompt, self.block_size, cache_salt)
+        usable = (len(prompt) - 1) // self.block_size
+        hits = 0
+        for digest in hashes[:usable]:
+            if digest not in self._cache:
+                break
+            self._cache.move_to_end(digest)
+            hits += 1
+        for digest in hashes:
+            self._cache[digest] = None
+            self._cache.move_to_end(digest)
+        while len(self._cache) > self._cache_blocks:
+            self._cache.popitem(last=False)
+        return hits * self.block_size
+
+    async def _emit(self, stream: RequestStream, prompt: list[int], params: SamplingParams,
+                    cached: int) -> None:
+        start = time.monotonic()
+        n = params.n
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        first_token = None
+        try:
+            await asyncio.sleep(self.ttft_s)
+            step = 0
+            while any(r is None for r in reasons):
+                deltas = []
+                for i in range(n):
+                    if reasons[i] is not None:
+                        continue
+                    word = (len(prompt) + step + i) % len(WORDS)
+                    token = FIRST_WORD_ID + word
+                    outputs[i].append(token)
+                    if token in params.stop_token_ids:
+                        reasons[i] = "stop"
+                        text = ""
+                    else:
+                        text = " " + WORDS[word]
+                        if len(outputs[i]) >= params.max_tokens:
+                            reasons[i] = "length"
+                    deltas.append(CompletionDelta(i, [token], text, None, reasons[i]))
+                self._stats.generation_tokens += len(deltas)
+                first_token = first_token or time.monotonic()
+                if all(r is not None for r in reasons):
+                    break
+                stream.put_nowait(RequestDelta(stream.request_id, deltas))
+                step += 1
+                await asyncio.sleep(self.token_interval_s)
+        except asyncio.CancelledError:
+            reasons = [r or "abort" for r in reasons]
+            deltas = []
+        finally:
+            self._tasks.pop(stream.request_id, None)
+            self._stats.num_running -= n
+        end = time.monotonic()
+        longest = max(len(o) for o in outputs)
+        ttft = (first_token - start) if first_token else 0.0
+        timings = Timings(queued=0.0, ttft=ttft,
+                          tpot=(end - first_token) / (longest - 1) if first_token and longest > 1 else 0.0,
+                          e2e=end - start)
+        usage = Usage(len(prompt), cached, sum(len(o) for o in outputs))
+        self.metrics.observe_finished(timings, usage.completion_tokens)
+        counts = self._stats.num_requests_finished
+        for reason in reasons:
+            counts[reason or "abort"] = counts.get(reason or "abort", 0) + 1
+        stream.put_nowait(RequestDelta(stream.request_id, deltas, True, [r or "abort" for r in reasons],
+                                       usage, timings))

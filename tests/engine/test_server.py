@@ -1,0 +1,183 @@
+"""The engine replica's internal HTTP server: NDJSON stream shape, 400s before streaming, abort on
+disconnect, /health /info /load /metrics — over the synthetic engine (no model) and over the real
+engine on a tiny random-weight checkpoint."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+
+from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, InfoResponse, LoadReport, parse_record
+from engine.server import build_engine, create_app
+from engine.synthetic import FIRST_WORD_ID
+
+
+class _Server:
+    def __init__(self, app) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> _Server:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+def _records(response: httpx.Response) -> list:
+    return [parse_record(line) for line in response.iter_lines() if line]
+
+
+def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+# ---- synthetic engine (no model) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def synthetic_server() -> Iterator[_Server]:
+    engine = build_engine("synthetic", pool="loadtest",
+                          extra={"token_interval_s": 0.001, "ttft_s": 0.0}, max_model_len=256)
+    with _Server(create_app(engine)) as server:
+        yield server
+
+
+def test_synthetic_stream_shape_and_usage(synthetic_server: _Server) -> None:
+    body = {"request_id": "s1", "prompt_token_ids": list(range(40)), "max_tokens": 3, "n": 2,
+            "stop_token_ids": [FIRST_WORD_ID + (40 + 3) % 16]}
+    with httpx.Client(base_url=synthetic_server.url) as client:
+        with client.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            records = _records(r)
+        assert isinstance(records[-1], FinalRecord)
+        assert all(isinstance(rec, DeltaRecord) for rec in records[:-1])
+        final = records[-1]
+        by_index = {i: [t for rec in records[:-1] if rec.index == i for t in rec.token_ids] for i in (0, 1)}
+        # Index 1 (one word ahead) reaches the stop token as its 3rd token; index 0 hits max_tokens first.
+        assert final.finish_reasons == ["length", "stop"]
+        assert len(by_index[0]) == 3 and len(by_index[1]) == 3
+        assert final.usage.prompt_tokens == 40 and final.usage.cached_tokens == 0
+        assert final.usage.completion_tokens == 6
+        assert final.timings.e2e >= final.timings.ttft >= 0
+        # The same prompt again: the full blocks of its first len-1 tokens are "cached".
+        body["request_id"] = "s2"
+        with client.stream("POST", "/generate", json=body) as r:
+            assert _records(r)[-1].usage.cached_tokens == 32
+        health = client.get("/health").json()
+        assert health == {"status": "ok", "model": "synthetic", "pool": "loadtest"}
+        info = InfoResponse(**client.get("/info").json())
+        assert info.synthetic and info.max_model_len == 256
+        load = LoadReport(**client.get("/load").json())
+        assert load.prefix_hit_rate > 0
+        assert "tollgate_engine_time_to_first_token_seconds_bucket" in client.get("/metrics").text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1], "temperature": 5}, "temperature"),
+        ({"prompt_token_ids": [1], "top_p": 0}, "top_p"),
+        ({"prompt_token_ids": list(range(200)), "max_tokens": 100}, "max_tokens"),
+        ({"prompt_token_ids": [1], "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"prompt_token_ids": [1], "surprise": True}, "surprise"),
+    ],
+)
+def test_bad_input_is_a_400_before_streaming(synthetic_server: _Server, body: dict, param: str) -> None:
+    with httpx.Client(base_url=synthetic_server.url) as client:
+        r = client.post("/generate", json={"request_id": "bad", **body})
+        assert r.status_code == 400, r.text
+        error = ErrorRecord(**r.json())
+        assert error.error.type == "invalid_request_error"
+        assert error.error.param and error.error.param.startswith(param)
+        assert client.post("/generate", content=b"{not json").status_code == 400
+
+
+# ---- real engine on a tiny checkpoint ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_server(tiny_llama_dir: Path) -> Iterator[tuple[_Server, object]]:
+    engine = build_engine(str(tiny_llama_dir), pool="interactive", num_kv_blocks=64, max_num_seqs=8,
+                          max_num_batched_tokens=128)
+    with _Server(create_app(engine)) as server:
+        yield server, engine
+
+
+def test_generate_streams_the_offline_engines_tokens(model_server) -> None:
+    server, engine = model_server
+    prompt = list(range(5, 45))
+    body = {"request_id": "g1", "prompt_token_ids": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            records = _records(r)
+        final = records[-1]
+        assert isinstance(final, FinalRecord) and final.finish_reasons == ["length"]
+        deltas = records[:-1]
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert len(tokens) == 12 == final.usage.completion_tokens
+        assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+        assert all(len(lp.top_logprobs) == 2 for d in deltas for lp in d.logprobs)
+        text = "".join(d.text for d in deltas)
+        assert text == engine.engine.tokenizer.decode(tokens)
+        # Greedy decoding is deterministic: the same request again gives the same tokens, from cache.
+        body["request_id"] = "g2"
+        with client.stream("POST", "/generate", json=body) as r:
+            again = _records(r)
+        assert [t for d in again[:-1] for t in d.token_ids] == tokens
+        assert again[-1].usage.cached_tokens == 32
+        metrics = client.get("/metrics").text
+        assert "tollgate_engine_prefix_cache_hits_total" in metrics
+        assert "tollgate_engine_time_per_output_token_seconds_count" in metrics
+
+
+def test_disconnect_aborts_and_frees_blocks_while_others_are_served(model_server) -> None:
+    server, _ = model_server
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        total = client.get("/info").json()["num_kv_blocks"]
+        long_body = {"request_id": "long", "prompt_token_ids": list(range(3, 60)), "max_tokens": 1000,
+                     "ignore_eos": True}
+        with client.stream("POST", "/generate", json=long_body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = parse_record(next(lines))
+            assert isinstance(first, DeltaRecord)
+            assert client.get("/load").json()["running"] >= 1
+            # Over-long prompt for someone else: a 400, and the running stream is unaffected.
+            bad = client.post("/generate", json={"request_id": "x", "prompt_token_ids": [1] * 5000})
+            assert bad.status_code == 400 and bad.json()["error"]["param"]
+            second = parse_record(next(lines))
+            assert isinstance(second, DeltaRecord)
+        # Leaving the `with` closed the connection: the engine aborts and frees every block.
+        _wait_for(lambda: LoadReport(**client.get("/load").json()).running == 0, "the abort")
+        load = LoadReport(**client.get("/load").json())
+        assert load.free_kv_blocks == total and load.kv_usage == 0.0
+        assert 'reason="abort"' in client.get("/metrics").text
+        # Explicit /abort of something not in flight says so.
+        assert client.post("/abort", json={"request_id": "nope"}).json() == {"aborted": False}
+        short = client.post("/generate", json={"request_id": "after", "prompt_token_ids": [5, 6, 7],
+                                                "max_tokens": 3, "ignore_eos": True})
+        assert [orjson.loads(x)["type"] for x in short.text.splitlines()][-1] == "final"
