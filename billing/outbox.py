@@ -1,0 +1,86 @@
+"""The durable usage outbox: one Redis stream entry per finished, failed or cancelled request.
+
+A gateway appends a ``UsageRecord`` at settle (``append_usage``: ``XADD tollgate:usage``) and moves on;
+``billing.ledger`` copies the stream into ``usage_events`` later. Redis runs with ``appendonly yes``
+(``tollgate.redis.check_durability``), so a record survives a Redis restart, a gateway restart and a
+Postgres outage.
+
+Invariants:
+- A record carries exactly the ``usage_events`` columns; ``request_id`` is the idempotency key, so
+  appending the same request twice still yields one ledger row.
+- Token counts and cost are non-negative integers, ``cached_tokens <= prompt_tokens``, ``created_at``
+  is timezone-aware (UTC on the wire).
+- The stream is never trimmed by length: an entry leaves it only after its row is committed
+  (``billing.ledger``), so nothing is dropped while Postgres is down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from billing.prices import REQUEST_CLASSES
+
+USAGE_STREAM = "tollgate:usage"
+RECORD_FIELD = b"r"
+REQUEST_STATUSES = ("completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    request_id: str
+    tenant_id: int
+    api_key_id: int | None
+    model: str
+    request_class: str
+    tier: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost_pico_usd: int
+    status: str
+    ttft_ms: float | None
+    tpot_ms: float | None
+    created_at: datetime
+
+    def __post_init__(self) -> None:
+        if not self.request_id or len(self.request_id) > 128:
+            raise ValueError("request_id must be 1..128 characters")
+        if self.request_class not in REQUEST_CLASSES:
+            raise ValueError(f"request_class must be one of {REQUEST_CLASSES}, got {self.request_class!r}")
+        if self.status not in REQUEST_STATUSES:
+            raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {self.status!r}")
+        for name in ("prompt_tokens", "cached_tokens", "completion_tokens", "cost_pico_usd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError("cached_tokens exceeds prompt_tokens")
+        if self.created_at.tzinfo is None:
+            raise ValueError("created_at must be timezone-aware")
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["created_at"] = self.created_at.astimezone(UTC).isoformat()
+        return orjson.dumps(data)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> UsageRecord:
+        data: dict[str, Any] = orjson.loads(raw)
+        data["created_at"] = datetime.fromisoformat(data["created_at"])
+        return cls(**data)
+
+    def row(self) -> dict[str, Any]:
+        """The ``usage_events`` insert values."""
+        return asdict(self)
+
+
+async def append_usage(redis: Redis, record: UsageRecord) -> str:
+    """Append ``record`` to the outbox; returns the stream entry id. Raises ``RedisError`` if Redis is
+    unreachable (the caller logs the record: it is the last copy)."""
+    entry_id = await redis.xadd(USAGE_STREAM, {RECORD_FIELD: record.to_json()})
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id

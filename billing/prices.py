@@ -1,0 +1,189 @@
+"""Price book and cost: integer pico-USD (1e-12 USD) per token, exact arithmetic only.
+
+Invariants:
+- A ``Price`` holds six non-negative integer per-token prices: ``input``, ``cached_input``, ``output``
+  and their batch counterparts. ``Price.of`` fills the optional ones with the platform defaults:
+  cached input = 10% of input, batch = half of the synchronous price, each rounded down to whole
+  pico-USD (a default never charges more than the stated discount).
+- ``cost_pico_usd`` is exact: cached prompt tokens at the cached price, the rest of the prompt at the
+  input price, completion tokens at the output price; the batch prices for ``request_class="batch"``.
+- A model has no price until a ``prices`` row says so. There is deliberately no fallback price:
+  ``PriceBook.price_for`` raises ``PriceNotFound`` and the gateway refuses to serve an unpriced model
+  rather than serve it for free. ``tollgate up`` seeds a row for the tiny demo model
+  (``billing.service.ensure_price``); operators set real ones with ``tollgate prices set``.
+- Effective dates: a row applies from its ``effective_from`` until the next row of the same model;
+  a request is priced by the row in effect when it was admitted.
+- ``$/Mtok → pico-USD/token`` is ``× 1,000,000`` in ``Decimal``; a price that is not a whole number of
+  pico-USD per token is refused, never rounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections.abc import Callable, Iterable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from typing import Literal
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+RequestClass = Literal["interactive", "batch"]
+REQUEST_CLASSES: tuple[str, ...] = ("interactive", "batch")
+PICO_PER_TOKEN_PER_USD_PER_MTOK = 1_000_000  # 1 USD / 1e6 tokens = 1e12 pico-USD / 1e6 tokens
+
+logger = logging.getLogger("tollgate.billing")
+
+
+class PriceNotFound(LookupError):
+    """No price row covers this model at this time: the model must not be served."""
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    input: int
+    cached_input: int
+    output: int
+    batch_input: int
+    batch_cached_input: int
+    batch_output: int
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"price {name} must be a non-negative integer pico-USD, got {value!r}")
+
+    @classmethod
+    def of(cls, *, input: int, output: int, cached_input: int | None = None, batch_input: int | None = None,
+           batch_cached_input: int | None = None, batch_output: int | None = None) -> Price:
+        """A price with the defaults filled in (cached = input // 10, batch = synchronous // 2)."""
+        cached = input // 10 if cached_input is None else cached_input
+        return cls(
+            input=input,
+            cached_input=cached,
+            output=output,
+            batch_input=input // 2 if batch_input is None else batch_input,
+            batch_cached_input=cached // 2 if batch_cached_input is None else batch_cached_input,
+            batch_output=output // 2 if batch_output is None else batch_output,
+        )
+
+    def for_class(self, request_class: str) -> tuple[int, int, int]:
+        """(input, cached_input, output) per-token prices for ``request_class``."""
+        if request_class == "interactive":
+            return self.input, self.cached_input, self.output
+        if request_class == "batch":
+            return self.batch_input, self.batch_cached_input, self.batch_output
+        raise ValueError(f"request_class must be one of {REQUEST_CLASSES}, got {request_class!r}")
+
+
+def cost_pico_usd(price: Price, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                  request_class: str) -> int:
+    """Exact cost of one request in pico-USD."""
+    if prompt_tokens < 0 or cached_tokens < 0 or completion_tokens < 0:
+        raise ValueError("token counts must be >= 0")
+    if cached_tokens > prompt_tokens:
+        raise ValueError(f"cached_tokens ({cached_tokens}) exceeds prompt_tokens ({prompt_tokens})")
+    input_price, cached_price, output_price = price.for_class(request_class)
+    return ((prompt_tokens - cached_tokens) * input_price + cached_tokens * cached_price
+            + completion_tokens * output_price)
+
+
+def max_cost_pico_usd(price: Price, prompt_tokens: int, max_completion_tokens: int,
+                      request_class: str) -> int:
+    """The most a request can cost (what admission holds against the monthly budget): every prompt token
+    at the dearer of the input and cached prices, every allowed completion token at the output price."""
+    if prompt_tokens < 0 or max_completion_tokens < 0:
+        raise ValueError("token counts must be >= 0")
+    input_price, cached_price, output_price = price.for_class(request_class)
+    return prompt_tokens * max(input_price, cached_price) + max_completion_tokens * output_price
+
+
+def usd_per_mtok_to_pico(value: str | int | Decimal) -> int:
+    """``"3"`` ($3 per million tokens) → ``3_000_000`` pico-USD per token; ``"0.0000001"`` is refused
+    (0.1 pico-USD per token is not representable)."""
+    try:
+        amount = Decimal(str(value).strip())
+    except InvalidOperation:
+        raise ValueError(f"not a number: {value!r}") from None
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"price must be a finite non-negative number, got {value!r}")
+    pico = amount * PICO_PER_TOKEN_PER_USD_PER_MTOK
+    if pico != pico.to_integral_value():
+        raise ValueError(f"${value}/Mtok is not a whole number of pico-USD per token ({pico}); "
+                         "use at most 6 decimal places")
+    return int(pico)
+
+
+def pico_to_usd_per_mtok(pico_per_token: int) -> Decimal:
+    return (Decimal(pico_per_token) / PICO_PER_TOKEN_PER_USD_PER_MTOK).normalize()
+
+
+class PriceBook:
+    """An immutable in-memory snapshot of the ``prices`` table, for the hot path."""
+
+    def __init__(self, rows: Iterable[tuple[str, datetime, Price]] = ()) -> None:
+        by_model: dict[str, list[tuple[datetime, Price]]] = {}
+        for model, effective_from, price in rows:
+            if effective_from.tzinfo is None:
+                raise ValueError("effective_from must be timezone-aware")
+            by_model.setdefault(model, []).append((effective_from, price))
+        self._starts: dict[str, list[datetime]] = {}
+        self._prices: dict[str, list[Price]] = {}
+        for model, entries in by_model.items():
+            entries.sort(key=lambda entry: entry[0])
+            self._starts[model] = [start for start, _ in entries]
+            self._prices[model] = [price for _, price in entries]
+
+    def models(self) -> list[str]:
+        return sorted(self._starts)
+
+    def price_for(self, model: str, at: datetime | None = None) -> Price:
+        """The price of ``model`` in effect at ``at`` (now when omitted)."""
+        starts = self._starts.get(model)
+        when = at if at is not None else datetime.now(UTC)
+        if when.tzinfo is None:
+            raise ValueError("at must be timezone-aware")
+        index = bisect.bisect_right(starts, when) - 1 if starts else -1
+        if index < 0:
+            raise PriceNotFound(f"model {model!r} has no price in effect at {when.isoformat()}")
+        return self._prices[model][index]
+
+    @classmethod
+    async def load(cls, session: AsyncSession) -> PriceBook:
+        from billing.repository import all_prices
+
+        return cls(await all_prices(session))
+
+
+SessionFactory = Callable[[], AbstractAsyncContextManager[AsyncSession]]
+
+
+class PriceBookCache:
+    """Holds the current ``PriceBook`` and reloads it every ``refresh_interval_s`` (a background task of
+    the gateway's lifespan). A failed reload keeps the last good book; the first load must succeed."""
+
+    def __init__(self, session_factory: SessionFactory, refresh_interval_s: float = 10.0) -> None:
+        self._session_factory = session_factory
+        self._interval = refresh_interval_s
+        self.book = PriceBook()
+
+    async def refresh(self) -> PriceBook:
+        async with self._session_factory() as session:
+            self.book = await PriceBook.load(session)
+        return self.book
+
+    async def run(self) -> None:
+        """Reload forever (cancel to stop)."""
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("price book refresh failed; keeping the previous one")
+
+    def price_for(self, model: str, at: datetime | None = None) -> Price:
+        return self.book.price_for(model, at)
