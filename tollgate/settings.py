@@ -89,6 +89,23 @@ class Settings(BaseSettings):
     drain_timeout_s: float = 30.0
     health_poll_interval_s: float = 1.0
 
+    # Local process supervision (`tollgate up`): binaries of the private Postgres/Redis (None: search
+    # /usr/lib/postgresql/*/bin, then PATH), health waits, restart backoff, stop grace.
+    postgres_bin_dir: Path | None = None
+    redis_server_bin: Path | None = None
+    health_check_timeout_s: float = 2.0
+    startup_timeout_s: float = 300.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    stop_timeout_s: float = 15.0
+    database_pool_size: int = 10
+
+    # Celery (worker + beat): heartbeats written to Redis prove each process is alive and looping.
+    worker_concurrency: int = 2
+    heartbeat_interval_s: float = 5.0
+    beat_max_loop_interval_s: float = 5.0
+    celery_visibility_timeout_s: float = 3600.0
+
     # Usage outbox → ledger.
     usage_flush_interval_s: float = 1.0
     usage_flush_batch: int = 500

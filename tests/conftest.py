@@ -1,0 +1,364 @@
+"""Shared fixtures: real Postgres and Redis from the installed binaries (no Docker), started lazily.
+
+Servers (``tollgate.local_services``, the same code ``tollgate up`` uses):
+- Started by the first test that asks for ``database_url`` / ``redis_url`` (or a fixture built on
+  them), once per pytest session, and shared by every xdist worker: the first worker starts them under a
+  file lock, the others find them through a state file; the starting worker keeps them until every
+  worker that used them is gone, then stops them (they die with it if it is killed). Tests that need
+  neither (engine, kernels) never start them. Fsync is off: test data is disposable.
+- Each xdist worker gets its own database ``tollgate_test_<worker>`` (recreated and migrated to head
+  once) and its own Redis database index (``gw0`` → 1, ``gw1`` → 2, no xdist → 0).
+
+Fixtures:
+- ``settings``: test ``Settings`` (``environment="test"``, time constants shortened) made the value of
+  ``get_settings()`` through ``TOLLGATE_*`` environment variables (so subprocesses inherit it). It starts
+  no server. Override fields per test with ``@pytest.mark.settings(field=value, ...)``.
+- ``service_settings``: ``settings`` plus the worker's ``database_url`` and ``redis_url``.
+- ``database_url`` / ``redis_url`` (session): the worker's URLs.
+- ``db`` (session): a ``tollgate.db.Database`` on the worker's database.
+- ``db_session``: an ``AsyncSession`` inside a transaction that is rolled back after the test;
+  ``commit()`` in code under test only releases a SAVEPOINT. ``db_sessionmaker`` makes sessions on the
+  same connection and transaction (use them one at a time).
+- ``redis_client``: an asyncio Redis client on the worker's database, flushed before each test.
+- ``new_database``: a fresh migrated database for tests where other processes commit; dropped after.
+- ``private_redis``: a Redis server of the test's own, for tests that stop it (``.stop()``).
+Factories live in ``tests/factories.py`` (``create_tenant``, ``create_api_key``, ...).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from tollgate.db import Database
+from tollgate.local_services import (
+    POSTGRES_STOP_SIGNAL,
+    REDIS_STOP_SIGNAL,
+    LocalPostgres,
+    LocalRedis,
+    find_server_binaries,
+    free_port,
+)
+from tollgate.processes import pid_alive, spawn, stop, stop_pid
+from tollgate.settings import Settings, get_settings
+
+REDIS_DATABASES = 64
+SERVER_START_TIMEOUT_S = 60.0
+
+# Shortened time constants for every test (strings, as environment variables carry them).
+TEST_ENV = {
+    "TOLLGATE_ENVIRONMENT": "test",
+    "TOLLGATE_HEALTH_CHECK_TIMEOUT_S": "1.0",
+    "TOLLGATE_HEALTH_POLL_INTERVAL_S": "0.1",
+    "TOLLGATE_HEARTBEAT_INTERVAL_S": "0.5",
+    "TOLLGATE_BEAT_MAX_LOOP_INTERVAL_S": "0.5",
+    "TOLLGATE_RESTART_BACKOFF_S": "0.2",
+    "TOLLGATE_RESTART_BACKOFF_MAX_S": "1.0",
+    "TOLLGATE_STOP_TIMEOUT_S": "10",
+    "TOLLGATE_STARTUP_TIMEOUT_S": "120",
+    "TOLLGATE_USAGE_FLUSH_INTERVAL_S": "0.2",
+    "TOLLGATE_KEY_CACHE_TTL_S": "0.5",
+    "TOLLGATE_DATABASE_POOL_SIZE": "5",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "settings(**fields): override Settings fields for this test")
+
+
+def worker_id() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+# --------------------------------------------------------------------------- shared servers
+
+
+@dataclass(frozen=True)
+class SharedServers:
+    postgres: LocalPostgres
+    redis: LocalRedis
+
+
+class _ServerPool:
+    """Coordinates one Postgres + Redis pair between the processes of a pytest session.
+
+    ``state.json`` (guarded by ``lock``) holds the servers' ports, passwords and pids, the owner's pid
+    and the pids of the processes using them.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.state_path = directory / "state.json"
+        self.me = os.getpid()
+        self.procs: tuple[Any, Any] | None = None  # (postgres, redis) Popen objects when we own them
+        self.servers: SharedServers | None = None
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        lock_path = self.directory / "lock"
+        while True:
+            self.directory.mkdir(mode=0o711, exist_ok=True)
+            lock = open(lock_path, "a+")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:  # the owner may have removed the directory while we waited: lock the new file
+                if os.stat(lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            lock.close()
+        try:
+            state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+            yield state
+            if state:
+                tmp = self.state_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(state))
+                tmp.replace(self.state_path)
+            else:
+                shutil.rmtree(self.directory, ignore_errors=True)
+        finally:
+            lock.close()
+
+    def acquire(self) -> SharedServers:
+        if self.servers is not None:
+            return self.servers
+        binaries = find_server_binaries(Settings())
+        with self._locked() as state:
+            alive = state and pid_alive(state["postgres_pid"]) and pid_alive(state["redis_pid"])
+            postgres = LocalPostgres(self.directory / "postgres", binaries.postgres_bin_dir,
+                                     port=state["postgres_port"] if alive else free_port(),
+                                     password=state["postgres_password"] if alive else secrets.token_hex(16),
+                                     durable=False)
+            redis = LocalRedis(self.directory / "redis", binaries.redis_server,
+                               port=state["redis_port"] if alive else free_port(),
+                               password=state["redis_password"] if alive else secrets.token_hex(16),
+                               databases=REDIS_DATABASES, durable=False)
+            if not alive:
+                self._start(postgres, redis)
+                state.clear()
+                state.update(postgres_port=postgres.port, postgres_password=postgres.password,
+                             postgres_pid=self.procs[0].pid, redis_port=redis.port,
+                             redis_password=redis.password, redis_pid=self.procs[1].pid,
+                             owner=self.me, users=[])
+            state["users"] = sorted(set(state["users"]) | {self.me})
+        self.servers = SharedServers(postgres, redis)
+        return self.servers
+
+    def _start(self, postgres: LocalPostgres, redis: LocalRedis) -> None:
+        postgres.prepare()
+        redis.prepare()
+        pg = spawn(postgres.argv(), log_path=postgres.log_path, user=postgres.user, cwd=postgres.root,
+                   parent_death_signal=POSTGRES_STOP_SIGNAL)
+        rd = spawn(redis.argv(), log_path=redis.log_path, parent_death_signal=REDIS_STOP_SIGNAL)
+        self.procs = (pg, rd)
+        try:
+            postgres.wait_ready(pg, SERVER_START_TIMEOUT_S)
+            redis.wait_ready(rd, SERVER_START_TIMEOUT_S)
+        except Exception:
+            stop(rd, sig=REDIS_STOP_SIGNAL, timeout=5)
+            stop(pg, sig=POSTGRES_STOP_SIGNAL, timeout=5)
+            raise
+
+    def release(self) -> None:
+        if self.servers is None:
+            return
+        with self._locked() as state:
+            state["users"] = [pid for pid in state.get("users", []) if pid != self.me]
+            owner = state.get("owner") == self.me
+        while owner:  # the servers die with us: wait for the other users to finish, then stop them
+            with self._locked() as state:
+                if not any(pid_alive(pid) for pid in state["users"]):
+                    pg, rd = self.procs or (None, None)
+                    for proc, sig in ((rd, REDIS_STOP_SIGNAL), (pg, POSTGRES_STOP_SIGNAL)):
+                        if proc is not None:
+                            stop(proc, sig=sig, timeout=10)
+                    state.clear()  # removes the directory, under the lock
+                    return
+            time.sleep(0.2)
+
+
+def _stop_leftover(state_path: Path) -> None:
+    """Stop servers a crashed earlier session left in the same directory (owner gone)."""
+    if not state_path.exists():
+        return
+    state = json.loads(state_path.read_text() or "{}")
+    if state and not pid_alive(state.get("owner", 0)):
+        for key, sig in (("redis_pid", REDIS_STOP_SIGNAL), ("postgres_pid", POSTGRES_STOP_SIGNAL)):
+            if pid_alive(state.get(key, 0)):
+                stop_pid(state[key], sig=sig, timeout=10)
+        state_path.unlink()
+
+
+@pytest.fixture(scope="session")
+def _server_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_ServerPool]:
+    # Workers of one xdist session share the parent of their basetemps; derive a short directory
+    # outside pytest's 0700 tree so the postgres user can reach it.
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    digest = hashlib.sha1(str(shared).encode()).hexdigest()[:12]
+    pool = _ServerPool(Path(tempfile.gettempdir()) / f"tollgate-test-{digest}")
+    _stop_leftover(pool.state_path)
+    yield pool
+    pool.release()
+
+
+@pytest.fixture(scope="session")
+def shared_servers(_server_pool: _ServerPool) -> SharedServers:
+    return _server_pool.acquire()
+
+
+@pytest.fixture(scope="session")
+def database_url(shared_servers: SharedServers) -> str:
+    from tollgate import schema
+
+    name = f"tollgate_test_{worker_id()}"
+    shared_servers.postgres.create_database(name, recreate=True)
+    url = shared_servers.postgres.url(name)
+    schema.upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_url(shared_servers: SharedServers) -> str:
+    wid = worker_id()
+    index = 0 if wid == "main" else int(wid.removeprefix("gw")) + 1
+    if index >= REDIS_DATABASES:
+        raise RuntimeError(f"too many xdist workers for {REDIS_DATABASES} Redis databases")
+    return shared_servers.redis.url(index)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def _settings_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    env = dict(TEST_ENV)
+    for marker in reversed(list(request.node.iter_markers("settings"))):
+        for field, value in marker.kwargs.items():
+            if field not in Settings.model_fields:
+                raise ValueError(f"@pytest.mark.settings: unknown Settings field {field!r}")
+            env[f"TOLLGATE_{field.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env
+
+
+def _install_settings(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Settings:
+    for name in list(os.environ):
+        if name.startswith("TOLLGATE_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    get_settings.cache_clear()
+    return get_settings()
+
+
+@pytest.fixture
+def settings(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    yield _install_settings(monkeypatch, _settings_env(request))
+    get_settings.cache_clear()
+
+
+@pytest.fixture
+def service_settings(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, database_url: str,
+                     redis_url: str) -> Iterator[Settings]:
+    env = {"TOLLGATE_DATABASE_URL": database_url, "TOLLGATE_REDIS_URL": redis_url, **_settings_env(request)}
+    yield _install_settings(monkeypatch, env)
+    get_settings.cache_clear()
+
+
+# --------------------------------------------------------------------------- Postgres
+
+
+@pytest.fixture(scope="session")
+async def db(database_url: str) -> AsyncIterator[Database]:
+    database = Database(database_url, pool_size=5)
+    yield database
+    await database.dispose()
+
+
+@pytest.fixture
+async def _db_connection(db: Database) -> AsyncIterator[Any]:
+    async with db.engine.connect() as conn:
+        transaction = await conn.begin()
+        try:
+            yield conn
+        finally:
+            await transaction.rollback()
+
+
+@pytest.fixture
+def db_sessionmaker(_db_connection: Any) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(bind=_db_connection, expire_on_commit=False,
+                              join_transaction_mode="create_savepoint")
+
+
+@pytest.fixture
+async def db_session(db_sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncIterator[AsyncSession]:
+    async with db_sessionmaker() as session:
+        yield session
+
+
+@pytest.fixture
+def new_database(shared_servers: SharedServers) -> Iterator[str]:
+    from tollgate import schema
+
+    name = f"tollgate_test_{worker_id()}_{uuid.uuid4().hex[:8]}"
+    shared_servers.postgres.create_database(name, recreate=True)
+    url = shared_servers.postgres.url(name)
+    schema.upgrade(url)
+    yield url
+    shared_servers.postgres.drop_database(name)
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[Any]:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+class PrivateRedis:
+    """A Redis server owned by one test (which may stop it)."""
+
+    def __init__(self, root: Path) -> None:
+        binaries = find_server_binaries(Settings())
+        self.server = LocalRedis(root, binaries.redis_server, port=free_port(), password=secrets.token_hex(8),
+                                 durable=False)
+        self.server.prepare()
+        self.proc = spawn(self.server.argv(), log_path=self.server.log_path,
+                          parent_death_signal=signal.SIGTERM)
+        self.server.wait_ready(self.proc, SERVER_START_TIMEOUT_S)
+
+    @property
+    def url(self) -> str:
+        return self.server.url(0)
+
+    def stop(self) -> None:
+        stop(self.proc, sig=REDIS_STOP_SIGNAL, timeout=10)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    server = PrivateRedis(tmp_path / "private-redis")
+    yield server
+    server.stop()

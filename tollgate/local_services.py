@@ -1,0 +1,347 @@
+"""Private Postgres and Redis servers run from the installed binaries (``tollgate up`` and the tests).
+
+Invariants:
+- Binaries are found in this order: the configured path (``TOLLGATE_POSTGRES_BIN_DIR``,
+  ``TOLLGATE_REDIS_SERVER_BIN``), the newest ``/usr/lib/postgresql/*/bin``, then ``PATH``. When one is
+  missing, ``MissingServerBinaries`` says exactly what to install.
+- Servers listen on 127.0.0.1 only, on TCP (Unix sockets are off, so deep data dirs cannot exceed the
+  socket path limit), with a generated password: Postgres uses SCRAM for its superuser ``tollgate``,
+  Redis ``requirepass``.
+- As root, Postgres runs as the ``postgres`` system user: its directory is owned by that user (0700)
+  and every parent folder is made traversable for it, by an ACL entry (``setfacl -m u:postgres:x``)
+  where ``setfacl`` exists, otherwise by adding the search bit for others (``chmod o+x``; no read
+  permission is added, so the folders still cannot be listed). ``grant_traversal`` returns what it
+  changed so the caller can say so.
+- Redis runs with ``appendonly yes`` and ``maxmemory-policy noeviction``.
+- ``durable=False`` (tests only) turns off fsync in both servers: faster, unsafe on a crash.
+"""
+
+from __future__ import annotations
+
+import glob
+import grp
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from tollgate.settings import Settings
+
+INSTALL_HINT = "apt-get install postgresql redis-server"
+POSTGRES_SUPERUSER = "tollgate"
+POSTGRES_SYSTEM_USER = "postgres"
+POSTGRES_STOP_SIGNAL = signal.SIGINT  # "fast" shutdown: roll back open transactions, checkpoint, exit
+REDIS_STOP_SIGNAL = signal.SIGTERM  # flushes the append-only file, then exits
+
+
+class MissingServerBinaries(RuntimeError):
+    """The Postgres or Redis server binaries are not installed (the message names the packages)."""
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not accept connections in time (the message ends with its log's tail)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerBinaries:
+    postgres_bin_dir: Path
+    redis_server: Path
+
+
+def _is_postgres_bin_dir(path: Path) -> bool:
+    return all(os.access(path / name, os.X_OK) for name in ("initdb", "postgres"))
+
+
+def find_postgres_bin_dir(configured: Path | None = None) -> Path | None:
+    if configured is not None:
+        return configured if _is_postgres_bin_dir(configured) else None
+    candidates = sorted(
+        (Path(p).parent for p in glob.glob("/usr/lib/postgresql/*/bin/initdb")),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else -1,
+        reverse=True,
+    )
+    for candidate in candidates:
+        if _is_postgres_bin_dir(candidate):
+            return candidate
+    initdb = shutil.which("initdb")
+    if initdb:
+        # /usr/local/bin/initdb may be a symlink into the real bin dir, next to `postgres`.
+        for directory in (Path(initdb).parent, Path(initdb).resolve().parent):
+            if _is_postgres_bin_dir(directory):
+                return directory
+    return None
+
+
+def find_redis_server(configured: Path | None = None) -> Path | None:
+    if configured is not None:
+        return configured if os.access(configured, os.X_OK) and configured.is_file() else None
+    found = shutil.which("redis-server")
+    return Path(found) if found else None
+
+
+def find_server_binaries(settings: Settings) -> ServerBinaries:
+    """Both servers' binaries, or ``MissingServerBinaries`` naming what is missing and how to install it."""
+    pg = find_postgres_bin_dir(settings.postgres_bin_dir)
+    redis_server = find_redis_server(settings.redis_server_bin)
+    missing = []
+    if pg is None:
+        where = settings.postgres_bin_dir or "/usr/lib/postgresql/*/bin or PATH"
+        missing.append(f"the PostgreSQL server (initdb, postgres) was not found in {where}")
+    if redis_server is None:
+        where = settings.redis_server_bin or "PATH"
+        missing.append(f"redis-server was not found in {where}")
+    if pg is None or redis_server is None:
+        raise MissingServerBinaries(
+            "; ".join(missing)
+            + f".\nInstall them with: {INSTALL_HINT}  (Debian/Ubuntu, as root or with sudo),"
+            " or set TOLLGATE_DATABASE_URL and TOLLGATE_REDIS_URL to use existing servers."
+        )
+    return ServerBinaries(pg, redis_server)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def service_user() -> str | None:
+    """The user Postgres must run as: ``postgres`` when we are root, else ourselves (None)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(POSTGRES_SYSTEM_USER)
+    except KeyError:
+        raise MissingServerBinaries(
+            f"running as root, Postgres needs the '{POSTGRES_SYSTEM_USER}' system user, which does not"
+            f" exist. Install it with: {INSTALL_HINT}"
+        ) from None
+    return POSTGRES_SYSTEM_USER
+
+
+def _can_traverse(path: Path, user: pwd.struct_passwd, groups: set[int]) -> bool:
+    st = path.stat()
+    if user.pw_uid == 0:
+        return True
+    if st.st_uid == user.pw_uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid in groups:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def grant_traversal(path: Path, username: str) -> list[str]:
+    """Make every ancestor of ``path`` searchable by ``username``; returns one line per change made.
+
+    ACL entries are tried first; ``_can_traverse`` reads only mode bits, so a folder already opened by
+    an ACL is granted again (idempotent) rather than missed.
+    """
+    user = pwd.getpwnam(username)
+    groups = {user.pw_gid} | {g.gr_gid for g in grp.getgrall() if username in g.gr_mem}
+    setfacl = shutil.which("setfacl")
+    changes = []
+    for ancestor in reversed(path.resolve().parents):
+        if _can_traverse(ancestor, user, groups):
+            continue
+        if setfacl and subprocess.run([setfacl, "-m", f"u:{username}:x", str(ancestor)],
+                                      capture_output=True).returncode == 0:
+            changes.append(f"granted {username} search permission on {ancestor} (ACL u:{username}:x)")
+            continue
+        os.chmod(ancestor, ancestor.stat().st_mode | stat.S_IXOTH)
+        changes.append(f"added search permission for others on {ancestor} (chmod o+x) so {username} "
+                       "can reach the Postgres data directory")
+    return changes
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class LocalPostgres:
+    """A Postgres cluster in ``root`` (``root/data``; log ``root/postgres.log``)."""
+
+    def __init__(self, root: Path, bin_dir: Path, *, port: int, password: str, durable: bool = True) -> None:
+        if not 0 < port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {port}")
+        if not password:
+            raise ValueError("password must not be empty")
+        self.root = root.resolve()
+        self.bin_dir = bin_dir
+        self.port = port
+        self.password = password
+        self.durable = durable
+        self.user = service_user()
+        self.data_dir = self.root / "data"
+        self.log_path = self.root / "postgres.log"
+
+    def url(self, database: str = "postgres") -> str:
+        return (f"postgresql://{POSTGRES_SUPERUSER}:{quote(self.password, safe='')}"
+                f"@127.0.0.1:{self.port}/{database}")
+
+    def prepare(self) -> list[str]:
+        """Create the directory (owned by the service user) and the cluster on first use.
+
+        Returns the permission changes made so the postgres user can reach ``root``.
+        """
+        changes: list[str] = []
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.user is not None:
+            changes = grant_traversal(self.root, self.user)
+            entry = pwd.getpwnam(self.user)
+            os.chown(self.root, entry.pw_uid, entry.pw_gid)
+            os.chmod(self.root, 0o700)
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._initdb()
+        return changes
+
+    def _initdb(self) -> None:
+        if self.data_dir.exists():
+            shutil.rmtree(self.data_dir)  # a half-written cluster from an interrupted first start
+        pwfile = self.root / ".initdb-password"
+        pwfile.write_text(self.password + "\n")
+        os.chmod(pwfile, 0o600)
+        if self.user is not None:
+            entry = pwd.getpwnam(self.user)
+            os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+        argv = [str(self.bin_dir / "initdb"), "-D", str(self.data_dir), "-U", POSTGRES_SUPERUSER,
+                "--auth=scram-sha-256", f"--pwfile={pwfile}", "--encoding=UTF8", "--locale=C"]
+        if not self.durable:
+            argv.append("--no-sync")
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True, cwd=self.root,
+                                    user=self.user, group=self._group(), extra_groups=self._extra_groups())
+        finally:
+            pwfile.unlink(missing_ok=True)
+        if result.returncode != 0:
+            raise ServerStartError(f"initdb failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+
+    def _group(self) -> int | None:
+        return pwd.getpwnam(self.user).pw_gid if self.user else None
+
+    def _extra_groups(self) -> list[int] | None:
+        return [] if self.user else None
+
+    def argv(self) -> list[str]:
+        argv = [str(self.bin_dir / "postgres"), "-D", str(self.data_dir), "-p", str(self.port),
+                "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+                "-c", "max_connections=200", "-c", "log_min_messages=warning"]
+        if not self.durable:
+            argv += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        return argv
+
+    def wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        """Wait until the server accepts connections; ``ServerStartError`` if it exits or times out."""
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise ServerStartError(f"postgres exited with {proc.returncode}:\n{_log_tail(self.log_path)}")
+            try:
+                with psycopg.connect(self.url(), connect_timeout=2):
+                    return
+            except psycopg.OperationalError as e:
+                if time.monotonic() > deadline:
+                    raise ServerStartError(
+                        f"postgres did not accept connections within {timeout:.0f}s ({e}):\n"
+                        f"{_log_tail(self.log_path)}"
+                    ) from e
+            time.sleep(0.1)
+
+    def create_database(self, name: str, *, recreate: bool = False) -> None:
+        """Create database ``name`` unless it exists (``recreate``: drop it first)."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            if recreate:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            if not exists:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+    def drop_database(self, name: str) -> None:
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+class LocalRedis:
+    """A Redis server whose append-only files live in ``root`` (log ``root/redis.log``)."""
+
+    def __init__(self, root: Path, server_bin: Path, *, port: int, password: str, databases: int = 16,
+                 durable: bool = True) -> None:
+        if not 0 < port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {port}")
+        if not password:
+            raise ValueError("password must not be empty")
+        if databases < 1:
+            raise ValueError(f"databases must be >= 1, got {databases}")
+        self.root = root.resolve()
+        self.server_bin = server_bin
+        self.port = port
+        self.password = password
+        self.databases = databases
+        self.durable = durable
+        self.log_path = self.root / "redis.log"
+
+    def url(self, db: int = 0) -> str:
+        if not 0 <= db < self.databases:
+            raise ValueError(f"db must be in 0..{self.databases - 1}, got {db}")
+        return f"redis://:{quote(self.password, safe='')}@127.0.0.1:{self.port}/{db}"
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def argv(self) -> list[str]:
+        return [
+            str(self.server_bin), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root),
+            "--daemonize", "no", "--requirepass", self.password, "--databases", str(self.databases),
+            "--appendonly", "yes", "--appendfsync", "everysec" if self.durable else "no",
+            "--maxmemory-policy", "noeviction", "--save", "",
+        ]
+
+    def wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.url(), socket_connect_timeout=1, socket_timeout=2)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise ServerStartError(
+                        f"redis-server exited with {proc.returncode}:\n{_log_tail(self.log_path)}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+                    if time.monotonic() > deadline:
+                        raise ServerStartError(
+                            f"redis-server did not answer within {timeout:.0f}s ({e}):\n"
+                            f"{_log_tail(self.log_path)}"
+                        ) from e
+                time.sleep(0.05)
+        finally:
+            client.close()

@@ -1,0 +1,71 @@
+"""Redis clients (redis-py 5+, asyncio and sync).
+
+Invariants:
+- Every key Tollgate writes starts with ``KEY_PREFIX`` (``tollgate:``), so a shared Redis can be
+  inspected and a test can tell platform keys from anything else.
+- Clients get short socket timeouts from the settings, so a Redis that is down fails a health check or
+  an admission call quickly instead of hanging a request.
+- Redis must run with ``appendonly yes`` (the usage outbox is durable) and ``maxmemory-policy
+  noeviction`` (admission counters and the outbox must never be evicted silently);
+  ``check_durability`` reports a server that does not.
+"""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+
+from tollgate.settings import Settings
+
+KEY_PREFIX = "tollgate:"
+
+
+def redis_url(settings: Settings) -> str:
+    """The configured Redis URL, or a clear error when there is none."""
+    if not settings.redis_url:
+        raise RuntimeError(
+            "TOLLGATE_REDIS_URL is not set (e.g. redis://127.0.0.1:6379/0);"
+            " `tollgate up` sets it for the processes it starts"
+        )
+    return settings.redis_url
+
+
+def create_redis(settings: Settings, *, decode_responses: bool = False) -> aioredis.Redis:
+    """An asyncio client for the configured Redis."""
+    timeout = settings.health_check_timeout_s
+    return aioredis.Redis.from_url(
+        redis_url(settings),
+        decode_responses=decode_responses,
+        socket_connect_timeout=timeout,
+        health_check_interval=30,
+    )
+
+
+def create_sync_redis(settings: Settings, *, decode_responses: bool = False) -> redis.Redis:
+    """A blocking client (Celery signal handlers, the supervisor's health checks)."""
+    timeout = settings.health_check_timeout_s
+    return redis.Redis.from_url(
+        redis_url(settings),
+        decode_responses=decode_responses,
+        socket_connect_timeout=timeout,
+        socket_timeout=timeout,
+    )
+
+
+async def check_durability(client: aioredis.Redis) -> list[str]:
+    """Problems with the server's configuration for Tollgate (empty when it is fit)."""
+    config: dict[str, str] = {}
+    for name in ("appendonly", "maxmemory-policy"):
+        for key, value in (await client.config_get(name)).items():
+            config[_text(key)] = _text(value)
+    problems = []
+    if config.get("appendonly") != "yes":
+        problems.append("appendonly is not 'yes': the usage outbox would not survive a restart")
+    policy = config.get("maxmemory-policy")
+    if policy != "noeviction":
+        problems.append(f"maxmemory-policy is {policy!r}, not 'noeviction': counters could be evicted")
+    return problems
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
