@@ -47,11 +47,12 @@ class EngineError(RuntimeError):
 class RequestStream:
     """Async iterator over one request's ``RequestDelta``s; ends after the finished delta.
 
-    Closing it early (``aclose()``, cancellation of the consuming task, leaving an ``async for``) calls
-    ``on_close`` once, which aborts the request.
+    ``close()`` (also ``async with stream:`` on exit, and cancellation of a task waiting in
+    ``__anext__``) before the finished delta calls ``on_close`` once, which aborts the request.
+    Leaving an ``async for`` with ``break`` does not close a plain iterator: use ``async with``.
     """
 
-    def __init__(self, request_id: str, on_close: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, on_close: Callable[[str], Any]) -> None:
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
@@ -65,23 +66,35 @@ class RequestStream:
     def put_threadsafe(self, item: RequestDelta | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def __aiter__(self) -> AsyncIterator[RequestDelta]:
-        return self._iterate()
+    def __aiter__(self) -> RequestStream:
+        return self
 
-    async def _iterate(self) -> AsyncIterator[RequestDelta]:
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
         try:
-            while not self.finished:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                if item.finished:
-                    self.finished = True
-                yield item
-        finally:
-            if not self.finished:
-                self.finished = True
-                self._on_close(self.request_id)
+            item = await self.queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Stop listening; aborts the request unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self._on_close(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(slots=True)
@@ -168,8 +181,9 @@ class AsyncEngine:
                        tenant: str = "", cache_salt: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestDelta]:
         stream = await self.add_request(request_id, prompt_token_ids, params, tenant, cache_salt, priority)
-        async for delta in stream:
-            yield delta
+        async with stream:
+            async for delta in stream:
+                yield delta
 
     def abort(self, request_id: str) -> bool:
         """Abort a request before the next step; returns False if it is not in flight."""

@@ -122,6 +122,8 @@ async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
     except (EngineError, RequestValidationError) as exc:
         kind = "invalid_request_error" if isinstance(exc, RequestValidationError) else "server_error"
         yield encode_record(ErrorRecord(request_id=request_id, error=ErrorInfo(message=str(exc), type=kind)))
+    finally:
+        stream.close()  # the client went away (or the stream ended): abort if still running
 
 
 def create_app(engine: ServingEngine) -> FastAPI:
