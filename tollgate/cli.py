@@ -16,6 +16,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("tollgate.commands.model", "model"),
     "engine": ("tollgate.commands.model", "engine"),
     "gateway": ("tollgate.commands.gateway", "gateway"),
+    "prices": ("tollgate.commands.prices", "prices"),
 }
 
 

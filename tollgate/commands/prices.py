@@ -1,0 +1,113 @@
+"""``tollgate prices set|list``: the price book, in USD per million tokens on the command line and whole
+pico-USD per token in the database (exact ``Decimal`` conversion; a price that is not a whole number of
+pico-USD per token is refused, never rounded).
+
+Defaults for the optional prices: cached input = 10% of input, batch = half of the synchronous price
+(rounded down to whole pico-USD). A row that has taken effect is never rewritten; add a new one with a
+later ``--effective-from``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import click
+
+
+def _pico(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    from billing.prices import usd_per_mtok_to_pico
+
+    try:
+        return usd_per_mtok_to_pico(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+def _when(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"not an ISO 8601 date/time: {value!r}", ctx=ctx, param=param) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@click.group()
+def prices() -> None:
+    """Per-model token prices (USD per million tokens)."""
+
+
+@prices.command("set")
+@click.argument("model")
+@click.option("--input", "input_", required=True, callback=_pico, help="USD per 1M input tokens.")
+@click.option("--output", required=True, callback=_pico, help="USD per 1M output tokens.")
+@click.option("--cached-input", callback=_pico, help="USD per 1M cached input tokens [10% of --input].")
+@click.option("--batch-input", callback=_pico, help="[half of --input]")
+@click.option("--batch-cached-input", callback=_pico, help="[half of the cached input price]")
+@click.option("--batch-output", callback=_pico, help="[half of --output]")
+@click.option("--effective-from", callback=_when, help="ISO 8601 start (UTC if no offset) [now].")
+def set_price(model: str, input_: int, output: int, cached_input: int | None, batch_input: int | None,
+              batch_cached_input: int | None, batch_output: int | None,
+              effective_from: datetime | None) -> None:
+    """Set MODEL's price from --effective-from on."""
+    from billing.prices import Price
+    from billing.service import PriceConflict
+
+    price = Price.of(input=input_, output=output, cached_input=cached_input, batch_input=batch_input,
+                     batch_cached_input=batch_cached_input, batch_output=batch_output)
+    try:
+        start = asyncio.run(_set(model, price, effective_from))
+    except PriceConflict as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"{model} from {start.isoformat()}: {_describe(price)}")
+
+
+@prices.command("list")
+@click.argument("model", required=False)
+def list_prices(model: str | None) -> None:
+    """Show the price rows (of MODEL, or of every model)."""
+    rows = asyncio.run(_list(model))
+    if not rows:
+        click.echo("no prices" + (f" for {model}" if model else ""))
+    for name, start, price in rows:
+        click.echo(f"{name}\t{start.isoformat()}\t{_describe(price)}")
+
+
+def _describe(price: object) -> str:
+    from billing.prices import pico_to_usd_per_mtok
+
+    fields = ("input", "cached_input", "output", "batch_input", "batch_cached_input", "batch_output")
+    usd = {name: format(pico_to_usd_per_mtok(getattr(price, name)), "f") for name in fields}
+    return " ".join(f"{name}=${value}/Mtok" for name, value in usd.items())
+
+
+async def _set(model: str, price: object, effective_from: datetime | None) -> datetime:
+    from billing.service import set_price as set_price_row
+    from tollgate.db import Database
+    from tollgate.settings import get_settings
+
+    db = Database.from_settings(get_settings())
+    try:
+        async with db.session() as session:
+            return await set_price_row(session, model, price, effective_from)  # type: ignore[arg-type]
+    finally:
+        await db.dispose()
+
+
+async def _list(model: str | None) -> list:
+    from billing import repository
+    from tollgate.db import Database
+    from tollgate.settings import get_settings
+
+    db = Database.from_settings(get_settings())
+    try:
+        async with db.session() as session:
+            if model:
+                return [(model, start, price) for start, price in await repository.price_rows(session, model)]
+            return await repository.all_prices(session)
+    finally:
+        await db.dispose()
