@@ -1,0 +1,48 @@
+"""The public OpenAI-compatible API as a ``gateway.app`` extension module.
+
+- ``install(app)``: the request-context middleware (``x-request-id``, body size limit → 413, last-resort
+  500) and the exception handlers that render every error in OpenAI's body.
+- ``router``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/models/{model}``.
+- ``lifespan(app)``: builds the process's ``GatewayRuntime`` on the app's shared Redis client and
+  database (price book, tokenizers, replica poller, key-invalidation listener, engine HTTP pool) and
+  stores it on ``app.state.gateway``; stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from gateway.chat.endpoints import router as chat_router
+from gateway.completions.endpoints import router as completions_router
+from gateway.deps import GatewayRuntime
+from gateway.errors import install_exception_handlers
+from gateway.middleware import RequestContextMiddleware, RequestIdLogFilter
+from gateway.models.endpoints import router as models_router
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+router.include_router(chat_router)
+router.include_router(completions_router)
+router.include_router(models_router)
+
+
+def install(app: FastAPI) -> None:
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=app.state.settings.max_request_body_bytes)
+    install_exception_handlers(app)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RequestIdLogFilter) for f in handler.filters):
+            handler.addFilter(RequestIdLogFilter())
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    runtime = GatewayRuntime.create(app.state.settings, app.state.redis, app.state.db.sessionmaker)
+    await runtime.start()
+    app.state.gateway = runtime
+    try:
+        yield
+    finally:
+        await runtime.stop()

@@ -1,0 +1,31 @@
+"""Thin route for ``POST /v1/chat/completions``: parse and validate the body, hand it to the service.
+
+The body is validated straight from bytes by pydantic (``model_validate_json``) instead of FastAPI's
+body parameter: one pass, and every failure (bad JSON included) becomes OpenAI's 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+
+from gateway.chat.service import create_chat_completion
+from gateway.deps import CurrentPrincipal, RequestId, Runtime
+from gateway.errors import from_pydantic
+from gateway.openai.chat_schemas import ChatCompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/chat/completions", summary="Create a chat completion",
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": ChatCompletionRequest.model_json_schema(ref_template="#/$defs/{model}")}}}})
+async def chat_completions(request: Request, runtime: Runtime, principal: CurrentPrincipal,
+                           request_id: RequestId) -> Any:
+    try:
+        body = ChatCompletionRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+    return await create_chat_completion(runtime, principal, request_id, body, request)

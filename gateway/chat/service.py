@@ -1,0 +1,237 @@
+"""``/v1/chat/completions``: render → tokenize → generate → OpenAI's response or chunk stream.
+
+Rendering uses the model's own chat template (``engine.tokenizer``, loaded once per model) with the
+request's tools, so the tokens admitted, routed and billed are exactly the tokens the engine runs.
+
+Structured output: ``response_format`` ``json_object``/``json_schema`` and forced tool calls
+(``tool_choice`` ``required`` or a named function) become the engine's constrained decoding, so the
+output is valid even from a random-weight model. Forced calls win over ``response_format``.
+
+Streaming follows OpenAI exactly: per choice a first chunk with ``role`` (and empty content), content
+or ``tool_calls`` deltas, a chunk with ``finish_reason`` and an empty delta; with
+``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk carries the usage
+with empty ``choices``; then ``data: [DONE]``. Chunks share one id, ``created`` and fingerprint; the
+constant part of a chunk is encoded once per request and only the choice is encoded per delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.protocol import DeltaRecord
+from engine.tokenizer import Tokenizer
+from gateway.auth import Principal
+from gateway.chat.tools import ToolCallParser, forced_call_schema
+from gateway.deps import GatewayRuntime
+from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.openai.chat_schemas import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    to_template_dict,
+)
+from gateway.openai.encoding import chat_token_logprobs, completion_id, system_fingerprint
+from gateway.openai.generation import Generation, check_context_length, resolve_tier
+from gateway.openai.schemas import ResponseFormatJsonObject, ResponseFormatJsonSchema
+from gateway.openai.streaming import DONE_FRAME, EventStreamResponse, collect_unless_disconnected, json_frame
+from gateway.routing import ModelRoute
+
+# Prompts longer than this (characters) are rendered and tokenized in a worker thread.
+OFFLOAD_CHARS = 32_000
+
+
+def _finish_reason(engine_reason: str | None, has_calls: bool) -> str:
+    if has_calls:
+        return "tool_calls"
+    return "length" if engine_reason == "length" else "stop"
+
+
+def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> ModelRoute:
+    route = runtime.router.models.get(model)
+    if route is None or not principal.may_use(model):
+        raise ModelNotFoundError(model)
+    return route
+
+
+def sampling_fields(body: Any) -> dict[str, Any]:
+    """Engine sampling arguments common to both endpoints (OpenAI defaults: temperature 1, top_p 1)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0.0:  # OpenAI accepts 0: only the most likely token remains, i.e. greedy decoding
+        temperature, top_p = 0.0, 1.0
+    return {
+        "temperature": temperature, "top_p": top_p,
+        "presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
+        "seed": body.seed, "stop": body.stop_list,
+    }
+
+
+async def _render(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    messages = [to_template_dict(m) for m in body.messages]
+    size = sum(len(m["content"] or "") for m in messages)
+    try:
+        if size > OFFLOAD_CHARS:
+            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
+        return tokenizer.encode_chat(messages, tools)
+    except ValueError as exc:
+        raise InvalidRequestError(f"Invalid 'messages': {exc}", param="messages") from None
+
+
+async def create_chat_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
+                                 body: ChatCompletionRequest, request: Request) -> Any:
+    body.check()
+    route = lookup_model(runtime, principal, body.model)
+    tokenizer = runtime.tokenizer(route.name)
+    tool_choice = body.tool_choice
+    tools = body.function_tools
+    use_tools = bool(tools) and tool_choice != "none"
+    forced_name = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
+    forced = use_tools and (tool_choice == "required" or forced_name is not None)
+    rendered_tools = [t.model_dump(mode="json", exclude_none=True) for t in tools] if use_tools else None
+    prompt = await _render(tokenizer, body, rendered_tools)
+    max_tokens = body.completion_limit
+    check_context_length(route, len(prompt), max_tokens, "messages")
+
+    sampling = sampling_fields(body)
+    sampling["logprobs"] = bool(body.logprobs)
+    sampling["top_logprobs"] = body.top_logprobs or 0
+    if forced:
+        schema = forced_call_schema(tools, forced_name)
+        sampling["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif isinstance(body.response_format, ResponseFormatJsonObject):
+        sampling["response_format"] = {"type": "json_object"}
+    elif isinstance(body.response_format, ResponseFormatJsonSchema):
+        schema = body.response_format.json_schema.json_schema or {"type": "object"}
+        sampling["response_format"] = {"type": "json_schema", "json_schema": schema}
+
+    n = body.n or 1
+    tier = resolve_tier(runtime, principal, body.service_tier)
+    generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
+                            prompts=[prompt], sampling=sampling, n=n, max_tokens=max_tokens, tier=tier)
+    await generation.start()
+    parallel = body.parallel_tool_calls is not False
+    parsers = [ToolCallParser(forced=forced, parallel=parallel) if use_tools else None for _ in range(n)]
+    response_id = completion_id("chatcmpl")
+    created = int(time.time())
+    fingerprint = system_fingerprint(route)
+    if body.stream:
+        frames = _stream(generation, tokenizer, parsers, response_id, created, fingerprint,
+                         include_usage=body.include_usage, logprobs=bool(body.logprobs))
+        return EventStreamResponse(frames, generation, headers=generation.headers)
+
+    async def collect() -> Response:
+        return await _complete(generation, tokenizer, parsers, response_id, created, fingerprint,
+                               logprobs=bool(body.logprobs))
+
+    response = await collect_unless_disconnected(request.receive, generation, collect)
+    return response if response is not None else Response(status_code=499)
+
+
+async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[ToolCallParser | None],
+                    response_id: str, created: int, fingerprint: str, *, logprobs: bool) -> Response:
+    n = generation.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    token_logprobs: list[list] = [[] for _ in range(n)]
+    async for record in generation.records():
+        texts[record.index].append(record.text)
+        if logprobs and record.logprobs:
+            token_logprobs[record.index].extend(record.logprobs)
+    if generation.error is not None:
+        return generation.error.to_response()
+    choices = []
+    for i in range(n):
+        text = "".join(texts[i])
+        parser = parsers[i]
+        calls = []
+        if parser is not None:
+            content, calls = parser.feed(text)
+            rest, more = parser.finish()
+            text, calls = content + rest, calls + more
+        message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None,
+                                   "refusal": None, "annotations": []}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+        choices.append({
+            "index": i, "message": message,
+            "logprobs": ({"content": chat_token_logprobs(tokenizer, token_logprobs[i]), "refusal": None}
+                         if logprobs else None),
+            "finish_reason": _finish_reason(generation.finish_reasons.get(i), bool(calls)),
+        })
+    body = {
+        "id": response_id, "object": "chat.completion", "created": created, "model": generation.route.name,
+        "choices": choices, "usage": generation.usage.as_openai(), "service_tier": generation.tier,
+        "system_fingerprint": fingerprint,
+    }
+    return Response(orjson.dumps(body), media_type="application/json", headers=generation.headers)
+
+
+async def _stream(generation: Generation, tokenizer: Tokenizer, parsers: list[ToolCallParser | None],
+                  response_id: str, created: int, fingerprint: str, *, include_usage: bool,
+                  logprobs: bool) -> AsyncIterator[bytes]:
+    head = orjson.dumps({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                         "model": generation.route.name, "service_tier": generation.tier,
+                         "system_fingerprint": fingerprint})[:-1] + b',"choices":['
+    tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+    head = b"data: " + head
+
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+              lp: dict[str, Any] | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return head + orjson.dumps(choice) + tail
+
+    n = generation.n
+    for i in range(n):
+        yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+    call_counts = [0] * n
+
+    def call_deltas(index: int, calls: list) -> list[dict[str, Any]]:
+        out = []
+        for call in calls:
+            out.append({"index": call_counts[index], "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments}})
+            call_counts[index] += 1
+        return out
+
+    async for record in generation.records():
+        data = _delta_chunk(record, parsers, chunk, call_deltas, tokenizer, logprobs)
+        if data:
+            yield data
+    if generation.error is not None:
+        yield json_frame(generation.error.body())
+        return
+    for i in range(n):
+        parser = parsers[i]
+        if parser is not None:
+            rest, calls = parser.finish()
+            if rest:
+                yield chunk(i, {"content": rest})
+            if calls:
+                yield chunk(i, {"tool_calls": call_deltas(i, calls)})
+        yield chunk(i, {}, _finish_reason(generation.finish_reasons.get(i), call_counts[i] > 0))
+    if include_usage:
+        yield json_frame({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                          "model": generation.route.name, "service_tier": generation.tier,
+                          "system_fingerprint": fingerprint, "choices": [],
+                          "usage": generation.usage.as_openai()})
+    yield DONE_FRAME
+
+
+def _delta_chunk(record: DeltaRecord, parsers: list[ToolCallParser | None], chunk: Any, call_deltas: Any,
+                 tokenizer: Tokenizer, logprobs: bool) -> bytes:
+    i = record.index
+    lp = ({"content": chat_token_logprobs(tokenizer, record.logprobs), "refusal": None}
+          if logprobs and record.logprobs else None)
+    parser = parsers[i]
+    content, calls = parser.feed(record.text) if parser is not None else (record.text, [])
+    out = b""
+    if content or lp is not None:
+        out += chunk(i, {"content": content}, None, lp)
+    if calls:
+        out += chunk(i, {"tool_calls": call_deltas(i, calls)})
+    return out

@@ -1,0 +1,156 @@
+"""``/v1/completions`` (legacy text completions): tokenize → generate → ``text_completion`` objects.
+
+Each prompt (string or token ids) is one engine request with ``n`` completions; choice ``index`` is
+``prompt_index * n + i``. ``echo`` prepends the prompt's text. An empty prompt is the start of a new
+document: the model's BOS token if it has one, else its first EOS token (OpenAI's ``<|endoftext|>``).
+Token-id prompts are checked against the vocabulary (an id the model does not have is a 400, not an
+engine crash). Streamed chunks have the same shape as the full object (that is how OpenAI streams this
+endpoint), with the usage chunk last when ``stream_options.include_usage`` is set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.tokenizer import Tokenizer
+from gateway.auth import Principal
+from gateway.chat.service import lookup_model, sampling_fields
+from gateway.deps import GatewayRuntime
+from gateway.errors import InvalidRequestError
+from gateway.openai.completion_schemas import CompletionRequest
+from gateway.openai.encoding import CompletionLogprobs, completion_id, system_fingerprint
+from gateway.openai.generation import Generation, check_context_length, resolve_tier
+from gateway.openai.streaming import DONE_FRAME, EventStreamResponse, collect_unless_disconnected, json_frame
+
+
+def _finish_reason(engine_reason: str | None) -> str:
+    return "length" if engine_reason == "length" else "stop"
+
+
+def _tokenize(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
+    out = []
+    vocab = tokenizer.vocab_size
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt) if prompt else []
+        else:
+            bad = next((t for t in prompt if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"Invalid 'prompt': token id {bad} is outside the model's vocabulary (size {vocab}).",
+                    param="prompt", code="invalid_value")
+            ids = prompt
+        if not ids:
+            start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else (
+                tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None)
+            if start is None:
+                raise InvalidRequestError(f"Invalid 'prompt': prompt {i} is empty.", param="prompt")
+            ids = [start]
+        out.append(ids)
+    return out
+
+
+async def create_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
+                            body: CompletionRequest, request: Request) -> Any:
+    body.check()
+    if body.max_tokens == 0:
+        raise InvalidRequestError(
+            "Invalid 'max_tokens': generating zero tokens is not supported; use at least 1.",
+            param="max_tokens", code="invalid_value")
+    route = lookup_model(runtime, principal, body.model)
+    tokenizer = runtime.tokenizer(route.name)
+    prompt_inputs = body.prompts()
+    prompts = _tokenize(tokenizer, prompt_inputs)
+    max_tokens = body.max_tokens
+    for prompt in prompts:
+        check_context_length(route, len(prompt), max_tokens, "prompt")
+    n = body.n or 1
+    echo_texts = None
+    if body.echo:
+        echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt_inputs]
+
+    sampling = sampling_fields(body)
+    if body.logprobs is not None:
+        sampling["logprobs"] = True
+        sampling["top_logprobs"] = body.logprobs
+    generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
+                            prompts=prompts, sampling=sampling, n=n, max_tokens=max_tokens,
+                            tier=resolve_tier(runtime, principal, body.service_tier))
+    await generation.start()
+    response_id = completion_id("cmpl")
+    created = int(time.time())
+    fingerprint = system_fingerprint(route)
+    logprob_builders = ([CompletionLogprobs(tokenizer, len(echo_texts[i // n]) if echo_texts else 0)
+                         for i in range(n * len(prompts))] if body.logprobs is not None else None)
+    if body.stream:
+        frames = _stream(generation, response_id, created, fingerprint, echo_texts, logprob_builders,
+                         include_usage=body.include_usage)
+        return EventStreamResponse(frames, generation, headers=generation.headers)
+
+    async def collect() -> Response:
+        return await _complete(generation, response_id, created, fingerprint, echo_texts, logprob_builders)
+
+    response = await collect_unless_disconnected(request.receive, generation, collect)
+    return response if response is not None else Response(status_code=499)
+
+
+async def _complete(generation: Generation, response_id: str, created: int, fingerprint: str,
+                    echo_texts: list[str] | None,
+                    logprob_builders: list[CompletionLogprobs] | None) -> Response:
+    count = generation.n * len(generation.prompts)
+    texts: list[list[str]] = [[echo_texts[i // generation.n]] if echo_texts else [] for i in range(count)]
+    async for record in generation.records():
+        texts[record.index].append(record.text)
+        if logprob_builders is not None and record.logprobs:
+            logprob_builders[record.index].add(record.logprobs)
+    if generation.error is not None:
+        return generation.error.to_response()
+    choices = [{
+        "text": "".join(texts[i]), "index": i,
+        "logprobs": logprob_builders[i].as_openai() if logprob_builders is not None else None,
+        "finish_reason": _finish_reason(generation.finish_reasons.get(i)),
+    } for i in range(count)]
+    body = {"id": response_id, "object": "text_completion", "created": created,
+            "model": generation.route.name, "system_fingerprint": fingerprint, "choices": choices,
+            "usage": generation.usage.as_openai()}
+    return Response(orjson.dumps(body), media_type="application/json", headers=generation.headers)
+
+
+async def _stream(generation: Generation, response_id: str, created: int, fingerprint: str,
+                  echo_texts: list[str] | None, logprob_builders: list[CompletionLogprobs] | None, *,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    head = b"data: " + orjson.dumps({"id": response_id, "object": "text_completion", "created": created,
+                                     "model": generation.route.name,
+                                     "system_fingerprint": fingerprint})[:-1] + b',"choices":['
+    tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+
+    def chunk(index: int, text: str, finish_reason: str | None = None, lp: dict | None = None) -> bytes:
+        choice = {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}
+        return head + orjson.dumps(choice) + tail
+
+    count = generation.n * len(generation.prompts)
+    if echo_texts:
+        for i in range(count):
+            yield chunk(i, echo_texts[i // generation.n])
+    async for record in generation.records():
+        lp = None
+        if logprob_builders is not None and record.logprobs:
+            lp = logprob_builders[record.index].add(record.logprobs)
+        if record.text or lp is not None:
+            yield chunk(record.index, record.text, None, lp)
+    if generation.error is not None:
+        yield json_frame(generation.error.body())
+        return
+    for i in range(count):
+        yield chunk(i, "", _finish_reason(generation.finish_reasons.get(i)))
+    if include_usage:
+        yield json_frame({"id": response_id, "object": "text_completion", "created": created,
+                          "model": generation.route.name, "system_fingerprint": fingerprint, "choices": [],
+                          "usage": generation.usage.as_openai()})
+    yield DONE_FRAME

@@ -1,0 +1,116 @@
+"""The gateway's per-process runtime and the FastAPI dependencies that hand its parts to endpoints.
+
+``GatewayRuntime`` owns everything a gateway process shares between requests: settings, the Redis
+client, the database session factory, the one ``httpx`` pool to the engines, the router (with its
+health/load poller), the authenticator (with its invalidation listener), admission, the price book
+(refreshed in the background) and the tokenizers (loaded once per model). ``start()``/``stop()`` run
+in the app's lifespan; it is stored on ``app.state.gateway``.
+
+Dependencies are ``Annotated`` aliases (``Runtime``, ``CurrentPrincipal``, ``RequestId``) so endpoints
+stay one-liners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from billing.prices import PriceBookCache
+from engine.tokenizer import Tokenizer
+from gateway.admission import AdmissionController
+from gateway.auth import Authenticator, Principal
+from gateway.engine_client import EngineClient
+from gateway.errors import ServiceUnavailableError
+from gateway.routing import ModelRoute, Router
+from tollgate.settings import Settings
+
+logger = logging.getLogger("tollgate.gateway")
+
+PRICE_REFRESH_INTERVAL_S = 10.0
+
+
+@dataclass(eq=False)
+class GatewayRuntime:
+    settings: Settings
+    redis: Redis
+    sessions: async_sessionmaker[AsyncSession]
+    engine: EngineClient
+    router: Router
+    auth: Authenticator
+    admission: AdmissionController
+    prices: PriceBookCache
+    tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, settings: Settings, redis: Redis,
+               sessions: async_sessionmaker[AsyncSession]) -> GatewayRuntime:
+        engine = EngineClient(request_timeout_s=settings.request_timeout_s,
+                              connect_timeout_s=settings.health_check_timeout_s)
+        return cls(
+            settings=settings, redis=redis, sessions=sessions, engine=engine,
+            router=Router(settings, engine), auth=Authenticator(sessions, redis, settings),
+            admission=AdmissionController(redis, settings),
+            prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S),
+        )
+
+    async def start(self) -> None:
+        await self.prices.refresh()
+        await asyncio.gather(*(self._load_tokenizer(route) for route in self.router.models.values()))
+        await self.router.start()
+        await self.auth.start()
+        self._tasks.append(asyncio.create_task(self.prices.run(), name="tollgate-price-refresh"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.auth.stop()
+        await self.router.stop()
+        await self.engine.aclose()
+
+    async def _load_tokenizer(self, route: ModelRoute) -> None:
+        if not route.path:
+            logger.error("model %s has no checkpoint path: the gateway cannot tokenize for it", route.name)
+            return
+        try:
+            self.tokenizers[route.name] = await asyncio.to_thread(Tokenizer.from_pretrained, route.path)
+        except (OSError, ValueError) as exc:
+            logger.error("cannot load the tokenizer of model %s from %s: %s", route.name, route.path, exc)
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:
+            raise ServiceUnavailableError(f"The model `{model}` is not available right now (no tokenizer).",
+                                          code="model_unavailable")
+        return tokenizer
+
+
+def get_runtime(request: Request) -> GatewayRuntime:
+    return request.app.state.gateway
+
+
+Runtime = Annotated[GatewayRuntime, Depends(get_runtime)]
+
+
+async def get_principal(request: Request, runtime: Runtime) -> Principal:
+    return await runtime.auth.authenticate(request.headers.get("authorization"))
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+def get_request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or ""
+
+
+RequestId = Annotated[str, Depends(get_request_id)]

@@ -1,0 +1,76 @@
+"""Response pieces shared by the endpoints: ids, fingerprints, log-probabilities.
+
+Log-probabilities come from the engine as token ids; their text and bytes come from the model's
+tokenizer (``token_text`` replaces an incomplete UTF-8 sequence with U+FFFD; ``bytes`` keeps the raw
+bytes so clients can reassemble characters split across tokens, as OpenAI documents).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import Any
+
+from engine.protocol import TokenLogprob
+from engine.tokenizer import Tokenizer
+from gateway.routing import ModelRoute
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def system_fingerprint(route: ModelRoute) -> str:
+    """Changes when the served checkpoint's shape changes (OpenAI: "backend configuration")."""
+    info = route.info()
+    shape = f"{info.max_model_len}|{info.vocab_size}" if info else ""
+    basis = f"{route.name}|{route.path}|{shape}"
+    return "fp_" + hashlib.sha256(basis.encode()).hexdigest()[:10]
+
+
+def chat_token_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's ``ChatCompletionTokenLogprob`` list."""
+    out = []
+    for r in records:
+        out.append({
+            "token": tokenizer.token_text(r.token_id),
+            "logprob": r.logprob,
+            "bytes": list(tokenizer.token_bytes(r.token_id)),
+            "top_logprobs": [
+                {"token": tokenizer.token_text(t.token_id), "logprob": t.logprob,
+                 "bytes": list(tokenizer.token_bytes(t.token_id))}
+                for t in r.top_logprobs
+            ],
+        })
+    return out
+
+
+class CompletionLogprobs:
+    """OpenAI's legacy ``logprobs`` object of one choice, built incrementally (``text_offset`` counts
+    characters from the start of the choice's text)."""
+
+    def __init__(self, tokenizer: Tokenizer, start_offset: int = 0) -> None:
+        self._tokenizer = tokenizer
+        self._offset = start_offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, records: list[TokenLogprob]) -> dict[str, Any]:
+        """Append records; returns the object for just these records (a stream chunk's logprobs)."""
+        chunk = CompletionLogprobs(self._tokenizer, self._offset)
+        for r in records:
+            text = self._tokenizer.token_text(r.token_id)
+            for target in (self, chunk):
+                target.tokens.append(text)
+                target.token_logprobs.append(r.logprob)
+                target.top_logprobs.append({self._tokenizer.token_text(t.token_id): t.logprob
+                                            for t in r.top_logprobs})
+                target.text_offset.append(self._offset)
+            self._offset += len(text)
+        return chunk.as_openai()
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}

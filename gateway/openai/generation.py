@@ -1,0 +1,336 @@
+"""One generation from admission to settlement, shared by chat and text completions.
+
+``Generation`` runs the request path after validation and tokenization (ARCHITECTURE.md steps 4-7):
+price → shed check → admission (reserve prompt + max_tokens) → route (prefix affinity, retry on
+another replica while nothing has started) → engine streams → settle + meter.
+
+Invariants:
+- ``start()`` raises every error that can happen before the engine accepted the work (rate limits,
+  overload, no replica, engine 400), so the endpoint can still answer with a proper status code.
+- After ``start()`` succeeded, ``finish()`` runs exactly once whatever happens (normal end, engine
+  failure, client disconnect, bug): it closes the engine streams (which aborts them within one engine
+  step), settles the admission with the tokens really used, and appends exactly one usage record
+  (status ``completed``, ``failed`` or ``cancelled``) to the billing outbox. Tokens generated before a
+  failure or a disconnect are billed; recomputation is the engine's business and never billed.
+- Several prompts (legacy completions with a list prompt) are several engine requests run
+  concurrently; their records are merged and re-indexed as ``prompt_index * n + i``; usage is summed.
+- The engine request id is the gateway request id (suffixed ``-<prompt index>`` for several prompts),
+  so logs on both sides join on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+
+from billing.outbox import UsageRecord, append_usage
+from billing.prices import PriceNotFound, cost_pico_usd, max_cost_pico_usd
+from engine.block_hash import prefix_block_hashes
+from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
+from gateway.admission import Admission
+from gateway.admission.shedding import should_shed
+from gateway.auth import Principal
+from gateway.deps import GatewayRuntime
+from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
+from gateway.errors import GatewayError, InvalidRequestError, ServiceUnavailableError
+from gateway.routing import ModelRoute, Replica
+
+logger = logging.getLogger("tollgate.gateway.generation")
+
+STATUS_COMPLETED = "completed"
+STATUS_FAILED = "failed"
+STATUS_CANCELLED = "cancelled"
+REQUEST_CLASS = "interactive"
+
+
+def cache_salt(secret: str, tenant_id: int) -> str:
+    """Per-tenant prefix-cache salt: an HMAC of the tenant id, so no tenant can guess another's salt."""
+    return hmac.new(secret.encode(), f"tenant:{tenant_id}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def resolve_tier(runtime: GatewayRuntime, principal: Principal, requested: str | None) -> str:
+    """The tier a request runs at: the tenant's, or a lower one it asks for (never a higher one).
+    ``auto``, ``None`` and tiers this platform does not define mean the tenant's tier."""
+    tiers = runtime.settings.tiers
+    own = principal.tenant.tier if principal.tenant.tier in tiers else next(iter(tiers))
+    if requested is None or requested == "auto" or requested not in tiers:
+        return own
+    return requested if tiers[requested].rank <= tiers[own].rank else own
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "audio_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                          "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
+        }
+
+
+@dataclass
+class Generation:
+    runtime: GatewayRuntime
+    principal: Principal
+    route: ModelRoute
+    request_id: str
+    prompts: list[list[int]]
+    sampling: dict[str, Any]
+    n: int
+    max_tokens: int | None
+    tier: str
+    usage: Usage = field(default_factory=Usage)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    status: str = STATUS_COMPLETED
+    error: GatewayError | None = None
+    admission: Admission | None = None
+    _streams: list[tuple[EngineStream, Replica]] = field(default_factory=list)
+    _finals: int = 0
+    _generated: int = 0
+    _finished: bool = False
+    _started_at: float = field(default_factory=time.monotonic)
+    _created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    _first_token_at: float | None = None
+    _ttft_ms: float | None = None
+    _tpot_ms: float | None = None
+    _lease_renewed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.admission.headers if self.admission else {}
+
+    # -- before the response starts ---------------------------------------------------------------
+    async def start(self) -> None:
+        rt = self.runtime
+        settings = rt.settings
+        try:
+            price = rt.prices.price_for(self.route.name)
+        except PriceNotFound:
+            raise ServiceUnavailableError(
+                f"The model `{self.route.name}` has no price configured and cannot be served.",
+                code="model_not_priced") from None
+        per_completion = self.max_tokens
+        if per_completion is None:
+            per_completion = settings.default_max_tokens_reservation
+        completion_budget = per_completion * self.n * len(self.prompts)
+        salt = cache_salt(settings.key_hash_secret.get_secret_value(), self.principal.tenant_id)
+        block_size = (self.route.info().block_size if self.route.info() else 16)
+        hashes = [prefix_block_hashes(p, block_size, salt) for p in self.prompts]
+        # Overload shedding on the replica the first prompt would go to (before any tokens are reserved).
+        first = rt.router.pick(self.route.name, hashes[0])
+        if first.load is not None:
+            decision = should_shed(first.load, self.prompt_tokens, self.tier, settings.tiers)
+            if decision is not None:
+                raise decision.error()
+        self.admission = await rt.admission.admit(
+            self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
+            max_cost_pico_usd(price, self.prompt_tokens, completion_budget, REQUEST_CLASS),
+        )
+        try:
+            priority = settings.tiers[self.tier].engine_priority
+            for index, (prompt, prompt_hashes) in enumerate(zip(self.prompts, hashes, strict=True)):
+                engine_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
+                request = GenerateRequest(
+                    request_id=engine_id, prompt_token_ids=prompt, n=self.n, max_tokens=self.max_tokens,
+                    tenant=str(self.principal.tenant_id), cache_salt=salt, priority=priority, **self.sampling,
+                )
+                self._streams.append(await self._open(request, prompt_hashes))
+        except BaseException as exc:
+            # Nothing was generated: settle to zero use and record nothing billable beyond that.
+            self.status = STATUS_FAILED
+            if isinstance(exc, GatewayError):
+                self.error = exc
+            with anyio.CancelScope(shield=True):
+                await self.finish()
+            raise
+
+    async def _open(self, request: GenerateRequest,
+                    block_hashes: Sequence[bytes]) -> tuple[EngineStream, Replica]:
+        router = self.runtime.router
+        tried: list[Replica] = []
+        while True:
+            replica = router.pick(self.route.name, block_hashes, exclude=tried)
+            replica.inflight += 1
+            try:
+                stream = await self.runtime.engine.generate(replica.url, request)
+            except EngineUnavailable as exc:
+                replica.inflight -= 1
+                router.mark_failed(replica, exc.message)
+                tried.append(replica)
+                continue
+            except BaseException:
+                replica.inflight -= 1
+                raise
+            router.remember(replica, block_hashes)
+            return stream, replica
+
+    # -- streaming ------------------------------------------------------------------------------
+    async def records(self) -> AsyncIterator[DeltaRecord]:
+        """Delta records of every prompt (``index`` re-numbered across prompts). Usage and finish
+        reasons accumulate on ``self``; an engine failure sets ``status``/``error`` and ends the stream."""
+        if len(self._streams) == 1:
+            async for record in self._consume(0, self._streams[0][0]):
+                yield record
+            return
+        queue: asyncio.Queue[DeltaRecord | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: EngineStream) -> None:
+            try:
+                async for record in self._consume(index, stream):
+                    await queue.put(record)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, (s, _) in enumerate(self._streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _consume(self, prompt_index: int, stream: EngineStream) -> AsyncIterator[DeltaRecord]:
+        offset = prompt_index * self.n
+        try:
+            async for record in stream:
+                if isinstance(record, DeltaRecord):
+                    if self._first_token_at is None and record.token_ids:
+                        self._first_token_at = time.monotonic()
+                    self._generated += len(record.token_ids)
+                    if offset:
+                        record.index += offset
+                    await self._maybe_renew()
+                    yield record
+                elif isinstance(record, FinalRecord):
+                    self._final(offset, record)
+                elif isinstance(record, ErrorRecord):
+                    self._fail(EngineStreamError(record.error.message, code=record.error.code))
+                    return
+        except EngineStreamError as exc:
+            self._fail(exc)
+
+    def _final(self, offset: int, record: FinalRecord) -> None:
+        self._finals += 1
+        self.usage.prompt_tokens += record.usage.prompt_tokens
+        self.usage.cached_tokens += record.usage.cached_tokens
+        self.usage.completion_tokens += record.usage.completion_tokens
+        for i, reason in enumerate(record.finish_reasons):
+            self.finish_reasons[offset + i] = reason
+        if self._ttft_ms is None:
+            self._ttft_ms = record.timings.ttft * 1000.0
+            self._tpot_ms = record.timings.tpot * 1000.0
+
+    def _fail(self, error: GatewayError) -> None:
+        if self.error is None:
+            logger.warning("engine failed request %s: %s", self.request_id, error.message)
+            self.error = error
+            self.status = STATUS_FAILED
+
+    async def _maybe_renew(self) -> None:
+        now = time.monotonic()
+        due = now - self._lease_renewed_at > self.runtime.settings.stream_lease_ttl_s / 3
+        if self.admission is not None and due:
+            self._lease_renewed_at = now
+            with contextlib.suppress(Exception):
+                await self.runtime.admission.renew_lease(self.admission)
+
+    # -- the end --------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        if self.status == STATUS_COMPLETED:
+            self.status = STATUS_CANCELLED
+
+    async def finish(self) -> None:
+        """Close streams, settle, meter: exactly once (see the module invariants). Never raises."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._finals < len(self._streams) and self.status == STATUS_COMPLETED:
+            self.status = STATUS_CANCELLED
+        for stream, replica in self._streams:
+            replica.inflight -= 1
+            if not stream.closed:
+                await stream.aclose()
+                if self.status != STATUS_COMPLETED:
+                    await self.runtime.engine.abort(replica.url, stream.request_id)
+        if self._finals < len(self._streams):
+            # The engine never reported usage for some prompt: bill what we saw being generated.
+            self.usage.prompt_tokens = self.prompt_tokens if self._streams else 0
+            self.usage.cached_tokens = min(self.usage.cached_tokens, self.usage.prompt_tokens)
+            self.usage.completion_tokens = max(self.usage.completion_tokens, self._generated)
+        if self.admission is None:
+            return
+        rt = self.runtime
+        try:
+            cost = cost_pico_usd(rt.prices.price_for(self.route.name), self.usage.prompt_tokens,
+                                 self.usage.cached_tokens, self.usage.completion_tokens, REQUEST_CLASS)
+        except Exception:
+            logger.exception("pricing request %s failed", self.request_id)
+            cost = 0
+        try:
+            await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
+        except Exception:
+            logger.exception("settling request %s failed (its lease will expire)", self.request_id)
+        if not self._streams:
+            return
+        ttft = self._ttft_ms
+        if ttft is None and self._first_token_at is not None:
+            ttft = (self._first_token_at - self._started_at) * 1000.0
+        record = UsageRecord(
+            request_id=self.request_id, tenant_id=self.principal.tenant_id,
+            api_key_id=self.principal.api_key_id, model=self.route.name, request_class=REQUEST_CLASS,
+            tier=self.tier, prompt_tokens=self.usage.prompt_tokens, cached_tokens=self.usage.cached_tokens,
+            completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
+            ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at,
+        )
+        try:
+            await append_usage(rt.redis, record)
+        except Exception:
+            logger.exception("USAGE NOT RECORDED for request %s: %r", self.request_id, record)
+
+
+def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int | None, what: str) -> None:
+    info = route.info()
+    if info is None:
+        return
+    limit = info.max_model_len
+    wanted = prompt_tokens + (max_tokens or 0)
+    if prompt_tokens >= limit or wanted > limit:
+        detail = f"{prompt_tokens} in the {what}"
+        if max_tokens:
+            detail += f", {max_tokens} in the completion"
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
+            f"({detail}). Please reduce the length of the {what} or completion.",
+            param="messages" if what == "messages" else "prompt", code="context_length_exceeded",
+        )

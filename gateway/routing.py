@@ -1,0 +1,205 @@
+"""Model → pool → replica routing with prefix affinity, fed by background health and load polling.
+
+Configuration: ``settings.models`` names each served model and its pools; ``settings.pools[pool]``
+lists the replicas' base URLs. The public API serves the ``interactive`` pool (the batch tier has its
+own). Every ``health_poll_interval_s`` the router asks each replica for ``/health`` and ``/load`` (and
+``/info`` once it first answers).
+
+Invariants and policies:
+- Only healthy replicas are picked. A replica that fails a probe, or refuses a connection during a
+  request (``mark_failed``), is out until a later probe succeeds.
+- Prefix affinity: a request's leading full-block hashes (``engine.block_hash``, salted per tenant, so
+  affinity never crosses tenants either) are looked up deepest-first in a bounded LRU map of
+  block hash → replica that recently served it; a hit sends the request where its prefix is cached.
+  Without a hit, rendezvous hashing on the first block hash picks a stable replica, so requests sharing
+  a system prompt converge on one replica. Either choice is skipped while that replica is over its load
+  watermark (queue or KV cache nearly full, or far more in flight from this gateway than the least
+  loaded one); then the least loaded healthy replica is used. Prompts shorter than a block go to the
+  least loaded replica.
+- ``pick`` never blocks and never does I/O; the hot path reads in-memory state only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.protocol import InfoResponse, LoadReport
+from gateway.engine_client import EngineClient, EngineUnavailable
+from gateway.errors import ServiceUnavailableError
+from tollgate.settings import Settings
+
+logger = logging.getLogger("tollgate.gateway.routing")
+
+INTERACTIVE_POOL = "interactive"
+# Affinity bookkeeping: how many leading blocks of a prompt are remembered, and how many hashes in all.
+AFFINITY_BLOCKS = 64
+AFFINITY_CACHE_SIZE = 200_000
+# Load watermark: an affinity choice is overridden when the replica's queue is this long ...
+WATERMARK_WAITING = 8
+# ... or its KV cache is this full ...
+WATERMARK_KV_USAGE = 0.95
+# ... or this gateway has this many more requests in flight on it than on the least loaded replica.
+WATERMARK_INFLIGHT_GAP = 16
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    pool: str
+    healthy: bool = False
+    info: InfoResponse | None = None
+    load: LoadReport | None = None
+    inflight: int = 0
+    last_error: str | None = None
+    checked_at: float = 0.0
+
+    @property
+    def load_score(self) -> float:
+        waiting = self.load.waiting + self.load.running if self.load else 0
+        return self.inflight + waiting * 0.5
+
+    def over_watermark(self, least_inflight: int) -> bool:
+        if self.load is not None and (self.load.waiting >= WATERMARK_WAITING
+                                      or self.load.kv_usage >= WATERMARK_KV_USAGE):
+            return True
+        return self.inflight - least_inflight >= WATERMARK_INFLIGHT_GAP
+
+
+@dataclass(eq=False)
+class ModelRoute:
+    name: str
+    path: str | None
+    pools: list[str]
+    replicas: list[Replica] = field(default_factory=list)
+    created: int = 0
+
+    def info(self) -> InfoResponse | None:
+        """Limits of the model (max length, block size, vocabulary) from any replica that reported them."""
+        for replica in self.replicas:
+            if replica.info is not None:
+                return replica.info
+        return None
+
+
+class Router:
+    def __init__(self, settings: Settings, client: EngineClient) -> None:
+        self._client = client
+        self._interval = settings.health_poll_interval_s
+        self.models: dict[str, ModelRoute] = {}
+        for cfg in settings.models:
+            route = ModelRoute(name=cfg.name, path=cfg.path, pools=list(cfg.pools),
+                               created=_created(cfg.path))
+            pool = INTERACTIVE_POOL if INTERACTIVE_POOL in cfg.pools else (cfg.pools or [INTERACTIVE_POOL])[0]
+            pool_cfg = settings.pools.get(pool)
+            for url in pool_cfg.replicas if pool_cfg else ():
+                route.replicas.append(Replica(url=url.rstrip("/"), pool=pool))
+            self.models[cfg.name] = route
+        self._affinity: OrderedDict[bytes, Replica] = OrderedDict()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return [r for route in self.models.values() for r in route.replicas]
+
+    async def start(self) -> None:
+        """Probe every replica once (so the first requests find healthy ones), then poll in the background."""
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever(), name="tollgate-router-poll")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._probe(r) for r in self.replicas))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.poll_once()
+            except Exception:  # a probe bug must not stop routing updates
+                logger.exception("replica poll failed")
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            if replica.info is None:
+                replica.info = await self._client.info(replica.url)
+            replica.load = await self._client.load(replica.url)
+        except EngineUnavailable as exc:
+            if replica.healthy:
+                logger.warning("replica %s is down: %s", replica.url, exc.message)
+            replica.healthy = False
+            replica.last_error = exc.message
+        else:
+            if not replica.healthy:
+                logger.info("replica %s is up (%s, pool %s)", replica.url, replica.info.model, replica.pool)
+            replica.healthy = True
+            replica.last_error = None
+        replica.checked_at = time.monotonic()
+
+    def mark_failed(self, replica: Replica, reason: str) -> None:
+        """Take a replica out until a probe finds it answering again."""
+        if replica.healthy:
+            logger.warning("replica %s taken out: %s", replica.url, reason)
+        replica.healthy = False
+        replica.last_error = reason
+
+    def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = ()) -> Replica:
+        route = self.models[model]
+        candidates = [r for r in route.replicas if r.healthy and r not in exclude]
+        if not candidates:
+            raise ServiceUnavailableError(
+                f"No replica of the model `{model}` is available right now. Please retry shortly.",
+                headers={"retry-after": "1"},
+            )
+        if len(candidates) == 1:
+            return candidates[0]
+        least = min(candidates, key=lambda r: r.load_score)
+        least_inflight = min(r.inflight for r in candidates)
+        if block_hashes:
+            for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
+                replica = self._affinity.get(h)
+                if replica is not None:
+                    if replica in candidates and not replica.over_watermark(least_inflight):
+                        return replica
+                    break
+            preferred = max(candidates, key=lambda r: _rendezvous(block_hashes[0], r.url))
+            if not preferred.over_watermark(least_inflight):
+                return preferred
+        return least
+
+    def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
+        """Record that ``replica`` now holds these leading blocks (called when it accepted the request)."""
+        affinity = self._affinity
+        for h in block_hashes[:AFFINITY_BLOCKS]:
+            affinity[h] = replica
+            affinity.move_to_end(h)
+        while len(affinity) > AFFINITY_CACHE_SIZE:
+            affinity.popitem(last=False)
+
+
+def _rendezvous(key: bytes, url: str) -> bytes:
+    return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
+
+
+def _created(path: str | None) -> int:
+    """``created`` of the model object: when its checkpoint was written (0 when unknown)."""
+    if not path:
+        return 0
+    for name in ("config.json", ""):
+        with contextlib.suppress(OSError):
+            return int(os.stat(Path(path) / name).st_mtime)
+    return 0
