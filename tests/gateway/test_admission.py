@@ -1,0 +1,237 @@
+"""Admission against a real Redis: RPM/TPM buckets, reservation reconcile, leases, monthly budget,
+tenant status, headers."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from billing.spend import month_field, month_to_date_spend, record_spend
+from gateway.admission import AdmissionController, AdmissionRejected, TenantLimits
+from gateway.admission.controller import admission_keys
+from gateway.errors import PermissionDeniedError, ServiceUnavailableError
+from tollgate.settings import Settings
+
+
+def limits(tenant_id: int = 1, *, rpm: int | None = None, tpm: int | None = None,
+           concurrency: int | None = None, budget: int | None = None, status: str = "active") -> TenantLimits:
+    return TenantLimits(tenant_id=tenant_id, tier="default", status=status, rpm_limit=rpm, tpm_limit=tpm,
+                        max_concurrency=concurrency, monthly_budget_pico_usd=budget, batch_tpd_limit=None)
+
+
+@pytest.fixture
+def controller(redis_client, settings: Settings) -> AdmissionController:
+    return AdmissionController(redis_client, settings)
+
+
+async def backdate_bucket(redis_client, key: str, seconds: float) -> None:
+    """Pretend the bucket was last touched ``seconds`` earlier (as if that much time had passed)."""
+    ts = int(await redis_client.hget(key, "ts"))
+    await redis_client.hset(key, "ts", ts - int(seconds * 1_000_000))
+
+
+async def test_unlimited_tenant_is_admitted_without_rate_limit_headers(controller) -> None:
+    admission = await controller.admit(limits(), "req-1", 10**9, 0)
+    assert admission.headers == {}
+    await controller.settle(admission, 10, 0)
+
+
+async def test_rpm_rejects_the_request_over_the_limit_with_retry_after(controller) -> None:
+    tenant = limits(rpm=3)
+    for i in range(3):
+        admission = await controller.admit(tenant, f"req-{i}", 1, 0)
+        assert admission.headers["x-ratelimit-remaining-requests"] == str(2 - i)
+        assert admission.headers["x-ratelimit-limit-requests"] == "3"
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(tenant, "req-4", 1, 0)
+    error = rejected.value
+    assert error.status == 429 and error.type == "requests" and error.code == "rate_limit_exceeded"
+    assert "Limit 3" in error.message
+    # One request refills in window/3 = 20 s: retry in about that, never "no retry".
+    assert 19_000 <= int(error.headers["retry-after-ms"]) <= 20_000
+    assert error.headers["retry-after"] == "20"
+    assert "x-should-retry" not in error.headers
+    assert error.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_tpm_bucket_refills_continuously(controller, redis_client) -> None:
+    tenant = limits(tpm=6_000)  # refills 100 tokens per second with the 60 s window
+    await controller.admit(tenant, "a", 6_000, 0)
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(tenant, "b", 1_000, 0)
+    assert rejected.value.type == "tokens"
+    assert 9_900 <= int(rejected.value.headers["retry-after-ms"]) <= 10_000
+    _, tpm_key, _, _ = admission_keys(1)
+    await backdate_bucket(redis_client, tpm_key, 10.0)  # 10 s later: 1,000 tokens are back
+    admission = await controller.admit(tenant, "b", 1_000, 0)
+    assert int(admission.headers["x-ratelimit-remaining-tokens"]) <= 5  # only what refilled meanwhile
+    await backdate_bucket(redis_client, tpm_key, 3600.0)  # a long idle time never overfills
+    admission = await controller.admit(tenant, "c", 1, 0)
+    assert admission.headers["x-ratelimit-remaining-tokens"] == "5999"
+
+
+@pytest.mark.settings(rate_limit_window_s=0.5)
+async def test_retry_after_is_honest_with_a_shortened_window(controller, settings: Settings) -> None:
+    tenant = limits(tpm=1_000)
+    await controller.admit(tenant, "a", 1_000, 0)
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(tenant, "b", 500, 0)
+    retry_ms = int(rejected.value.headers["retry-after-ms"])
+    assert 0 < retry_ms <= 250
+    await asyncio.sleep(retry_ms / 1000)  # the client waits exactly what it was told
+    await controller.admit(tenant, "b", 500, 0)
+
+
+async def test_request_larger_than_the_bucket_is_rejected_without_retry(controller) -> None:
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(limits(tpm=1_000), "big", 1_001, 0)
+    assert rejected.value.headers["x-should-retry"] == "false"
+    assert "retry-after" not in rejected.value.headers
+    assert "Requested 1001" in rejected.value.message
+
+
+async def test_settle_refunds_unused_reservation_and_charges_overshoot(controller) -> None:
+    tenant = limits(tpm=10_000)
+    first = await controller.admit(tenant, "a", 4_000, 0)  # prompt 1,000 + max_tokens 3,000
+    assert first.headers["x-ratelimit-remaining-tokens"] == "6000"
+    await controller.settle(first, 1_500, 0)  # used 1,500: 2,500 come back
+    second = await controller.admit(tenant, "b", 8_000, 0)
+    assert 500 <= int(second.headers["x-ratelimit-remaining-tokens"]) <= 510
+    await controller.settle(second, 9_500, 0)  # overshoot of 1,500 leaves the bucket in debt
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(tenant, "c", 1, 0)
+    assert rejected.value.headers["x-ratelimit-remaining-tokens"] == "0"
+    # Debt of ~1,000 tokens + 1 at 10,000 per 60 s ≈ 6 s.
+    assert 5_900 <= int(rejected.value.headers["retry-after-ms"]) <= 6_100
+    await controller.settle(second, 0, 0)  # settling twice changes nothing
+    with pytest.raises(AdmissionRejected):
+        await controller.admit(tenant, "c", 1, 0)
+
+
+async def test_refund_never_overfills_the_bucket(controller) -> None:
+    tenant = limits(tpm=1_000)
+    admission = await controller.admit(tenant, "a", 800, 0)
+    await controller.settle(admission, 0, 0)
+    again = await controller.admit(tenant, "b", 1, 0)
+    assert again.headers["x-ratelimit-remaining-tokens"] == "999"
+
+
+async def test_concurrency_cap_and_leases_released_at_settle(controller) -> None:
+    tenant = limits(concurrency=2)
+    a = await controller.admit(tenant, "a", 1, 0)
+    await controller.admit(tenant, "b", 1, 0)
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(tenant, "c", 1, 0)
+    assert "concurrent" in rejected.value.message and "retry-after" in rejected.value.headers
+    await controller.settle(a, 1, 0)
+    await controller.admit(tenant, "c", 1, 0)
+
+
+async def test_leases_of_a_dead_gateway_expire_and_renewal_keeps_live_ones(controller, redis_client) -> None:
+    tenant = limits(concurrency=2)
+    dead = await controller.admit(tenant, "dead", 1, 0)
+    live = await controller.admit(tenant, "live", 1, 0)
+    _, _, leases_key, _ = admission_keys(1)
+    before = await redis_client.zscore(leases_key, live.lease_id)
+    await controller.renew_lease(live)
+    assert await redis_client.zscore(leases_key, live.lease_id) >= before
+    # The gateway holding `dead` stopped renewing; its lease's expiry passes.
+    await redis_client.zadd(leases_key, {dead.lease_id: 1})
+    await controller.admit(tenant, "next", 1, 0)
+    assert await redis_client.zscore(leases_key, dead.lease_id) is None
+    await controller.renew_lease(dead)  # a lapsed lease is not revived
+    assert await redis_client.zscore(leases_key, dead.lease_id) is None
+    assert await redis_client.zcard(leases_key) == 2
+
+
+async def test_budget_admits_while_spent_is_below_and_overshoots_by_at_most_one_request(controller) -> None:
+    tenant = limits(budget=1_000)
+    spent = 0
+    admitted = 0
+    with pytest.raises(AdmissionRejected) as rejected:
+        while True:
+            admission = await controller.admit(tenant, f"r{admitted}", 10, 300)
+            admitted += 1
+            await controller.settle(admission, 10, 300)
+            spent += 300
+    assert admitted == 4 and spent == 1_200  # 900 < 1,000 admitted the 4th; 1,200 ≥ 1,000 stopped it
+    assert await month_to_date_spend(controller._redis, 1, _month()) == 1_200
+    error = rejected.value
+    assert error.type == "insufficient_quota" and error.code == "insufficient_quota"
+    assert error.headers["x-should-retry"] == "false" and "retry-after" not in error.headers
+
+
+async def test_budget_counts_in_flight_requests_so_concurrency_cannot_overshoot_more(controller) -> None:
+    tenant = limits(tenant_id=2, budget=1_000)
+    held = [await controller.admit(tenant, f"r{i}", 10, 300) for i in range(4)]  # 0, 300, 600, 900 < 1,000
+    with pytest.raises(AdmissionRejected):
+        await controller.admit(tenant, "r5", 10, 300)
+    for admission in held:
+        await controller.settle(admission, 10, 250)  # cheaper than estimated
+    assert await month_to_date_spend(controller._redis, 2, _month()) == 1_000
+    with pytest.raises(AdmissionRejected):
+        await controller.admit(tenant, "r6", 10, 1)
+
+
+async def test_cost_held_by_a_dead_gateway_is_released_with_its_lease(controller, redis_client) -> None:
+    tenant = limits(tenant_id=3, budget=1_000)
+    dead = await controller.admit(tenant, "dead", 10, 1_000)
+    with pytest.raises(AdmissionRejected):
+        await controller.admit(tenant, "next", 10, 1)
+    _, _, leases_key, _ = admission_keys(3)
+    await redis_client.zadd(leases_key, {dead.lease_id: 1})
+    await controller.admit(tenant, "next", 10, 1)
+
+
+async def test_batch_spend_counts_against_the_same_budget(controller) -> None:
+    tenant = limits(tenant_id=4, budget=1_000)
+    month, total = await record_spend(controller._redis, 4, 1_000)
+    assert (month, total) == (_month(), 1_000)
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(tenant, "r", 1, 1)
+    assert rejected.value.code == "insufficient_quota"
+
+
+async def test_suspended_tenants(controller) -> None:
+    with pytest.raises(PermissionDeniedError) as denied:
+        await controller.admit(limits(status="suspended"), "r", 1, 0)
+    assert denied.value.status == 403 and denied.value.code == "account_deactivated"
+    with pytest.raises(AdmissionRejected) as rejected:
+        await controller.admit(limits(status="suspended_billing"), "r", 1, 0)
+    assert rejected.value.code == "insufficient_quota"
+    assert rejected.value.headers["x-should-retry"] == "false"
+
+
+async def test_zero_limits_block_without_retry(controller) -> None:
+    for tenant in (limits(rpm=0), limits(tpm=0), limits(concurrency=0)):
+        with pytest.raises(AdmissionRejected) as rejected:
+            await controller.admit(tenant, "r", 1, 0)
+        assert rejected.value.headers["x-should-retry"] == "false"
+
+
+async def test_headers_report_limits_remaining_and_reset(controller) -> None:
+    admission = await controller.admit(limits(rpm=60, tpm=60_000), "r", 30_000, 0)
+    h = admission.headers
+    assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("60", "59")
+    assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("60000", "30000")
+    assert h["x-ratelimit-reset-requests"] in ("1s", "999ms")
+    assert h["x-ratelimit-reset-tokens"] in ("30s", "29.999s")
+
+
+async def test_redis_down_fails_closed_with_503(private_redis, settings: Settings) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(private_redis.url, socket_connect_timeout=1)
+    controller = AdmissionController(client, settings)
+    await controller.settle(await controller.admit(limits(tpm=10), "r", 1, 0), 1, 0)
+    private_redis.stop()
+    with pytest.raises(ServiceUnavailableError) as unavailable:
+        await controller.admit(limits(tpm=10), "r2", 1, 0)
+    assert unavailable.value.status == 503 and "retry-after" in unavailable.value.headers
+    await client.aclose()
+
+
+def _month() -> str:
+    return month_field(datetime.now(UTC))
