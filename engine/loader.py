@@ -1,0 +1,130 @@
+"""Build a model from a Hugging Face checkpoint directory: ``config.json`` + ``*.safetensors``.
+
+The model is constructed on the ``meta`` device (no memory, no random init), materialised empty on the
+target device in the target dtype, then every parameter is filled from the safetensors files by its
+HF name; q/k/v and gate/up are copied into their row ranges of the fused ``qkv_proj``/``gate_up_proj``.
+Invariants: every parameter is written exactly once from the checkpoint, shapes must match exactly,
+and a missing or unexpected tensor is a ``ValueError`` naming it (never a silently random weight).
+The RoPE cache stays float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.models.config import ModelArgs
+from engine.models.registry import model_class
+
+# HF tensor names that carry no parameter (buffers some exporters include).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint (from its index when sharded), in a stable order."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        with index.open(encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [d / n for n in names]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise ValueError(f"checkpoint index names missing files: {', '.join(missing)}")
+        return files
+    # Mistral repos also ship consolidated*.safetensors in their own naming scheme: not ours.
+    files = sorted(p for p in d.glob("*.safetensors") if not p.name.startswith("consolidated"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {d}")
+    return files
+
+
+def _fused_shards(args: ModelArgs) -> dict[str, tuple[str, int, int]]:
+    """HF projection name -> (fused name, first row, number of rows)."""
+    q, kv, inter = args.q_size, args.kv_size, args.intermediate_size
+    return {
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, kv),
+        "v_proj": ("qkv_proj", q + kv, kv),
+        "gate_proj": ("gate_up_proj", 0, inter),
+        "up_proj": ("gate_up_proj", inter, inter),
+    }
+
+
+def _expected_hf_names(model: nn.Module, shards: dict[str, tuple[str, int, int]]) -> set[str]:
+    by_fused: dict[str, list[str]] = {}
+    for hf, (fused, _, _) in shards.items():
+        by_fused.setdefault(fused, []).append(hf)
+    names = set()
+    for name, _ in model.named_parameters():  # tied weights appear once, under the embedding's name
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj in by_fused:
+            names.update(f"{parent}.{hf}.{leaf}" for hf in by_fused[proj])
+        else:
+            names.add(name)
+    return names
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, args: ModelArgs, model_dir: str | Path) -> None:
+    """Fill every parameter of ``model`` from the checkpoint's safetensors files (see module docs)."""
+    params = dict(model.named_parameters())
+    shards = _fused_shards(args)
+    expected = _expected_hf_names(model, shards)
+    seen: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if hf_name == "lm_head.weight" and args.tie_word_embeddings:
+                    continue
+                if hf_name not in expected:
+                    raise ValueError(f"{path.name}: unexpected tensor {hf_name!r} for {args.architecture}")
+                if hf_name in seen:
+                    raise ValueError(f"{path.name}: tensor {hf_name!r} appears twice in the checkpoint")
+                tensor = f.get_tensor(hf_name)
+                module, _, leaf = hf_name.rpartition(".")
+                parent, _, proj = module.rpartition(".")
+                if proj in shards:
+                    fused, row, rows = shards[proj]
+                    target = params[f"{parent}.{fused}.{leaf}"].narrow(0, row, rows)
+                else:
+                    target = params[hf_name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"{path.name}: {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(target.shape)}")
+                target.copy_(tensor)
+                seen.add(hf_name)
+    missing = sorted(expected - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}")
+
+
+def load_model(
+    model_dir: str | Path,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int | None = None,
+    args: ModelArgs | None = None,
+) -> nn.Module:
+    """Construct the checkpoint's model class in ``dtype`` on ``device`` and load its weights."""
+    args = args or ModelArgs.from_pretrained(model_dir)
+    cls = model_class(args)
+    with torch.device("meta"):
+        model = cls(args, backend, max_positions)
+    model = model.to(dtype).to_empty(device=torch.device(device))
+    model.tie_weights()
+    for module in model.modules():
+        if hasattr(module, "reset_cache"):
+            module.reset_cache()
+    load_weights(model, args, model_dir)
+    return model.eval()

@@ -1,0 +1,197 @@
+"""The Llama / Mistral / Qwen2 / Qwen3 decoder family as plain ``nn.Module``s over the paged KV cache.
+
+One implementation covers the family's variants, switched by ``ModelArgs``: GQA, RoPE (rope_theta,
+linear or llama3-style scaling; rotate-half layout), RMSNorm, SwiGLU, Qwen2's q/k/v biases, Qwen3's
+per-head q/k RMSNorm and explicit ``head_dim``, tied embeddings. Invariants:
+
+- Inputs are packed: a step's new tokens of every sequence are rows of one ``[T]`` tensor (no padding,
+  no batch dimension); ``positions [T]`` are their positions inside their own sequences.
+- ``q``/``k``/``v`` and ``gate``/``up`` are fused (``qkv_proj``, ``gate_up_proj``); ``engine.loader``
+  fills them from HF's separate tensors. Parameter names otherwise mirror HF's.
+- The model holds no per-step state: the KV cache (one tensor per layer) and ``AttentionMetadata`` are
+  arguments of ``forward``; the attention math is the backend's (``engine.attention``).
+- ``forward`` returns the final hidden states ``[T, hidden]``; ``compute_logits`` projects only the
+  rows the caller selects, so a prefill of many tokens never materialises ``[T, vocab]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]; normalised in float32, like HF, then scaled in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or llama3 scaling applied."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    p = args.rope_params
+    if args.rope_type == "linear":
+        return inv_freq / p["factor"]
+    if args.rope_type == "llama3":
+        factor = p["factor"]
+        low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+        old_len = p.get("original_max_position_embeddings", 8192.0)
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between
+        # interpolated smoothly.
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(wavelen < old_len / high, inv_freq, torch.where(wavelen > old_len / low,
+                                                                            inv_freq / factor, scaled))
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin cache ``[max_positions, head_dim / 2]`` in float32, indexed by each token's position."""
+
+    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+        super().__init__()
+        self.args = args
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """(Re)compute the cache on the module's device (the loader calls it after ``to_empty``)."""
+        device = self.cos_sin.device
+        inv_freq = rope_inv_freq(self.args).to(device)
+        freqs = torch.outer(torch.arange(self.max_positions, device=device, dtype=torch.float32), inv_freq)
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, heads, D] in rotate-half layout (first half / second half).
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.q_size, args.kv_size
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        # Shared, not owned: registering them as submodules would duplicate them per layer.
+        self._rotary = (rotary,)
+        self._backend = backend
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rotary = self._rotary[0]
+        q, k = rotary(positions, q), rotary(positions, k)
+        out = self._backend.forward(q, k, v.contiguous(), kv_cache, meta)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rotary_emb = RotaryEmbedding(args, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, self.rotary_emb, backend) for _ in range(args.num_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``max_positions`` sizes the RoPE cache (at least the engine's max_model_len)."""
+
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head if the checkpoint ties them (again after ``to_empty``)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the packed new tokens ``input_ids [T]`` at ``positions [T]``."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits [N, vocab] in the model dtype
+        return self.lm_head(hidden)
