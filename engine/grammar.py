@@ -18,6 +18,12 @@ Invariants:
   reason ``stop``. Preemption keeps ``token_ids`` and therefore the matcher state.
 - Special tokens (``special: true`` in ``added_tokens``) are given an empty spelling, which xgrammar
   treats as never matching text: they can only be produced as stop tokens.
+- JSON grammars never emit a raw control character (bytes 0x00-0x1F): compact JSON has none outside
+  strings and JSON forbids them unescaped inside. xgrammar's rule for length-bounded strings admits
+  them, so tokens containing one are masked out for every JSON row on top of the grammar's bitmask.
+  Likewise xgrammar admits UTF-8-encoded surrogates (``ED A0..BF ..``), which are not valid UTF-8:
+  tokens containing one are masked, and after a token ending in the lead byte ``ED`` so are tokens
+  starting with ``A0..BF``.
 
 Schemas are validated by :func:`check_json_schema` (used by ``SamplingParams``): a schema that xgrammar
 cannot compile raises ``ValueError``.
@@ -26,6 +32,7 @@ cannot compile raises ``ValueError``.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
 
 _SEPARATORS = (",", ":")
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def check_json_schema(schema: dict[str, Any]) -> None:
@@ -122,6 +130,10 @@ class GrammarState:
     """Per-sequence grammar state, stored in ``seq.sampler_state``."""
 
     matcher: xgr.GrammarMatcher
+    # A JSON grammar (json_schema / json_object): raw control characters are masked as well.
+    is_json: bool = False
+    # The last accepted token ends with the UTF-8 lead byte 0xED: the next byte must be 0x80..0x9F.
+    after_ed: bool = False
 
 
 def is_terminated(seq: Sequence) -> bool:
@@ -140,6 +152,14 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._max_cached = max_cached_grammars
+        vocab = tokenizer_info.decoded_vocab
+        self._json_allowed = _pack_bitmask(
+            [not any(b < 0x20 for b in t) and _SURROGATE.search(t) is None for t in vocab], self.vocab_size
+        )
+        self._after_ed_allowed = _pack_bitmask(
+            [not t or not 0xA0 <= t[0] <= 0xBF for t in vocab], self.vocab_size
+        )
+        self._ends_with_ed = frozenset(i for i, t in enumerate(vocab) if t.endswith(b"\xed"))
 
     @classmethod
     def from_tokenizer_json(
@@ -187,9 +207,10 @@ class GrammarBackend:
         compiled = self.compile(seq.params)
         if compiled is None:
             return None
-        state = GrammarState(xgr.GrammarMatcher(compiled))
+        is_json = seq.params.json_schema is not None or seq.params.json_object
+        state = GrammarState(xgr.GrammarMatcher(compiled), is_json)
         for token_id in seq.output_token_ids:
-            if not state.matcher.accept_token(token_id):
+            if not self.accept(state, token_id):
                 raise ValueError(f"sequence {seq.seq_id}: existing output does not match its grammar")
         seq.sampler_state = state
         return state
@@ -200,8 +221,20 @@ class GrammarBackend:
         if not rows:
             return None
         bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
+        json_rows, after_ed_rows = [], []
         for i in rows:
-            states[i].matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
+            state = states[i]
+            if state is None:
+                continue
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+            if state.is_json:
+                json_rows.append(i)
+                if state.after_ed:
+                    after_ed_rows.append(i)
+        if json_rows:
+            bitmask[torch.tensor(json_rows)] &= self._json_allowed
+        if after_ed_rows:
+            bitmask[torch.tensor(after_ed_rows)] &= self._after_ed_allowed
         return bitmask, rows
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -210,9 +243,17 @@ class GrammarBackend:
             logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=rows
         )
 
-    @staticmethod
-    def accept(state: GrammarState, token_id: int) -> bool:
+    def accept(self, state: GrammarState, token_id: int) -> bool:
         """Advance the matcher with a sampled token; False if the grammar rejects it."""
-        if state.matcher.is_terminated():
+        if state.matcher.is_terminated() or not state.matcher.accept_token(token_id):
             return False
-        return state.matcher.accept_token(token_id)
+        state.after_ed = token_id in self._ends_with_ed
+        return True
+
+
+def _pack_bitmask(allowed: list[bool], vocab_size: int) -> torch.Tensor:
+    """xgrammar's bitmask layout for one row: int32 words, bit ``j`` of word ``w`` = token ``32 w + j``."""
+    bits = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.int64)
+    bits[: min(len(allowed), vocab_size)] = torch.tensor(allowed[:vocab_size], dtype=torch.int64)
+    words = (bits.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

@@ -115,7 +115,7 @@ class Sampler:
             terminated = False
             state = states[i]
             if state is not None:
-                if not GrammarBackend.accept(state, token_id):
+                if self.grammar is not None and not self.grammar.accept(state, token_id):
                     logger.error("sequence %s: token %d rejected by its grammar", seq.seq_id, token_id)
                 terminated = state.matcher.is_terminated()
             results.append(SampleResult(token_id, records[i], terminated))
