@@ -38,9 +38,18 @@ def count_launch(op: str) -> None:
     launch_counts[op] += 1
 
 
-def launcher_for(kernel: Any, device: torch.device) -> Any:
-    """The kernel object to index with a grid for tensors on ``device``; refuses impossible pairs."""
-    if isinstance(kernel, InterpretedFunction) or device.type == "cuda":
+def launcher_for(kernel: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """The kernel object to index with a grid for ``dtype`` tensors on ``device``; refuses what cannot
+    run correctly: compiled kernels on CPU tensors, and bfloat16 in the interpreter (its NumPy
+    emulation of bfloat16 rounds wrongly, off by several ulps)."""
+    if isinstance(kernel, InterpretedFunction):
+        if dtype == torch.bfloat16:
+            raise TypeError(
+                "bfloat16 is not supported by Triton's interpreter (TRITON_INTERPRET=1); use float32 or "
+                "float16 on the CPU, bfloat16 on a GPU"
+            )
+        return kernel
+    if device.type == "cuda":
         return kernel
     raise RuntimeError(
         f"Triton kernel {kernel.fn.__name__} was compiled for CUDA but got tensors on {device}; run "

@@ -185,7 +185,7 @@ def extend_attention(
     block_m = max(1, _ROWS // group_pad)
     count_launch("extend_attention")
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_m))
-    launcher_for(_extend_attention_kernel, device)[grid](
+    launcher_for(_extend_attention_kernel, device, dtype)[grid](
         q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -262,7 +262,7 @@ def paged_decode_attention(
         value_cache.stride(2),
     )
     count_launch("paged_decode_attention")
-    kernel = launcher_for(_paged_decode_attention_kernel, device)
+    kernel = launcher_for(_paged_decode_attention_kernel, device, dtype)
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
         kernel[grid](
@@ -283,7 +283,7 @@ def paged_decode_attention(
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         **common,
     )  # fmt: skip
-    launcher_for(_merge_splits_kernel, device)[(batch, num_heads)](
+    launcher_for(_merge_splits_kernel, device, dtype)[(batch, num_heads)](
         partial, lse, out,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),

@@ -109,7 +109,7 @@ def rms_norm(
         r2 = _as_rows("residual", residual, rows, hidden) if residual is not None else x2
         ro2 = _as_rows("residual_out", residual_out, rows, hidden) if residual_out is not None else out2
         count_launch("rms_norm")
-        launcher_for(_rms_norm_kernel, device)[(rows,)](
+        launcher_for(_rms_norm_kernel, device, dtype)[(rows,)](
             x2, r2, weight, out2, ro2,
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), float(eps),
             HIDDEN=hidden, BLOCK=next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,

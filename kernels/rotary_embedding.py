@@ -142,7 +142,7 @@ def rotary_embedding(
     if num_tokens == 0:
         return q_out, k_out
     count_launch("rotary_embedding")
-    launcher_for(_rotary_embedding_kernel, device)[(num_tokens,)](
+    launcher_for(_rotary_embedding_kernel, device, dtype)[(num_tokens,)](
         q, k, q_out, k_out, positions, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),

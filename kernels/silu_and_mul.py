@@ -59,7 +59,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out2 is None:
         raise ValueError("out must be contiguous")
     count_launch("silu_and_mul")
-    launcher_for(_silu_and_mul_kernel, x.device)[(rows, triton.cdiv(intermediate, _BLOCK))](
+    launcher_for(_silu_and_mul_kernel, x.device, x.dtype)[(rows, triton.cdiv(intermediate, _BLOCK))](
         x2, out2, x2.stride(0), out2.stride(0), INTERMEDIATE=intermediate, BLOCK=_BLOCK
     )
     return out

@@ -99,7 +99,7 @@ def store_kv_cache(
         return
     num_blocks, block_size = key_cache.shape[:2]
     count_launch("store_kv_cache")
-    launcher_for(_store_kv_cache_kernel, device)[(num_tokens,)](
+    launcher_for(_store_kv_cache_kernel, device, key.dtype)[(num_tokens,)](
         key,
         value,
         key_cache,
