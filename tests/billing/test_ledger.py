@@ -1,0 +1,163 @@
+"""Outbox → ledger against real Redis and Postgres: exactly one row per request, nothing lost while
+Postgres is unreachable, nothing doubled by redelivery or a dead consumer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import select
+
+from billing.ledger import DEAD_LETTER_STREAM, LEDGER_GROUP, LedgerUnavailable, UsageFlusher
+from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
+from billing.prices import Price, cost_pico_usd
+from billing.repository import insert_usage_events
+from tests.factories import create_tenant
+from tollgate.db import Database
+from tollgate.local_services import free_port
+from tollgate.models import UsageEvent
+
+PRICE = Price.of(input=3_000_000, output=15_000_000)
+
+
+def record(tenant_id: int, request_id: str, *, prompt: int = 1_000, cached: int = 200,
+           completion: int = 50, status: str = "completed") -> UsageRecord:
+    return UsageRecord(
+        request_id=request_id, tenant_id=tenant_id, api_key_id=None, model="tiny",
+        request_class="interactive", tier="default", prompt_tokens=prompt, cached_tokens=cached,
+        completion_tokens=completion,
+        cost_pico_usd=cost_pico_usd(PRICE, prompt, cached, completion, "interactive"),
+        status=status, ttft_ms=12.5, tpot_ms=3.0, created_at=datetime.now(UTC),
+    )
+
+
+@pytest.fixture
+def unit_of_work(db_sessionmaker):
+    """Sessions that commit on exit, like ``Database.session`` (inside the test's rolled-back
+    transaction)."""
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator:
+        async with db_sessionmaker() as session:
+            try:
+                yield session
+            except BaseException:
+                await session.rollback()
+                raise
+            await session.commit()
+
+    return factory
+
+
+async def ledger_rows(db_session, tenant_id: int) -> list[UsageEvent]:
+    stmt = select(UsageEvent).where(UsageEvent.tenant_id == tenant_id).order_by(UsageEvent.request_id)
+    return list((await db_session.scalars(stmt)).all())
+
+
+async def test_records_become_exactly_one_row_each(db_session, redis_client, unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    records = [record(tenant.id, f"req-{i:03d}", completion=i) for i in range(25)]
+    for rec in records:
+        await append_usage(redis_client, rec)
+    await append_usage(redis_client, records[3])  # the gateway retried an append: same request id
+    flusher = UsageFlusher(redis_client, unit_of_work, consumer="w1", batch_size=10)
+    result = await flusher.flush()
+    assert (result.entries, result.inserted, result.duplicates, result.dead) == (26, 25, 1, 0)
+    rows = await ledger_rows(db_session, tenant.id)
+    assert [r.request_id for r in rows] == [r.request_id for r in records]
+    assert [r.cost_pico_usd for r in rows] == [r.cost_pico_usd for r in records]
+    assert rows[7].prompt_tokens == 1_000 and rows[7].cached_tokens == 200 and rows[7].completion_tokens == 7
+    assert await redis_client.xlen(USAGE_STREAM) == 0  # acknowledged entries leave the stream
+    # Flushing the same record again later still leaves one row.
+    await append_usage(redis_client, records[0])
+    assert (await flusher.flush()).inserted == 0
+    assert len(await ledger_rows(db_session, tenant.id)) == 25
+
+
+async def test_postgres_unreachable_keeps_records_until_a_later_flush(db_session, redis_client,
+                                                                       unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    records = [record(tenant.id, f"out-{i}") for i in range(12)]
+    for rec in records[:8]:
+        await append_usage(redis_client, rec)
+    dead_db = Database(f"postgresql://tollgate:x@127.0.0.1:{free_port()}/tollgate", pool_size=1)
+    try:
+        down = UsageFlusher(redis_client, dead_db.session, consumer="w1", batch_size=5)
+        for _ in range(2):  # retried while the outage lasts: still nothing lost
+            with pytest.raises(LedgerUnavailable):
+                await down.flush()
+    finally:
+        await dead_db.dispose()
+    assert await redis_client.xlen(USAGE_STREAM) == 8
+    pending = await redis_client.xpending(USAGE_STREAM, LEDGER_GROUP)
+    assert pending["pending"] == 5  # the failed batch waits, unacknowledged, in w1's pending list
+    for rec in records[8:]:
+        await append_usage(redis_client, rec)  # gateways keep appending during the outage
+    up = UsageFlusher(redis_client, unit_of_work, consumer="w1", batch_size=5)
+    result = await up.flush()
+    assert result.inserted == 12 and result.dead == 0
+    assert sorted(r.request_id for r in await ledger_rows(db_session, tenant.id)) == sorted(
+        r.request_id for r in records)
+    assert await redis_client.xlen(USAGE_STREAM) == 0
+    assert (await redis_client.xpending(USAGE_STREAM, LEDGER_GROUP))["pending"] == 0
+
+
+async def test_a_dead_consumers_pending_entries_are_claimed(db_session, redis_client, unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    for i in range(6):
+        await append_usage(redis_client, record(tenant.id, f"claim-{i}"))
+    crashed = UsageFlusher(redis_client, unit_of_work, consumer="crashed", batch_size=4)
+    await crashed.ensure_group()
+    # The crashed worker read four entries and died before inserting them.
+    await redis_client.xreadgroup(LEDGER_GROUP, "crashed", {USAGE_STREAM: ">"}, count=4)
+    patient = UsageFlusher(redis_client, unit_of_work, consumer="other", batch_size=100, claim_idle_ms=60_000)
+    assert (await patient.flush()).inserted == 2  # not idle long enough yet: only the unread two
+    taker = UsageFlusher(redis_client, unit_of_work, consumer="other", batch_size=100, claim_idle_ms=0)
+    assert (await taker.flush()).inserted == 4
+    assert len(await ledger_rows(db_session, tenant.id)) == 6
+    assert (await redis_client.xpending(USAGE_STREAM, LEDGER_GROUP))["pending"] == 0
+
+
+async def test_crash_between_commit_and_ack_does_not_double_bill(db_session, redis_client,
+                                                                 unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    records = [record(tenant.id, f"twice-{i}") for i in range(3)]
+    for rec in records:
+        await append_usage(redis_client, rec)
+    flusher = UsageFlusher(redis_client, unit_of_work, consumer="w1", batch_size=10)
+    await flusher.ensure_group()
+    await redis_client.xreadgroup(LEDGER_GROUP, "w1", {USAGE_STREAM: ">"}, count=10)
+    async with unit_of_work() as session:  # the rows were committed, then the worker died
+        await insert_usage_events(session, [r.row() for r in records])
+    result = await flusher.flush()  # restarted: redelivers its pending entries
+    assert (result.entries, result.inserted, result.duplicates) == (3, 0, 3)
+    assert len(await ledger_rows(db_session, tenant.id)) == 3
+
+
+async def test_unusable_records_go_to_the_dead_letter_stream(db_session, redis_client, unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    await append_usage(redis_client, record(tenant.id, "good-1"))
+    await append_usage(redis_client, record(10**12, "orphan"))  # no such tenant: the FK refuses it
+    await redis_client.xadd(USAGE_STREAM, {b"r": b"{not json"})
+    await append_usage(redis_client, record(tenant.id, "good-2"))
+    result = await UsageFlusher(redis_client, unit_of_work, consumer="w1").flush()
+    assert (result.inserted, result.dead) == (2, 2)
+    assert [r.request_id for r in await ledger_rows(db_session, tenant.id)] == ["good-1", "good-2"]
+    dead = await redis_client.xrange(DEAD_LETTER_STREAM)
+    reasons = sorted(fields[b"reason"].decode().split(":")[0] for _, fields in dead)
+    assert reasons == ["rejected by the database", "undecodable"]
+    assert await redis_client.xlen(USAGE_STREAM) == 0
+
+
+async def test_records_validate_their_columns() -> None:
+    with pytest.raises(ValueError):
+        record(1, "x", prompt=10, cached=11)
+    with pytest.raises(ValueError):
+        UsageRecord(request_id="x", tenant_id=1, api_key_id=None, model="m", request_class="interactive",
+                    tier="default", prompt_tokens=1, cached_tokens=0, completion_tokens=0, cost_pico_usd=0,
+                    status="completed", ttft_ms=None, tpot_ms=None, created_at=datetime(2026, 1, 1))
+    rec = record(1, "roundtrip")
+    assert UsageRecord.from_json(rec.to_json()) == rec
+
