@@ -305,3 +305,12 @@ def test_add_rejects_requests_that_can_never_fit():
     sched.add(seq)
     with pytest.raises(ValueError, match="already added"):
         sched.add(seq)
+
+
+def test_scheduler_and_block_manager_import_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, engine.scheduler, engine.block_manager, engine.block_hash; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
