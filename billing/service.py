@@ -53,11 +53,12 @@ async def ensure_price(session: AsyncSession, model: str, price: Price) -> bool:
 
 async def reconcile_month_spend(session: AsyncSession, redis: Redis, *, at: datetime | None = None) -> int:
     """Raise every tenant's month-to-date spend counter in Redis to at least the ledger's sum for the
-    month of ``at`` (now by default); returns how many counters were raised."""
+    month of ``at`` (now by default); returns how many tenants' counters now equal their ledger sum
+    (raised, or already exact; a counter ahead of the ledger counts usage still in the outbox)."""
     month = month_field(at or datetime.now(UTC))
     start, end = month_bounds(month)
-    raised = 0
+    exact = 0
     for tenant_id, total in (await repository.spend_by_tenant(session, start, end)).items():
-        before = await raise_spend_to(redis, tenant_id, month, total)
-        raised += before == total
-    return raised
+        after = await raise_spend_to(redis, tenant_id, month, total)
+        exact += after == total
+    return exact

@@ -1,0 +1,129 @@
+"""Price rows and the price book from Postgres, spend reconciliation from the ledger, the Celery task
+bodies and the ``tollgate prices`` CLI."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import func, select
+
+from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
+from billing.prices import Price, PriceBook, PriceBookCache, PriceNotFound
+from billing.service import EPOCH, PriceConflict, ensure_price, reconcile_month_spend, set_price
+from billing.spend import drop_months_before, month_bounds, month_field, month_to_date_spend, raise_spend_to
+from billing.tasks import beat_schedule, flush_usage_once, reconcile_spend_once
+from tests.factories import create_tenant, create_usage_event
+from tollgate.cli import main as cli
+from tollgate.db import Database
+from tollgate.models import UsageEvent
+from tollgate.settings import get_settings
+
+NOW = datetime(2026, 11, 15, 12, 0, tzinfo=UTC)
+
+
+async def test_price_rows_load_into_a_book_with_effective_dates(db_session) -> None:
+    old, new = Price.of(input=1_000_000, output=2_000_000), Price.of(input=3_000_000, output=6_000_000)
+    await set_price(db_session, "svc-model", old, NOW - timedelta(days=10), now=NOW)
+    await set_price(db_session, "svc-model", new, NOW + timedelta(days=10), now=NOW)
+    book = await PriceBook.load(db_session)
+    assert book.price_for("svc-model", NOW) == old
+    assert book.price_for("svc-model", NOW + timedelta(days=11)) == new
+    with pytest.raises(PriceNotFound):
+        book.price_for("svc-model", NOW - timedelta(days=11))
+
+
+async def test_a_price_in_effect_is_never_rewritten_but_a_future_one_may_be(db_session) -> None:
+    price = Price.of(input=5, output=5)
+    start = await set_price(db_session, "m2", price, NOW - timedelta(hours=1), now=NOW)
+    with pytest.raises(PriceConflict):
+        await set_price(db_session, "m2", Price.of(input=1, output=1), start, now=NOW)
+    future = NOW + timedelta(days=1)
+    await set_price(db_session, "m2", price, future, now=NOW)
+    await set_price(db_session, "m2", Price.of(input=7, output=7), future, now=NOW)
+    assert (await PriceBook.load(db_session)).price_for("m2", future).input == 7
+
+
+async def test_ensure_price_seeds_only_an_unpriced_model(db_session) -> None:
+    assert await ensure_price(db_session, "tiny-seed", Price.of(input=100, output=400))
+    assert not await ensure_price(db_session, "tiny-seed", Price.of(input=1, output=1))
+    book = await PriceBook.load(db_session)
+    assert book.price_for("tiny-seed", EPOCH).input == 100
+
+
+async def test_price_book_cache_refreshes(db_sessionmaker) -> None:
+    async with db_sessionmaker() as session:
+        cache = PriceBookCache(lambda: db_sessionmaker(), refresh_interval_s=3600)
+        with pytest.raises(PriceNotFound):
+            cache.price_for("cached-model")
+        await set_price(session, "cached-model", Price.of(input=9, output=9))
+        await session.flush()
+        await cache.refresh()
+        assert cache.price_for("cached-model").input == 9
+
+
+async def test_reconcile_raises_spend_to_the_ledger_and_never_lowers_it(db_session, redis_client) -> None:
+    month = month_field(datetime.now(UTC))
+    start, _ = month_bounds(month)
+    a, b = await create_tenant(db_session), await create_tenant(db_session)
+    await create_usage_event(db_session, a, cost_pico_usd=10**15)
+    await create_usage_event(db_session, a, cost_pico_usd=10**15 + 1)  # sums beyond float precision
+    await create_usage_event(db_session, a, cost_pico_usd=999, created_at=start - timedelta(seconds=1))
+    await create_usage_event(db_session, b, cost_pico_usd=50)
+    await raise_spend_to(redis_client, b.id, month, 80)  # Redis ahead of the ledger (outbox not flushed)
+    await reconcile_month_spend(db_session, redis_client)
+    assert await month_to_date_spend(redis_client, a.id, month) == 2 * 10**15 + 1
+    assert await month_to_date_spend(redis_client, b.id, month) == 80
+
+
+async def test_month_helpers(redis_client) -> None:
+    assert month_bounds("2026-12") == (datetime(2026, 12, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC))
+    await raise_spend_to(redis_client, 5, "2026-09", 1)
+    await raise_spend_to(redis_client, 5, "2026-10", 2)
+    assert await drop_months_before(redis_client, 5, "2026-10") == 1
+    assert await month_to_date_spend(redis_client, 5, "2026-09") == 0
+    assert await month_to_date_spend(redis_client, 5, "2026-10") == 2
+
+
+async def test_flush_and_reconcile_tasks_end_to_end(new_database, service_settings, redis_client) -> None:
+    settings = service_settings.model_copy(update={"database_url": new_database})
+    db = Database(new_database, pool_size=1)
+    try:
+        async with db.session() as session:
+            tenant = await create_tenant(session)
+        for i in range(7):
+            await append_usage(redis_client, UsageRecord(
+                request_id=f"task-{i}", tenant_id=tenant.id, api_key_id=None, model="tiny",
+                request_class="batch", tier="flex", prompt_tokens=10, cached_tokens=0, completion_tokens=i,
+                cost_pico_usd=1_000 + i, status="completed", ttft_ms=None, tpot_ms=None,
+                created_at=datetime.now(UTC)))
+        result = await flush_usage_once(settings)
+        assert (result["inserted"], result["postponed"]) == (7, 0)
+        assert await reconcile_spend_once(settings) == 1
+        async with db.session() as session:
+            assert await session.scalar(select(func.count()).select_from(UsageEvent)) == 7
+        month = month_field(datetime.now(UTC))
+        assert await month_to_date_spend(redis_client, tenant.id, month) == sum(1_000 + i for i in range(7))
+        assert await redis_client.xlen(USAGE_STREAM) == 0
+    finally:
+        await db.dispose()
+    schedule = beat_schedule(settings)
+    assert schedule["billing.flush_usage"]["schedule"] == settings.usage_flush_interval_s
+
+
+def test_prices_cli_sets_exact_prices_and_refuses_fractions(new_database, settings, monkeypatch) -> None:
+    monkeypatch.setenv("TOLLGATE_DATABASE_URL", new_database)
+    get_settings.cache_clear()
+    runner = CliRunner()
+    result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "3", "--output", "15",
+                                 "--effective-from", "2026-01-01T00:00:00"])
+    assert result.exit_code == 0, result.output
+    assert "input=$3/Mtok cached_input=$0.3/Mtok output=$15/Mtok batch_input=$1.5/Mtok" in result.output
+    result = runner.invoke(cli, ["prices", "list", "cli-model"])
+    assert "2026-01-01T00:00:00+00:00" in result.output and "batch_output=$7.5/Mtok" in result.output
+    result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "0.0000001", "--output", "1"])
+    assert result.exit_code == 2 and "not a whole number of pico-USD" in result.output
+    result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "4", "--output", "16",
+                                 "--effective-from", "2026-01-01T00:00:00"])
+    assert result.exit_code == 2 and "already in effect" in result.output
