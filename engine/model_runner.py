@@ -1,0 +1,215 @@
+"""``ModelRunner``: the model, its paged KV cache and the per-step inputs (see docs/engine-internals.md).
+
+One runner per engine replica; it is driven from a single thread. Invariants:
+
+- The KV cache is one zero-initialised tensor per layer, ``[2, num_kv_blocks, block_size, num_kv_heads,
+  head_dim]`` in the model dtype (layout documented in ``engine.attention.base``). Its size is fixed at
+  start-up: ``config.num_kv_blocks`` if given, else ``kv_cache_memory_gb`` on the CPU, else
+  ``gpu_memory_utilization`` of the free device memory after loading the weights, minus an estimate
+  of the step's activations.
+- ``run(batch)`` computes K/V for ``token_ids[start : start + num_tokens]`` of every scheduled
+  sequence, at positions ``start ..``, into the slots its ``block_table`` maps (``block_table[p //
+  block_size] * block_size + p % block_size``), and returns float32 logits ``[num_sampled, vocab]``:
+  one row per ``ScheduledSeq`` whose chunk reaches the end of its tokens, in batch order.
+- A malformed batch (a chunk past the known tokens or ``max_model_len``, too few or out-of-range
+  blocks) raises ``ValueError`` before anything is written to the cache.
+- ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``,
+  capped at an enabled sliding window, since attention here is always full); the engine further caps
+  it at the KV pool's capacity.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata, get_backend
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.models.config import ModelArgs
+from engine.sequence import ScheduledBatch
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarBackend
+    from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            ids += [value] if isinstance(value, int) else list(value or [])
+    return tuple(dict.fromkeys(ids))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        self.dtype = _DTYPES[config.dtype]
+        model_dir = Path(config.model)
+        self.args = args = ModelArgs.from_pretrained(model_dir)
+        self.max_model_len = self._resolve_max_model_len(args, config.max_model_len)
+        self.vocab_size: int = args.vocab_size
+
+        backend_cls = get_backend(config.attention_backend or "torch")
+        self.attention_backend = backend_cls(
+            args.num_heads, args.num_kv_heads, args.head_dim, scale=args.head_dim**-0.5
+        )
+        self.model = load_model(model_dir, self.attention_backend, self.dtype, self.device,
+                                max_positions=self.max_model_len, args=args)
+
+        if (model_dir / "tokenizer.json").is_file():
+            from engine.tokenizer import Tokenizer
+
+            self.eos_token_ids: tuple[int, ...] = Tokenizer.from_pretrained(model_dir).eos_token_ids
+        else:
+            self.eos_token_ids = _checkpoint_eos_ids(model_dir)
+
+        self.num_kv_blocks: int = config.num_kv_blocks or self._num_blocks_from_memory()
+        self.kv_caches: list[torch.Tensor] = [
+            torch.zeros(2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim,
+                        dtype=self.dtype, device=self.device)
+            for _ in range(args.num_layers)
+        ]
+        logger.info("model %s (%s, %s on %s): %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+                    model_dir.name, args.architecture, config.dtype, self.device, self.num_kv_blocks,
+                    self.block_size, self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
+                    self.max_model_len)
+
+    @staticmethod
+    def _resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
+        limit = args.max_position_embeddings
+        if requested is not None and requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
+        max_len = requested or limit
+        if args.sliding_window is not None and max_len > args.sliding_window:
+            logger.warning("max_model_len capped at the sliding window (%d tokens): attention is always full",
+                           args.sliding_window)
+            max_len = args.sliding_window
+        return max_len
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        a = self.args
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def _activation_bytes(self) -> int:
+        """Upper estimate of one step's activation memory: the largest live tensors of a forward over
+        ``max_num_batched_tokens`` tokens, plus float32 logits for ``max_num_seqs`` rows (twice: the
+        sampler's working copy)."""
+        a, c = self.args, self.config
+        per_token = a.hidden_size * 4 + a.q_size + 2 * a.kv_size + 3 * a.intermediate_size
+        return (c.max_num_batched_tokens * per_token * self.dtype.itemsize
+                + 2 * c.max_num_seqs * a.vocab_size * 4)
+
+    def _num_blocks_from_memory(self) -> int:
+        bytes_per_block = self.block_size * self.kv_bytes_per_token
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization) - self._activation_bytes()
+            source = f"{self.config.gpu_memory_utilization:.0%} of {free / 2**30:.1f} GiB free device memory"
+        else:
+            budget = int(self.config.kv_cache_memory_gb * 2**30)
+            source = f"kv_cache_memory_gb={self.config.kv_cache_memory_gb}"
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache ({source}, {bytes_per_block} bytes per block)")
+        return num_blocks
+
+    def grammar_compiler(self, tokenizer: Tokenizer) -> GrammarBackend:
+        """The structured-output backend for this model's vocabulary (lm_head rows) and stop tokens."""
+        from engine.grammar import GrammarBackend
+
+        stop_ids = list(tokenizer.eos_token_ids or self.eos_token_ids)
+        return GrammarBackend.from_tokenizer_json(Path(self.config.model) / "tokenizer.json", self.vocab_size,
+                                                  stop_ids)
+
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Validate ``batch`` and build ``(input_ids [T], positions [T], metadata, logits_indices [N])``."""
+        if not batch.seqs:
+            raise ValueError("cannot run an empty batch")
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        for s in batch.seqs:
+            seq, start, n = s.seq, s.start, s.num_tokens
+            end = start + n
+            if n < 1 or end > len(seq.token_ids):
+                raise ValueError(f"sequence {seq.request_id}: chunk [{start}, {end}) is outside its "
+                                 f"{len(seq.token_ids)} tokens")
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"sequence {seq.request_id}: {end} tokens exceed max_model_len {self.max_model_len}"
+                )
+            num_blocks = -(-end // bs)
+            if len(seq.block_table) < num_blocks:
+                raise ValueError(f"sequence {seq.request_id}: {end} tokens need {num_blocks} blocks, "
+                                 f"its block table has {len(seq.block_table)}")
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(seq.block_table[:num_blocks])
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        lo, hi = int(block_tables.min()), int(block_tables.max())
+        if lo < 0 or hi >= self.num_kv_blocks:
+            raise ValueError(f"block ids must be in [0, {self.num_kv_blocks}), got {lo if lo < 0 else hi}")
+
+        pos = torch.tensor(positions, dtype=torch.int64)
+        lens = torch.tensor(query_lens, dtype=torch.int32)
+        token_seq = torch.repeat_interleave(torch.arange(len(tables)), lens)  # [T] sequence of each token
+        slot_mapping = block_tables[token_seq, pos // bs].to(torch.int64) * bs + pos % bs
+        query_start_loc = torch.zeros(len(tables) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=query_start_loc[1:])
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            if self.device.type == "cpu":
+                return t
+            return t.pin_memory().to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=dev(slot_mapping),
+            query_start_loc=dev(query_start_loc),
+            seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=dev(block_tables),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        return (dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta,
+                dev(torch.tensor(logits_indices, dtype=torch.int64)))
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute the batch's chunks into the KV cache; float32 logits ``[num_sampled, vocab]``."""
+        input_ids, positions, meta, logits_indices = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if logits_indices.numel() == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(hidden[logits_indices]).float()  # [N, vocab]
