@@ -116,8 +116,11 @@ class Sampler:
             state = states[i]
             if state is not None:
                 if self.grammar is not None and not self.grammar.accept(state, token_id):
+                    # Cannot happen while the mask is applied; end the stream rather than emit garbage.
                     logger.error("sequence %s: token %d rejected by its grammar", seq.seq_id, token_id)
-                terminated = state.matcher.is_terminated()
+                    terminated = True
+                else:
+                    terminated = state.matcher.is_terminated()
             results.append(SampleResult(token_id, records[i], terminated))
         return results
 
