@@ -27,7 +27,8 @@ from billing.prices import REQUEST_CLASSES
 
 USAGE_STREAM = "tollgate:usage"
 RECORD_FIELD = b"r"
-REQUEST_STATUSES = ("completed", "failed", "cancelled")
+# How the request ended (a batch line that ran out of its window is "expired").
+REQUEST_STATUSES = ("completed", "failed", "cancelled", "expired")
 
 
 @dataclass(frozen=True, slots=True)

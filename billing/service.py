@@ -11,14 +11,14 @@ Invariants:
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing import repository
 from billing.prices import Price
-from billing.spend import month_bounds, month_field, raise_spend_to
+from billing.spend import drop_months_before, month_bounds, month_field, raise_spend_to
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -53,12 +53,14 @@ async def ensure_price(session: AsyncSession, model: str, price: Price) -> bool:
 
 async def reconcile_month_spend(session: AsyncSession, redis: Redis, *, at: datetime | None = None) -> int:
     """Raise every tenant's month-to-date spend counter in Redis to at least the ledger's sum for the
-    month of ``at`` (now by default); returns how many tenants' counters now equal their ledger sum
-    (raised, or already exact; a counter ahead of the ledger counts usage still in the outbox)."""
+    month of ``at`` (now by default) and forget counters older than the previous month. Returns how
+    many tenants' counters now equal their ledger sum (raised, or already exact; a counter ahead of
+    the ledger counts usage still in the outbox)."""
     month = month_field(at or datetime.now(UTC))
     start, end = month_bounds(month)
     exact = 0
     for tenant_id, total in (await repository.spend_by_tenant(session, start, end)).items():
         after = await raise_spend_to(redis, tenant_id, month, total)
         exact += after == total
+        await drop_months_before(redis, tenant_id, month_field(start - timedelta(days=1)))
     return exact
