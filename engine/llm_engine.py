@@ -30,9 +30,11 @@ import logging
 import time
 from collections.abc import Sequence as SequenceLike
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.grammar import GrammarBackend
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.sampler import Sampler, SampleResult
@@ -81,9 +83,9 @@ class LLMEngine:
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler(self.runner.vocab_size, self.runner.grammar_compiler(self.tokenizer))
         self.vocab_size: int = self.runner.vocab_size
         self.eos_token_ids: frozenset[int] = frozenset(self.runner.eos_token_ids)
+        self.sampler = Sampler(self.vocab_size, self._grammar_backend(), seed=config.seed)
         kv_capacity = self.runner.num_kv_blocks * config.block_size
         self.max_model_len: int = min(config.max_model_len or self.runner.max_model_len, kv_capacity)
         if self.max_model_len < (config.max_model_len or self.runner.max_model_len):
@@ -96,6 +98,15 @@ class LLMEngine:
         # Deltas produced outside step() (aborts), returned by the next step().
         self._pending: list[RequestDelta] = []
         self._stats = EngineStats(num_kv_blocks=self.runner.num_kv_blocks)
+
+    def _grammar_backend(self) -> GrammarBackend | None:
+        """Structured output needs the checkpoint's ``tokenizer.json`` and an EOS to end documents."""
+        tokenizer_json = Path(self.config.model) / "tokenizer.json"
+        if not tokenizer_json.is_file() or not self.eos_token_ids:
+            logger.warning("structured output disabled: no tokenizer.json or no EOS token in %s",
+                           self.config.model)
+            return None
+        return GrammarBackend.from_tokenizer_json(tokenizer_json, self.vocab_size, sorted(self.eos_token_ids))
 
     # ---- requests -------------------------------------------------------------------------------
     def validate_request(
@@ -273,7 +284,7 @@ class LLMEngine:
             return FinishReason.STOP
         if self._emit(completion, completion.detokenizer.add(token_id)):
             return FinishReason.STOP
-        if getattr(result, "terminated", False):
+        if result.terminated:
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = FinishReason.LENGTH

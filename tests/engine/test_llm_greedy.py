@@ -8,12 +8,22 @@ and our token is one of those two (a float near-tie); the outputs after it are t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is fastest, and xdist workers must not oversubscribe the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 MAX_NEW_TOKENS = 24
 TIE_GAP = 1e-3
@@ -36,9 +46,11 @@ def _hf_greedy(model_dir: Path, prompt_ids: list[list[int]]) -> list[tuple[list[
     results = []
     with torch.no_grad():
         for ids in prompt_ids:
+            input_ids = torch.tensor([ids])
+            # An explicit mask: without one, transformers masks every prompt token equal to the pad id.
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False, output_logits=True, return_dict_in_generate=True,
             )
             tokens = out.sequences[0, len(ids):].tolist()
             logits = torch.stack([step[0] for step in out.logits])

@@ -13,11 +13,21 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import torch
 import uvicorn
 
 from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, InfoResponse, LoadReport, parse_record
 from engine.server import build_engine, create_app
 from engine.synthetic import FIRST_WORD_ID
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is fastest, and xdist workers must not oversubscribe the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 class _Server:
@@ -158,7 +168,7 @@ def test_disconnect_aborts_and_frees_blocks_while_others_are_served(model_server
     server, _ = model_server
     with httpx.Client(base_url=server.url, timeout=60) as client:
         total = client.get("/info").json()["num_kv_blocks"]
-        long_body = {"request_id": "long", "prompt_token_ids": list(range(3, 60)), "max_tokens": 1000,
+        long_body = {"request_id": "long", "prompt_token_ids": list(range(3, 60)), "max_tokens": 900,
                      "ignore_eos": True}
         with client.stream("POST", "/generate", json=long_body) as r:
             assert r.status_code == 200
