@@ -104,3 +104,40 @@ def test_llama_variant_has_bos(tiny_llama_dir: Path) -> None:
     assert tok("hi")["input_ids"][0] == tok.convert_tokens_to_ids("<|begin_of_text|>")
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert text.startswith("<|begin_of_text|><|im_start|>user\nhi<|im_end|>\n")
+
+
+def test_engine_command_builds_config_and_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.server
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(engine.server, "serve", lambda *a, **kw: calls.append((a, kw)))
+    args = [
+        "engine",
+        "--model",
+        str(tmp_path),
+        "--port",
+        "8123",
+        "--pool",
+        "batch",
+        "--num-kv-blocks",
+        "32",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "256",
+        "--no-prefix-caching",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (config,), kwargs = calls[0]
+    assert kwargs == {"host": "127.0.0.1", "port": 8123, "pool": "batch", "model_name": None}
+    assert (config.model, config.num_kv_blocks, config.max_num_seqs, config.max_model_len) == (
+        str(tmp_path),
+        32,
+        4,
+        256,
+    )
+    assert config.attention_backend == "torch" and not config.enable_prefix_caching
+
+    result = CliRunner().invoke(main, ["engine", "--model", str(tmp_path / "missing")])
+    assert result.exit_code != 0 and "is not a directory" in result.output

@@ -34,8 +34,9 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
 
 @click.command()
 @click.option("--model", "model_path", required=True,
-              type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Hugging Face checkpoint directory.")
+              help='Hugging Face checkpoint directory, or "synthetic" (a model-less stand-in for '
+                   'gateway load tests).')
+@click.option("--model-name", default=None, help="Name served to the gateway. Default: the directory name.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8100, show_default=True)
 @click.option("--pool", default="interactive", show_default=True, help="Pool this replica serves.")
@@ -45,11 +46,20 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
 @click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None,
               help="Default: triton on CUDA, torch elsewhere.")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
-              help="Default: sized from memory.")
+              help="Default: sized from --kv-cache-memory-gb (CPU) or --gpu-memory-utilization (CUDA).")
+@click.option("--kv-cache-memory-gb", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True)
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+              show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Default: the model's max_position_embeddings.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--no-prefix-caching", is_flag=True, help="Disable the prefix cache.")
+@click.option("--enforce-eager", is_flag=True, help="Never capture CUDA graphs.")
 def engine(
-    model_path: Path,
+    model_path: str,
+    model_name: str | None,
     host: str,
     port: int,
     pool: str,
@@ -57,25 +67,41 @@ def engine(
     dtype: str,
     attention_backend: str | None,
     num_kv_blocks: int | None,
+    kv_cache_memory_gb: float,
+    gpu_memory_utilization: float,
+    max_model_len: int | None,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    no_prefix_caching: bool,
+    enforce_eager: bool,
 ) -> None:
     """Run one engine replica: the internal HTTP server over the paged-KV engine."""
+    from engine.server import serve
+
+    if model_path == "synthetic":
+        serve("synthetic", host=host, port=port, pool=pool, model_name=model_name,
+              max_model_len=max_model_len)
+        return
+    if not Path(model_path).is_dir():
+        raise click.BadParameter(f"{model_path} is not a directory", param_hint="--model")
+
     from engine.config import EngineConfig
 
     try:
         config = EngineConfig(
-            model=str(model_path),
+            model=model_path,
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
             num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=not no_prefix_caching,
+            enforce_eager=enforce_eager,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-
-    from engine.server import serve
-
-    serve(config, host=host, port=port, pool=pool)
+    serve(config, host=host, port=port, pool=pool, model_name=model_name)
