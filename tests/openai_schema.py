@@ -99,7 +99,8 @@ def _required_of(schema: Any, root: dict[str, Any], seen: set[int]) -> tuple[set
                 props.setdefault(k, v)
     for key in ("anyOf", "oneOf"):
         for sub in schema.get(key, ()):
-            _, p = _required_of(sub, root, seen)
+            r, p = _required_of(sub, root, seen)
+            required |= r  # required by some alternative: a null there is meaningful, keep it
             for k, v in p.items():
                 props.setdefault(k, v)
     return required, props

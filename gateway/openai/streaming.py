@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import anyio
 import orjson
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.openai.generation import Generation
@@ -38,15 +39,19 @@ def json_frame(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-class EventStreamResponse:
+class EventStreamResponse(Response):
+    """A ``Response`` subclass so FastAPI passes it through untouched; it overrides the whole send."""
+
     def __init__(self, frames: AsyncIterator[bytes], generation: Generation,
                  headers: Mapping[str, str] | None = None) -> None:
+        self.status_code = 200
+        self.background = None
         self.frames = frames
         self.generation = generation
-        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                        (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        self.headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                         for k, v in (headers or {}).items()]
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                             for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         generation = self.generation
@@ -63,7 +68,7 @@ class EventStreamResponse:
 
                 tg.start_soon(watch_disconnect)
                 try:
-                    await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+                    await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                     async for chunk in self.frames:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})

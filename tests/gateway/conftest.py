@@ -1,0 +1,194 @@
+"""Fixtures for the OpenAI API tests: a real engine replica, a real gateway, real Postgres and Redis.
+
+Started once per test session (per xdist worker) and shared:
+- ``tiny_model_dir``: a random-weight llama checkpoint (``engine.tiny``).
+- ``engine_url``: ``tollgate engine --model <tiny>`` as a subprocess on a free port (CPU).
+- ``api_database_url``: a database of its own (the gateway commits; other tests roll back), migrated.
+- ``gateway``: the gateway app (``gateway.app.create_app``) served by uvicorn on a free port inside the
+  test loop, configured with one model ``tiny`` on the engine, plus one dead replica URL in the pool so
+  every test also exercises taking a replica out. ``gateway.url`` is its base URL.
+- ``tenant_key``: a committed tenant with generous limits and an API key for it (new per test).
+Usage records land in the Redis stream ``tollgate:usage`` of the worker's Redis database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from tests.factories import create_api_key, create_price, create_tenant
+from tollgate.db import Database
+from tollgate.local_services import free_port
+from tollgate.settings import ModelConfig, PoolConfig, Settings, default_tiers
+
+MODEL = "tiny"
+ENGINE_START_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny import create_tiny_checkpoint
+
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("gateway_tiny"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from tollgate.cli import main; main()", "engine", "--model",
+             str(tiny_model_dir), "--port", str(port), "--num-kv-blocks", "512", "--max-num-seqs", "16"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def api_database_url(shared_servers: Any) -> Iterator[str]:
+    from tollgate import schema
+
+    name = f"tollgate_api_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{uuid.uuid4().hex[:6]}"
+    shared_servers.postgres.create_database(name, recreate=True)
+    url = shared_servers.postgres.url(name)
+    schema.upgrade(url)
+    yield url
+    shared_servers.postgres.drop_database(name)
+
+
+@dataclass
+class GatewayUnderTest:
+    url: str
+    app: Any
+    settings: Settings
+    db: Database
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.state.gateway
+
+
+@pytest.fixture(scope="session")
+async def gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str,
+                  redis_url: str) -> AsyncIterator[GatewayUnderTest]:
+    from gateway.app import create_app
+
+    dead_replica = f"http://127.0.0.1:{free_port()}"
+    settings = Settings(
+        environment="test", database_url=api_database_url, redis_url=redis_url,
+        models=[ModelConfig(name=MODEL, path=str(tiny_model_dir))],
+        pools={"interactive": PoolConfig(replicas=[engine_url, dead_replica])},
+        health_poll_interval_s=0.2, health_check_timeout_s=1.0, key_cache_ttl_s=5.0,
+        max_request_body_bytes=64 * 1024, default_max_tokens_reservation=64,
+        # A CPU engine is slow: SLOs loose enough that overload shedding never fires here.
+        tiers={name: tier.model_copy(update={"ttft_slo_ms": 600_000, "tpot_slo_ms": 60_000})
+               for name, tier in default_tiers().items()},
+    )
+    db = Database(api_database_url, pool_size=2)
+    async with db.session() as session:
+        await create_price(session, model=MODEL)
+    app = create_app(settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.02)
+    try:
+        yield GatewayUnderTest(f"http://127.0.0.1:{port}", app, settings, db)
+    finally:
+        server.should_exit = True
+        await task
+        await db.dispose()
+
+
+@dataclass
+class TenantKey:
+    tenant_id: int
+    api_key_id: int
+    key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+async def make_tenant_key(gateway: GatewayUnderTest, **tenant_columns: Any) -> TenantKey:
+    key_columns = {k: tenant_columns.pop(k) for k in ("allowed_models", "revoked_at") if k in tenant_columns}
+    async with gateway.db.session() as session:
+        tenant = await create_tenant(session, **tenant_columns)
+        key, full_key = await create_api_key(session, tenant, settings=gateway.settings, **key_columns)
+    return TenantKey(tenant.id, key.id, full_key)
+
+
+@pytest.fixture
+async def tenant_key(gateway: GatewayUnderTest) -> TenantKey:
+    return await make_tenant_key(gateway)
+
+
+@pytest.fixture
+async def client(gateway: GatewayUnderTest, tenant_key: TenantKey) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=f"{gateway.url}/v1", headers=tenant_key.headers,
+                                 timeout=60.0) as c:
+        yield c
+
+
+async def usage_records(redis_client: Any, request_id: str) -> list[dict[str, Any]]:
+    """The outbox entries of one request (normally exactly one)."""
+    from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord
+
+    entries = await redis_client.xrange(USAGE_STREAM)
+    records = [UsageRecord.from_json(fields[RECORD_FIELD]) for _, fields in entries]
+    return [r.row() for r in records if r.request_id == request_id]
+
+
+async def wait_for_usage(redis_url: str, request_id: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Outbox entries of ``request_id``, once at least one exists (the gateway appends after the
+    response, e.g. after a disconnect); polls the stream instead of sleeping a fixed time."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = await usage_records(client, request_id)
+            if found or time.monotonic() > deadline:
+                return found
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()

@@ -1,0 +1,248 @@
+"""``POST /v1/chat/completions`` against a real engine: bodies and chunks validate against OpenAI's
+published schema, usage is metered once, structured output and tool calls hold for a random model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.gateway.conftest import MODEL, GatewayUnderTest, wait_for_usage
+from tests.openai_schema import assert_conforms
+
+pytestmark = pytest.mark.slow
+
+HELLO = [{"role": "user", "content": "Say hello"}]
+
+
+def sse_events(body: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking the framing on the way."""
+    assert body.endswith("\n\n")
+    payloads = []
+    for event in body.strip("\n").split("\n\n"):
+        assert event.startswith("data: "), event
+        payloads.append(event.removeprefix("data: "))
+    return payloads
+
+
+async def test_chat_completion_conforms_and_is_metered(client: httpx.AsyncClient, gateway: GatewayUnderTest,
+                                                       tenant_key) -> None:
+    r = await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 8,
+                                                     "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert_conforms(body, "CreateChatCompletionResponse")
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == MODEL and body["service_tier"] == "default"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    request_id = r.headers["x-request-id"]
+    assert request_id.startswith("req_")
+    records = await wait_for_usage(gateway.settings.redis_url, request_id)
+    assert len(records) == 1
+    rec = records[0]
+    assert rec["status"] == "completed" and rec["tenant_id"] == tenant_key.tenant_id
+    assert rec["api_key_id"] == tenant_key.api_key_id and rec["model"] == MODEL
+    assert rec["prompt_tokens"] == usage["prompt_tokens"]
+    assert rec["completion_tokens"] == usage["completion_tokens"]
+    assert rec["cost_pico_usd"] > 0
+
+
+async def test_greedy_is_deterministic_and_n_choices(client: httpx.AsyncClient) -> None:
+    req = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "temperature": 0}
+    a = (await client.post("/chat/completions", json=req)).json()
+    b = (await client.post("/chat/completions", json=req)).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    r = await client.post("/chat/completions", json={**req, "n": 3, "temperature": 1.0, "seed": 7})
+    body = r.json()
+    assert_conforms(body, "CreateChatCompletionResponse")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+
+
+async def test_stream_with_usage_follows_openai(client: httpx.AsyncClient, gateway: GatewayUnderTest) -> None:
+    r = await client.post("/chat/completions", json={
+        "model": MODEL, "messages": HELLO, "max_tokens": 8, "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0,
+    })
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for chunk in chunks:
+        assert_conforms(chunk, "CreateChatCompletionStreamResponse")
+        assert chunk["object"] == "chat.completion.chunk"
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    first, finish, usage_chunk = chunks[0], chunks[-2], chunks[-1]
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert finish["choices"][0]["finish_reason"] in ("stop", "length") and finish["choices"][0]["delta"] == {}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[1:-2])
+    plain = (await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 8,
+                                                           "temperature": 0})).json()
+    assert text == plain["choices"][0]["message"]["content"]
+    records = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
+    assert len(records) == 1 and records[0]["completion_tokens"] == usage_chunk["usage"]["completion_tokens"]
+
+
+async def test_stream_without_usage_has_no_usage_field(client: httpx.AsyncClient) -> None:
+    r = await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 3,
+                                                     "stream": True})
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    assert all("usage" not in c for c in chunks)
+    for chunk in chunks:
+        assert_conforms(chunk, "CreateChatCompletionStreamResponse")
+
+
+async def test_json_schema_response_format_is_valid_json(client: httpx.AsyncClient) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "temp": {"type": "integer"}},
+              "required": ["city", "temp"], "additionalProperties": False}
+    r = await client.post("/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris as JSON"}],
+        "max_tokens": 60,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema,
+                                                                   "strict": True}},
+    })
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert_conforms(body, "CreateChatCompletionResponse")
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+
+
+async def test_json_object_response_format(client: httpx.AsyncClient) -> None:
+    r = await client.post("/chat/completions", json={
+        "model": MODEL, "messages": HELLO, "max_tokens": 40, "response_format": {"type": "json_object"},
+    })
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+                   "required": ["tz"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice",
+                         [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+async def test_forced_tool_call(client: httpx.AsyncClient, tool_choice) -> None:
+    r = await client.post("/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+        "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": tool_choice,
+    })
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert_conforms(body, "CreateChatCompletionResponse")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    call = choice["message"]["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    tools = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}
+    if isinstance(tool_choice, dict):
+        assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        tools[call["function"]["name"]]["function"]["parameters"])
+    assert choice["message"]["content"] is None
+
+
+async def test_forced_tool_call_streamed_and_tool_round_trip(client: httpx.AsyncClient) -> None:
+    req = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+           "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+           "stream": True}
+    r = await client.post("/chat/completions", json=req)
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    for chunk in chunks:
+        assert_conforms(chunk, "CreateChatCompletionStreamResponse")
+    calls = [tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # Send the call and its result back, as an agent loop does.
+    follow_up = {"model": MODEL, "max_tokens": 5, "tools": [WEATHER_TOOL], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0]["id"], "type": "function",
+                                                               "function": calls[0]["function"]}]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp": 21}'},
+    ]}
+    r = await client.post("/chat/completions", json=follow_up)
+    assert r.status_code == 200, r.text
+    assert_conforms(r.json(), "CreateChatCompletionResponse")
+
+
+async def test_logprobs(client: httpx.AsyncClient) -> None:
+    r = await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 4,
+                                                     "logprobs": True, "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert_conforms(body, "CreateChatCompletionResponse")
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    assert all(len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 for t in content)
+
+
+async def test_repeated_long_prompt_reports_cached_tokens(client: httpx.AsyncClient,
+                                                          gateway: GatewayUnderTest) -> None:
+    system = "You are a careful assistant. " * 40
+    req = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                        {"role": "user", "content": "Hello"}]}
+    first = (await client.post("/chat/completions", json=req)).json()
+    second = await client.post("/chat/completions", json=req)
+    usage = second.json()["usage"]
+    assert first["usage"]["prompt_tokens"] == usage["prompt_tokens"] > 64
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 64
+    records = await wait_for_usage(gateway.settings.redis_url, second.headers["x-request-id"])
+    assert records[0]["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_prefix_cache_is_not_shared_between_tenants(gateway: GatewayUnderTest) -> None:
+    from tests.gateway.conftest import make_tenant_key
+
+    req = {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "system", "content": "Tenant isolation check prompt, long enough to fill blocks. " * 12},
+        {"role": "user", "content": "Hello"}]}
+    cached = []
+    for _ in range(2):
+        tk = await make_tenant_key(gateway)
+        async with httpx.AsyncClient(base_url=f"{gateway.url}/v1", headers=tk.headers, timeout=60) as c:
+            cached.append((await c.post("/chat/completions", json=req)).json()["usage"]
+                          ["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 0]
+
+
+async def test_service_tier_can_go_down_not_up(client: httpx.AsyncClient) -> None:
+    base = {"model": MODEL, "messages": HELLO, "max_tokens": 1}
+    served = []
+    for asked in ("flex", "priority", "auto"):
+        r = await client.post("/chat/completions", json={**base, "service_tier": asked})
+        served.append(r.json()["service_tier"])
+    assert served == ["flex", "default", "default"]
+
+
+async def test_rate_limit_headers(gateway: GatewayUnderTest) -> None:
+    from tests.gateway.conftest import make_tenant_key
+
+    tk = await make_tenant_key(gateway, rpm_limit=2, tpm_limit=100_000)
+    async with httpx.AsyncClient(base_url=f"{gateway.url}/v1", headers=tk.headers, timeout=60) as c:
+        req = {"model": MODEL, "messages": HELLO, "max_tokens": 1}
+        r = await c.post("/chat/completions", json=req)
+        assert r.status_code == 200
+        assert r.headers["x-ratelimit-limit-requests"] == "2"
+        assert "x-ratelimit-remaining-tokens" in r.headers
+        await c.post("/chat/completions", json=req)
+        r = await c.post("/chat/completions", json=req)
+        assert r.status_code == 429
+        assert_conforms(r.json(), "ErrorResponse")
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and "retry-after" in r.headers
