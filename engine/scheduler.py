@@ -236,16 +236,25 @@ class Scheduler:
                 and seq.request_id not in prompt_ready
             ):
                 continue
+            slots_full = len(self.running) >= self.max_num_seqs
+            if slots_full and self._pick_victim(lower_than=level) is None:
+                return False
+            if not self._allocate(seq):
+                # Preempt lower-priority work only if that can make room: never for nothing.
+                lower = [s for s in self.running if s.priority > level]
+                reclaimable = self.block_manager.num_free_blocks + sum(len(s.block_table) for s in lower)
+                if self.block_manager.blocks_needed(len(seq.token_ids)) > reclaimable:
+                    return False
+                while not self._allocate(seq):
+                    victim = self._pick_victim(lower_than=level)
+                    if victim is None:
+                        return False
+                    self._preempt(victim, step)
             if len(self.running) >= self.max_num_seqs:
+                # A lower-priority victim exists (checked above; block preemptions only free slots).
                 victim = self._pick_victim(lower_than=level)
-                if victim is None:
-                    return False
-                self._preempt(victim, step)
-            while not self._allocate(seq):
-                victim = self._pick_victim(lower_than=level)
-                if victim is None:
-                    return False
-                self._preempt(victim, step)
+                if victim is not None:
+                    self._preempt(victim, step)
             self._remove_waiting(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

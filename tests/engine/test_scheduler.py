@@ -314,3 +314,18 @@ def test_scheduler_and_block_manager_import_no_torch():
     code = "import sys, engine.scheduler, engine.block_manager; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_no_preemption_for_a_request_that_still_would_not_fit():
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=128)
+    same = make_seq(40, max_tokens=30, priority=0)  # 3 blocks, grows to 5
+    low = make_seq(10, max_tokens=20, priority=5)  # 1 block
+    sched.add(same)
+    sched.add(low)
+    step(sched)
+    big = make_seq(80, max_tokens=2, priority=0)  # 5 blocks: fits only once `same` finishes
+    sched.add(big)
+    batch = step(sched)
+    assert batch.preempted == [] and low.status is SequenceStatus.RUNNING
+    run_to_completion(sched)
+    assert big.num_output_tokens == 2 and sched.block_manager.num_free_blocks == 6
