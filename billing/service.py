@@ -22,6 +22,10 @@ from billing.spend import drop_months_before, month_bounds, month_field, raise_s
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
+# What ``tollgate up`` seeds for its tiny demo model ($0.10 / $0.01 cached / $0.40 per million tokens):
+# an ordinary price row, shown by ``tollgate prices list`` and replaced with ``tollgate prices set``.
+DEMO_PRICE = Price.of(input=100_000, output=400_000)
+
 
 class PriceConflict(ValueError):
     """The price row at that date has already taken effect and cannot be changed."""

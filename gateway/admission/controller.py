@@ -162,11 +162,11 @@ def _rejection(verdict: str, limits: TenantLimits, reserved: int, req_left: int,
     wait = f"Please try again in {format_duration_ms(max(1, retry_ms))}."
     if verdict == "requests":
         message = (f"Rate limit reached for requests per min (RPM): Limit {limits.rpm_limit}, "
-                   f"Used {limits.rpm_limit - max(0, req_left)}, Requested 1. {wait}")
+                   f"Used {(limits.rpm_limit or 0) - max(0, req_left)}, Requested 1. {wait}")
         kind = "requests"
     elif verdict == "tokens":
         message = (f"Rate limit reached for tokens per min (TPM): Limit {limits.tpm_limit}, "
-                   f"Used {limits.tpm_limit - tok_left}, Requested {reserved}. {wait}")
+                   f"Used {(limits.tpm_limit or 0) - tok_left}, Requested {reserved}. {wait}")
         kind = "tokens"
     elif verdict == "concurrency":
         message = f"Too many concurrent requests: Limit {limits.max_concurrency}. {wait}"

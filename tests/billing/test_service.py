@@ -11,8 +11,15 @@ from sqlalchemy import func, select
 
 from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
 from billing.prices import Price, PriceBook, PriceBookCache, PriceNotFound
-from billing.service import EPOCH, PriceConflict, ensure_price, reconcile_month_spend, set_price
-from billing.spend import drop_months_before, month_bounds, month_field, month_to_date_spend, raise_spend_to
+from billing.service import DEMO_PRICE, EPOCH, PriceConflict, ensure_price, reconcile_month_spend, set_price
+from billing.spend import (
+    MONTH_OF_LUA,
+    drop_months_before,
+    month_bounds,
+    month_field,
+    month_to_date_spend,
+    raise_spend_to,
+)
 from billing.tasks import beat_schedule, flush_usage_once, reconcile_spend_once
 from tests.factories import create_tenant, create_usage_event
 from tollgate.cli import main as cli
@@ -46,10 +53,10 @@ async def test_a_price_in_effect_is_never_rewritten_but_a_future_one_may_be(db_s
 
 
 async def test_ensure_price_seeds_only_an_unpriced_model(db_session) -> None:
-    assert await ensure_price(db_session, "tiny-seed", Price.of(input=100, output=400))
+    assert await ensure_price(db_session, "tiny-seed", DEMO_PRICE)
     assert not await ensure_price(db_session, "tiny-seed", Price.of(input=1, output=1))
     book = await PriceBook.load(db_session)
-    assert book.price_for("tiny-seed", EPOCH).input == 100
+    assert book.price_for("tiny-seed", EPOCH) == DEMO_PRICE
 
 
 async def test_price_book_cache_refreshes(db_sessionmaker) -> None:
@@ -75,6 +82,15 @@ async def test_reconcile_raises_spend_to_the_ledger_and_never_lowers_it(db_sessi
     await reconcile_month_spend(db_session, redis_client)
     assert await month_to_date_spend(redis_client, a.id, month) == 2 * 10**15 + 1
     assert await month_to_date_spend(redis_client, b.id, month) == 80
+
+
+@pytest.mark.parametrize("when", ["1970-01-01T00:00:00", "2024-02-29T23:59:59", "2024-03-01T00:00:00",
+                                  "2026-12-31T23:59:59", "2027-01-01T00:00:00", "2100-03-01T00:00:00"])
+async def test_the_lua_month_agrees_with_python(redis_client, when: str) -> None:
+    at = datetime.fromisoformat(when).replace(tzinfo=UTC)
+    script = MONTH_OF_LUA + "return month_of(tonumber(ARGV[1]))"
+    month = await redis_client.eval(script, 0, int(at.timestamp()))
+    assert month.decode() == month_field(at)
 
 
 async def test_month_helpers(redis_client) -> None:
