@@ -329,3 +329,71 @@ def test_no_preemption_for_a_request_that_still_would_not_fit():
     assert batch.preempted == [] and low.status is SequenceStatus.RUNNING
     run_to_completion(sched)
     assert big.num_output_tokens == 2 and sched.block_manager.num_free_blocks == 6
+
+
+def check_block_invariants(sched):
+    bm = sched.block_manager
+    refs = [0] * bm.num_blocks
+    for seq in sched.running:
+        assert len(seq.block_table) * BS >= seq.num_computed_tokens
+        for block in seq.block_table:
+            refs[block] += 1
+    for by_tenant in sched._waiting.values():
+        for queue in by_tenant.values():
+            for seq in queue:
+                assert seq.block_table == [] and seq.num_computed_tokens == 0
+    assert refs == bm._ref_counts
+    in_use = sum(1 for r in refs if r)
+    assert in_use + bm.num_free_blocks == bm.num_blocks
+    assert all(bm._hash_to_block[bm._block_hash[b]] == b for b in bm._evictable)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_keep_every_invariant(seed):
+    rng = random.Random(seed)
+    prefix_caching = seed % 3 != 0
+    sched = make_scheduler(
+        num_blocks=rng.randint(8, 40),
+        max_num_seqs=rng.randint(1, 6),
+        max_num_batched_tokens=rng.randint(8, 96),
+        prefix_caching=prefix_caching,
+    )
+    shared = [rng.randrange(1000) for _ in range(40)]
+    added = []
+    for t in range(300):
+        if t < 200 and rng.random() < 0.3:
+            n = rng.choice([1, 1, 1, 2, 3])
+            prompt_len = rng.randint(1, 60)
+            prompt = (shared + [rng.randrange(1000) for _ in range(60)])[:prompt_len]
+            rid = f"w{seed}-{t}"
+            group = []
+            for i in range(n):
+                s = make_seq(
+                    0,
+                    tokens=prompt,
+                    max_tokens=rng.randint(1, 20),
+                    priority=rng.choice([0, 1, 5]),
+                    tenant=rng.choice("abc"),
+                    salt=rng.choice([None, "x"]),
+                    n=n,
+                    index=i,
+                    rid=rid,
+                )
+                group.append(s)
+            try:
+                for s in group:
+                    sched.add(s)
+                added += group
+            except ValueError:
+                sched.abort(rid)  # too big for this pool: drop any streams already queued
+        if added and rng.random() < 0.05:
+            sched.abort(rng.choice(added).request_id)
+        step(sched)
+        check_block_invariants(sched)
+    run_to_completion(sched)
+    check_block_invariants(sched)
+    assert all(s.is_finished for s in added)
+    assert all(
+        s.num_output_tokens == s.params.max_tokens for s in added if s.finish_reason is FinishReason.LENGTH
+    )
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
