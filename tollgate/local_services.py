@@ -28,6 +28,7 @@ import socket
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -249,24 +250,19 @@ class LocalPostgres:
             argv += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         return argv
 
-    def wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
-        """Wait until the server accepts connections; ``ServerStartError`` if it exits or times out."""
+    def is_ready(self) -> bool:
+        """One connection attempt: True when the server accepts connections."""
         import psycopg
 
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise ServerStartError(f"postgres exited with {proc.returncode}:\n{_log_tail(self.log_path)}")
-            try:
-                with psycopg.connect(self.url(), connect_timeout=2):
-                    return
-            except psycopg.OperationalError as e:
-                if time.monotonic() > deadline:
-                    raise ServerStartError(
-                        f"postgres did not accept connections within {timeout:.0f}s ({e}):\n"
-                        f"{_log_tail(self.log_path)}"
-                    ) from e
-            time.sleep(0.1)
+        try:
+            with psycopg.connect(self.url(), connect_timeout=2):
+                return True
+        except psycopg.OperationalError:
+            return False
+
+    def wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        """Wait until the server accepts connections; ``ServerStartError`` if it exits or times out."""
+        _wait_ready("postgres", self.is_ready, proc, timeout, self.log_path)
 
     def create_database(self, name: str, *, recreate: bool = False) -> None:
         """Create database ``name`` unless it exists (``recreate``: drop it first)."""
@@ -323,25 +319,29 @@ class LocalRedis:
             "--maxmemory-policy", "noeviction", "--save", "",
         ]
 
-    def wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    def is_ready(self) -> bool:
+        """One PING: True when the server answers (and has loaded its data)."""
         import redis
 
         client = redis.Redis.from_url(self.url(), socket_connect_timeout=1, socket_timeout=2)
-        deadline = time.monotonic() + timeout
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise ServerStartError(
-                        f"redis-server exited with {proc.returncode}:\n{_log_tail(self.log_path)}")
-                try:
-                    if client.ping():
-                        return
-                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
-                    if time.monotonic() > deadline:
-                        raise ServerStartError(
-                            f"redis-server did not answer within {timeout:.0f}s ({e}):\n"
-                            f"{_log_tail(self.log_path)}"
-                        ) from e
-                time.sleep(0.05)
+            return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            return False
         finally:
             client.close()
+
+    def wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        _wait_ready("redis-server", self.is_ready, proc, timeout, self.log_path)
+
+
+def _wait_ready(name: str, is_ready: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float,
+                log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_ready():
+        if proc.poll() is not None:
+            raise ServerStartError(f"{name} exited with {proc.returncode}:\n{_log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"{name} did not accept connections within {timeout:.0f}s:\n"
+                                   f"{_log_tail(log_path)}")
+        time.sleep(0.05)

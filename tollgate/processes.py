@@ -106,6 +106,8 @@ def stop(proc: subprocess.Popen[bytes], *, sig: int = signal.SIGTERM, timeout: f
         except subprocess.TimeoutExpired:
             signal_group(pgid, signal.SIGKILL)
             proc.wait()
+    elif group_alive(pgid):  # the leader died on its own; its workers may still run
+        signal_group(pgid, sig)
     deadline = time.monotonic() + timeout
     while group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,0 +1,41 @@
+"""``GET /health``: is this gateway process able to serve? (Used by ``tollgate up``, Docker and load
+balancers.)
+
+Invariants: Postgres (``SELECT 1``) and Redis (``PING``) are checked concurrently, each bounded by
+``settings.health_check_timeout_s``, on every call (nothing cached); 200 only when both answer,
+otherwise 503 naming each failing component and why. No secret or URL is ever included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter()
+
+
+async def _check(probe: Awaitable[object], timeout: float) -> dict[str, str]:
+    try:
+        await asyncio.wait_for(probe, timeout)
+    except TimeoutError:
+        return {"status": "error", "error": f"no answer within {timeout:g}s"}
+    except Exception as e:  # any failure of the dependency is the answer, not a 500
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
+    return {"status": "ok"}
+
+
+@router.get("/health", include_in_schema=False)
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state
+    timeout = state.settings.health_check_timeout_s
+    postgres, redis = await asyncio.gather(_check(state.db.ping(), timeout),
+                                           _check(state.redis.ping(), timeout))
+    components = {"postgres": postgres, "redis": redis}
+    failing = [name for name, result in components.items() if result["status"] != "ok"]
+    if failing:
+        return JSONResponse({"status": "unavailable", "failing": failing, "components": components},
+                            status_code=503)
+    return JSONResponse({"status": "ok", "components": components})

@@ -1,0 +1,37 @@
+"""Running a service call from a click command: one unit of work, errors as clean CLI messages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import click
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tollgate.settings import Settings
+
+T = TypeVar("T")
+
+
+def run_in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    """Run ``work(session)`` in a committed-on-success unit of work and return its result.
+
+    Domain errors (``gateway.tenants.service.TenantError``) and a missing database URL become
+    ``click.ClickException`` (message, exit status 1) instead of tracebacks.
+    """
+    from gateway.tenants.service import TenantError
+    from tollgate.db import Database
+
+    async def main() -> T:
+        db = Database.from_settings(settings)
+        try:
+            async with db.session() as session:
+                return await work(session)
+        finally:
+            await db.dispose()
+
+    try:
+        return asyncio.run(main())
+    except (TenantError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from e
