@@ -50,6 +50,9 @@ class LedgerUnavailable(RuntimeError):
 
 @dataclass
 class FlushResult:
+    """Stream entries handled; rows inserted; records whose request already had a row (redelivery or
+    a repeated append); records moved to the dead-letter stream."""
+
     entries: int = 0
     inserted: int = 0
     duplicates: int = 0
@@ -120,6 +123,7 @@ class UsageFlusher:
             return FlushResult()
         records: dict[str, UsageRecord] = {}
         dead: list[tuple[str, bytes, str]] = []
+        decoded = 0
         for entry_id, fields in entries:
             raw = (fields or {}).get(RECORD_FIELD)
             if raw is None:
@@ -129,6 +133,7 @@ class UsageFlusher:
             except (ValueError, TypeError, KeyError) as exc:
                 dead.append((entry_id, raw, f"undecodable: {exc}"))
                 continue
+            decoded += 1
             records.setdefault(record.request_id, record)
         inserted, rejected = await self._insert(list(records.values()))
         for record, reason in rejected:
@@ -137,7 +142,7 @@ class UsageFlusher:
         if dead:
             logger.error("usage outbox: %d record(s) moved to %s", len(dead), DEAD_LETTER_STREAM)
         return FlushResult(entries=len(entries), inserted=inserted,
-                           duplicates=len(records) - inserted - len(rejected), dead=len(dead))
+                           duplicates=decoded - inserted - len(rejected), dead=len(dead))
 
     async def _next_entries(self) -> list[Entry]:
         want = self._batch_size

@@ -1,14 +1,15 @@
-"""Celery tasks of billing, scheduled by beat (``beat_schedule``; ``tollgate.worker`` includes this
-module and merges the schedule):
+"""Celery tasks of billing, scheduled by beat (``beat_schedule``; ``tollgate.worker`` lists this module
+in ``TASK_MODULES`` and merges the schedule):
 
 - ``billing.flush_usage`` every ``usage_flush_interval_s``: outbox stream → ``usage_events``
-  (``billing.ledger.UsageFlusher``). Entries expire from the queue after one interval, so a backlog of
-  flush tasks never piles up while a worker is busy; any number may run at once safely.
+  (``billing.ledger.UsageFlusher``). Entries expire from the queue after one interval, so flush tasks
+  never pile up behind a busy worker; any number may run at once safely (the ledger is idempotent).
 - ``billing.reconcile_spend`` every ``RECONCILE_INTERVAL_S``: raises each tenant's month-to-date spend
   counter in Redis to the ledger's sum (repairs a Redis that lost writes).
 
-Each run opens its own database engine and Redis client inside ``asyncio.run`` and disposes them, so a
-task never shares connections across event loops or forked worker processes.
+Each worker process keeps one event loop, one database engine and one Redis client for its tasks
+(``_ProcessRuntime``), created lazily in the process that runs the task (never before Celery forks),
+so a flush every second does not open new Postgres and Redis connections every second.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import asyncio
 import logging
 import os
 import socket
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from celery import shared_task
+from redis.asyncio import Redis
 
-from billing.ledger import LedgerUnavailable, UsageFlusher
+from billing.ledger import LedgerUnavailable, SessionFactory, UsageFlusher
 from billing.service import reconcile_month_spend
 from tollgate.db import Database
 from tollgate.redis import create_redis
@@ -32,6 +35,8 @@ logger = logging.getLogger("tollgate.billing")
 RECONCILE_INTERVAL_S = 300.0
 MAX_BATCHES_PER_RUN = 50
 CONSUMER_IDLE_FORGET_MS = 24 * 3600 * 1000
+
+T = TypeVar("T")
 
 
 def claim_idle_ms(settings: Settings) -> int:
@@ -44,44 +49,88 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-async def flush_usage_once(settings: Settings, *, max_batches: int = MAX_BATCHES_PER_RUN) -> dict[str, int]:
-    db = Database.from_settings(settings)
-    redis = create_redis(settings)
+async def flush_usage(redis: Redis, sessions: SessionFactory, settings: Settings, *,
+                      max_batches: int = MAX_BATCHES_PER_RUN) -> dict[str, int]:
+    """One flush run: up to ``max_batches`` batches; a Postgres outage postpones it (logged)."""
+    flusher = UsageFlusher(redis, sessions, consumer=consumer_name(), batch_size=settings.usage_flush_batch,
+                           claim_idle_ms=claim_idle_ms(settings))
     try:
-        flusher = UsageFlusher(redis, db.session, consumer=consumer_name(),
-                               batch_size=settings.usage_flush_batch, claim_idle_ms=claim_idle_ms(settings))
-        try:
-            result = await flusher.flush(max_batches=max_batches)
-        except LedgerUnavailable as exc:
-            logger.warning("usage flush postponed, records stay in the outbox: %s", exc)
-            return {"entries": 0, "inserted": 0, "duplicates": 0, "dead": 0, "postponed": 1}
-        await flusher.forget_idle_consumers(CONSUMER_IDLE_FORGET_MS)
-        return {"entries": result.entries, "inserted": result.inserted, "duplicates": result.duplicates,
-                "dead": result.dead, "postponed": 0}
+        result = await flusher.flush(max_batches=max_batches)
+    except LedgerUnavailable as exc:
+        logger.warning("usage flush postponed, records stay in the outbox: %s", exc)
+        return {"entries": 0, "inserted": 0, "duplicates": 0, "dead": 0, "postponed": 1}
+    await flusher.forget_idle_consumers(CONSUMER_IDLE_FORGET_MS)
+    return {"entries": result.entries, "inserted": result.inserted, "duplicates": result.duplicates,
+            "dead": result.dead, "postponed": 0}
+
+
+async def reconcile_spend(redis: Redis, db: Database) -> int:
+    async with db.session() as session:
+        return await reconcile_month_spend(session, redis)
+
+
+async def flush_usage_once(settings: Settings) -> dict[str, int]:
+    """A flush run with connections of its own (the CLI, tests)."""
+    db, redis = Database.from_settings(settings), create_redis(settings)
+    try:
+        return await flush_usage(redis, db.session, settings)
     finally:
         await redis.aclose()
         await db.dispose()
 
 
 async def reconcile_spend_once(settings: Settings) -> int:
-    db = Database.from_settings(settings)
-    redis = create_redis(settings)
+    db, redis = Database.from_settings(settings), create_redis(settings)
     try:
-        async with db.session() as session:
-            return await reconcile_month_spend(session, redis)
+        return await reconcile_spend(redis, db)
     finally:
         await redis.aclose()
         await db.dispose()
 
 
+class _ProcessRuntime:
+    """The event loop and connections of one worker process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.pid = os.getpid()
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self.db = Database.from_settings(settings)
+        self.redis = create_redis(settings)
+
+    def run(self, job: Callable[[_ProcessRuntime], Awaitable[T]]) -> T:
+        return self.loop.run_until_complete(job(self))
+
+
+_runtime: _ProcessRuntime | None = None
+
+
+def _process_runtime() -> _ProcessRuntime:
+    global _runtime
+    if _runtime is None or _runtime.pid != os.getpid():  # first task, or a forked child
+        _runtime = _ProcessRuntime(get_settings())
+    return _runtime
+
+
+def shutdown_process_runtime() -> None:
+    """Close this process's connections and loop (worker shutdown, tests)."""
+    global _runtime
+    runtime, _runtime = _runtime, None
+    if runtime is None or runtime.pid != os.getpid():
+        return
+    runtime.loop.run_until_complete(runtime.redis.aclose())
+    runtime.loop.run_until_complete(runtime.db.dispose())
+    runtime.loop.close()
+
+
 @shared_task(name="billing.flush_usage", ignore_result=True)
-def flush_usage() -> dict[str, int]:
-    return asyncio.run(flush_usage_once(get_settings()))
+def flush_usage_task() -> dict[str, int]:
+    return _process_runtime().run(lambda rt: flush_usage(rt.redis, rt.db.session, rt.settings))
 
 
 @shared_task(name="billing.reconcile_spend", ignore_result=True)
-def reconcile_spend() -> int:
-    return asyncio.run(reconcile_spend_once(get_settings()))
+def reconcile_spend_task() -> int:
+    return _process_runtime().run(lambda rt: reconcile_spend(rt.redis, rt.db))
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:

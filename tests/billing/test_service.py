@@ -3,12 +3,15 @@ bodies and the ``tollgate prices`` CLI."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import redis
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
+from billing import tasks
 from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
 from billing.prices import Price, PriceBook, PriceBookCache, PriceNotFound
 from billing.service import DEMO_PRICE, EPOCH, PriceConflict, ensure_price, reconcile_month_spend, set_price
@@ -143,3 +146,35 @@ def test_prices_cli_sets_exact_prices_and_refuses_fractions(new_database, settin
     result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "4", "--output", "16",
                                  "--effective-from", "2026-01-01T00:00:00"])
     assert result.exit_code == 2 and "already in effect" in result.output
+
+
+def test_celery_tasks_run_in_a_worker_process_runtime(new_database, service_settings, monkeypatch) -> None:
+    monkeypatch.setenv("TOLLGATE_DATABASE_URL", new_database)
+    get_settings.cache_clear()
+
+    async def seed() -> int:
+        db = Database(new_database, pool_size=1)
+        try:
+            async with db.session() as session:
+                return (await create_tenant(session)).id
+        finally:
+            await db.dispose()
+
+    tenant_id = asyncio.run(seed())
+    client = redis.Redis.from_url(service_settings.redis_url)
+    client.flushdb()
+    rec = UsageRecord(request_id="celery-1", tenant_id=tenant_id, api_key_id=None, model="tiny",
+                      request_class="interactive", tier="default", prompt_tokens=5, cached_tokens=0,
+                      completion_tokens=5, cost_pico_usd=42, status="completed", ttft_ms=None, tpot_ms=None,
+                      created_at=datetime.now(UTC))
+    client.xadd(USAGE_STREAM, {b"r": rec.to_json()})
+    try:
+        first = tasks.flush_usage_task.apply().get()
+        client.xadd(USAGE_STREAM, {b"r": rec.to_json()})
+        second = tasks.flush_usage_task.apply().get()  # same process runtime, reused connections
+        assert (first["inserted"], second["inserted"], second["duplicates"]) == (1, 0, 1)
+        assert tasks.reconcile_spend_task.apply().get() == 1
+        assert client.hget(f"tollgate:spend:{{t{tenant_id}}}", month_field(datetime.now(UTC))) == b"42"
+    finally:
+        tasks.shutdown_process_runtime()
+        client.close()
