@@ -13,6 +13,11 @@ One runner per engine replica; it is driven from a single thread. Invariants:
   one row per ``ScheduledSeq`` whose chunk reaches the end of its tokens, in batch order.
 - A malformed batch (a chunk past the known tokens or ``max_model_len``, too few or out-of-range
   blocks) raises ``ValueError`` before anything is written to the cache.
+- CUDA graphs (CUDA + ``triton`` backend, unless ``enforce_eager``): decode-only steps of up to
+  ``max_num_seqs`` sequences replay a graph captured for the next padded batch size. Padding rows have
+  slot ``-1`` (nothing stored) and a 1-token context, and their outputs are dropped. The graphs' split-K
+  factor is fixed at capture for ``max_model_len``, so one graph serves every context length. If capture
+  fails the runner logs it and stays eager: slower, never wrong.
 - ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``,
   capped at an enabled sliding window, since attention here is always full); the engine further caps
   it at the KV pool's capacity.
@@ -85,6 +90,10 @@ class ModelRunner:
                         dtype=self.dtype, device=self.device)
             for _ in range(args.num_layers)
         ]
+        self._graphs: _DecodeGraphs | None = None
+        use_graphs = self.device.type == "cuda" and self.attention_backend.name == "triton"
+        if use_graphs and not config.enforce_eager:
+            self._graphs = _DecodeGraphs.capture(self)
         logger.info("model %s (%s, %s on %s): %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
                     model_dir.name, args.architecture, config.dtype, self.device, self.num_kv_blocks,
                     self.block_size, self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
@@ -209,7 +218,91 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's chunks into the KV cache; float32 logits ``[num_sampled, vocab]``."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if self._graphs is not None and self._graphs.covers(meta):
+            hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         if logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[logits_indices]).float()  # [N, vocab]
+
+
+class _DecodeGraphs:
+    """CUDA graphs of decode-only forwards, one per padded batch size, over static input buffers."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        n, dev = runner.config.max_num_seqs, runner.device
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, n + 1, 16)) if s <= n} | {n})
+        # Static buffers: graphs read their inputs from here; replay() fills the first rows.
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @classmethod
+    def capture(cls, runner: ModelRunner) -> _DecodeGraphs | None:
+        from kernels import default_num_splits
+
+        graphs = cls(runner)
+        backend = runner.attention_backend
+        pool = None
+        try:
+            with torch.inference_mode():
+                for size in reversed(graphs.sizes):  # largest first: smaller ones reuse its memory pool
+                    backend.decode_num_splits = default_num_splits(
+                        size, runner.args.num_kv_heads, runner.max_model_len, runner.device
+                    )
+                    meta = graphs._meta(size, runner)
+                    args = (graphs.input_ids[:size], graphs.positions[:size], runner.kv_caches, meta)
+                    runner.model(*args)  # warm-up: compiles the kernels outside the capture
+                    torch.cuda.synchronize(runner.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = runner.model(*args)
+                    pool = graph.pool()
+                    graphs.graphs[size] = (graph, hidden)
+        except Exception:
+            logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            return None
+        finally:
+            backend.decode_num_splits = None
+        torch.cuda.synchronize(runner.device)
+        return graphs
+
+    def _meta(self, size: int, runner: ModelRunner) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+            max_seq_len=runner.max_model_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[runner.max_model_len] * size,
+            block_size=runner.block_size,
+        )
+
+    def covers(self, meta: AttentionMetadata) -> bool:
+        return meta.is_decode_only and meta.num_seqs <= self.sizes[-1]
+
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = meta.num_seqs
+        size = next(s for s in self.sizes if s >= n)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:size].fill_(1)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[n:size].zero_()
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]

@@ -177,3 +177,37 @@ def test_bfloat16_runner_tracks_float32(tiny_qwen2_dir: Path, qwen2_runner: Mode
     ours = run_chunks(bf16, make_seq(tokens, [3, 5]), [20])[0]
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, full_forward(qwen2_runner, tokens)[-1], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_equals_eager(tiny_llama_dir: Path) -> None:
+    def make(enforce_eager: bool) -> ModelRunner:
+        return ModelRunner(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=64,
+                max_num_seqs=5,
+                enforce_eager=enforce_eager,
+            )
+        )
+
+    graphed, eager = make(False), make(True)
+    assert graphed._graphs is not None and eager._graphs is None
+    outs = []
+    for r in (graphed, eager):
+        seqs = [
+            make_seq(prompt(10 + 7 * i, 20 + i, r.vocab_size), [3 * i, 3 * i + 1, 3 * i + 2])
+            for i in range(3)
+        ]
+        r.run(ScheduledBatch([ScheduledSeq(s, len(s)) for s in seqs]))
+        steps = []
+        for _ in range(4):
+            for s in seqs:
+                s.num_computed_tokens = len(s)
+                s.append_token(5)
+            steps.append(r.run(ScheduledBatch([ScheduledSeq(s, 1) for s in seqs])).cpu())
+        outs.append(torch.stack(steps))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=1e-3)
