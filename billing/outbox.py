@@ -72,12 +72,19 @@ class UsageRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> UsageRecord:
         data: dict[str, Any] = orjson.loads(raw)
-        data["created_at"] = datetime.fromisoformat(data["created_at"])
-        return cls(**data)
+        if not isinstance(data, dict):
+            raise ValueError("a usage record is a JSON object")
+        # Fields a newer gateway added are ignored (rolling upgrades); a missing one is an error.
+        values = {name: data[name] for name in _FIELDS}
+        values["created_at"] = datetime.fromisoformat(values["created_at"])
+        return cls(**values)
 
     def row(self) -> dict[str, Any]:
         """The ``usage_events`` insert values."""
         return asdict(self)
+
+
+_FIELDS = tuple(UsageRecord.__dataclass_fields__)
 
 
 async def append_usage(redis: Redis, record: UsageRecord) -> str:

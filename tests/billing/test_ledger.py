@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
+import orjson
 import pytest
 from sqlalchemy import select
 
@@ -160,4 +161,8 @@ async def test_records_validate_their_columns() -> None:
                     status="completed", ttft_ms=None, tpot_ms=None, created_at=datetime(2026, 1, 1))
     rec = record(1, "roundtrip")
     assert UsageRecord.from_json(rec.to_json()) == rec
+    newer = orjson.loads(rec.to_json()) | {"reasoning_tokens": 7}  # written by a newer gateway
+    assert UsageRecord.from_json(orjson.dumps(newer)) == rec
+    with pytest.raises(KeyError):
+        UsageRecord.from_json(orjson.dumps({k: v for k, v in newer.items() if k != "model"}))
 
