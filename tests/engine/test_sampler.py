@@ -136,3 +136,18 @@ def test_input_validation():
         sampler.prepare(SamplingParams(json_object=True))
     with pytest.raises(ValueError, match="vocab_size"):
         Sampler(0)
+
+
+def test_seeded_generation_is_reproducible_over_many_steps_in_changing_batches():
+    def run(companions_per_step):
+        sampler = Sampler(V, seed=companions_per_step)
+        target = seq(prompt=range(5), temperature=0.9, top_k=20, seed=1234, presence_penalty=0.3)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(12):
+            row = torch.randn(1, V, generator=gen)  # the model's logits for the target at this position
+            others = [seq(temperature=1.0) for _ in range(companions_per_step * (step % 3))]
+            batch = torch.cat([torch.randn(len(others), V), row]) if others else row
+            target.append_token(sampler.sample(batch, others + [target])[-1].token_id)
+        return target.output_token_ids
+
+    assert run(0) == run(2) == run(5)
