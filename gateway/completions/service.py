@@ -5,7 +5,9 @@ Each prompt (string or token ids) is one engine request with ``n`` completions; 
 document: the model's BOS token if it has one, else its first EOS token (OpenAI's ``<|endoftext|>``).
 Token-id prompts are checked against the vocabulary (an id the model does not have is a 400, not an
 engine crash). Streamed chunks have the same shape as the full object (that is how OpenAI streams this
-endpoint), with the usage chunk last when ``stream_options.include_usage`` is set.
+endpoint), with the usage chunk last when ``stream_options.include_usage`` is set. Like OpenAI's own
+stream (and unlike its published schema, which shares one object for both), a chunk's
+``finish_reason`` is ``null`` until its choice finishes; clients test exactly that.
 """
 
 from __future__ import annotations
