@@ -206,3 +206,36 @@ def test_json_strings_never_get_control_chars_or_surrogates(backend):
     bitmask, _ = backend.fill_bitmask([state])
     assert not _allowed(bitmask[0], byte_token[0xA7])  # ED A7 would encode a surrogate
     assert _allowed(bitmask[0], byte_token[0x9F])  # ED 9F BF is U+D7FF, valid
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"decoder": {"type": "ByteLevel"}}, ("BYTE_LEVEL", False)),
+        (  # Llama-2 / Mistral style sentencepiece BPE
+            {
+                "normalizer": {
+                    "type": "Sequence",
+                    "normalizers": [{"type": "Prepend", "prepend": "▁"}, {"type": "Replace"}],
+                },
+                "decoder": {
+                    "type": "Sequence",
+                    "decoders": [{"type": "Replace"}, {"type": "ByteFallback"}, {"type": "Fuse"}],
+                },
+            },
+            ("BYTE_FALLBACK", True),
+        ),
+        (
+            {
+                "pre_tokenizer": {"type": "Metaspace", "prepend_scheme": "never"},
+                "decoder": {"type": "Metaspace"},
+            },
+            ("RAW", False),
+        ),
+    ],
+)
+def test_vocab_type_detection(spec, expected):
+    from engine.grammar import _detect_vocab_type
+
+    vocab_type, prefix_space = _detect_vocab_type(spec)
+    assert (vocab_type.name, prefix_space) == expected
