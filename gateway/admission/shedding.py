@@ -61,7 +61,7 @@ def _tier(tiers: Mapping[str, TierConfig], name: str) -> TierConfig:
 def prefill_tokens_ahead(load: Any, tier: str, tiers: Mapping[str, TierConfig]) -> int:
     """Pending prefill tokens on the replica that run before a new request of ``tier``."""
     by_priority: Mapping[int, int] | None = getattr(load, "pending_prefill_tokens_by_priority", None)
-    if by_priority is None:
+    if not by_priority:  # no breakdown (or an empty one): everything pending counts as ahead
         return max(0, int(load.pending_prefill_tokens))
     rank = _tier(tiers, tier).rank
     ahead = {cfg.engine_priority for cfg in tiers.values() if cfg.rank >= rank}
