@@ -33,9 +33,10 @@ def _load_extensions(names: tuple[str, ...]) -> list[ModuleType]:
     return [importlib.import_module(name) for name in names]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, extensions: tuple[str, ...] | None = None) -> FastAPI:
+    """The app with ``EXTENSIONS`` (or only the ``extensions`` given, e.g. to test one in isolation)."""
     settings = settings or get_settings()
-    extensions = _load_extensions(EXTENSIONS)
+    loaded = _load_extensions(EXTENSIONS if extensions is None else extensions)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -43,7 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.redis = create_redis(settings)
         try:
             async with AsyncExitStack() as stack:
-                for extension in extensions:
+                for extension in loaded:
                     if hasattr(extension, "lifespan"):
                         await stack.enter_async_context(extension.lifespan(app))
                 yield
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Tollgate", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    for extension in extensions:
+    for extension in loaded:
         if hasattr(extension, "install"):
             extension.install(app)
         if hasattr(extension, "router"):

@@ -24,7 +24,7 @@ SECRET_LENGTH = 43
 _KEY_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
 _SECRET_ALPHABET = string.ascii_letters + string.digits
 _KEY_RE = re.compile(
-    rf"^{re.escape(KEY_PREFIX)}(?P<key_id>[a-z2-7]{{{KEY_ID_LENGTH}}})-(?P<secret>[A-Za-z0-9]{{{SECRET_LENGTH}}})$"
+    rf"{re.escape(KEY_PREFIX)}(?P<key_id>[a-z2-7]{{{KEY_ID_LENGTH}}})-(?P<secret>[A-Za-z0-9]{{{SECRET_LENGTH}}})"
 )
 
 
@@ -39,7 +39,7 @@ def parse_key(full_key: str) -> tuple[str, str]:
     """``(key_id, secret)`` of a well-formed key; ``ValueError`` otherwise (the message never echoes it)."""
     if not isinstance(full_key, str):
         raise ValueError("API key must be a string")
-    match = _KEY_RE.match(full_key)
+    match = _KEY_RE.fullmatch(full_key)
     if match is None:
         raise ValueError(f"malformed API key: expected {KEY_PREFIX}<key id>-<secret>")
     return match["key_id"], match["secret"]

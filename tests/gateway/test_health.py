@@ -1,0 +1,55 @@
+"""``GET /health`` of the gateway app: 200 when Postgres and Redis answer, 503 naming what does not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+
+from gateway.app import create_app
+from tollgate.local_services import free_port
+from tollgate.settings import Settings
+
+
+@asynccontextmanager
+async def client_for(settings: Settings, *, only_health: bool = False) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings, extensions=("gateway.health",) if only_health else None)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            yield client
+
+
+async def test_health_is_ok_when_postgres_and_redis_answer(service_settings):
+    async with client_for(service_settings) as client:
+        response = await client.get("/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok",
+                               "components": {"postgres": {"status": "ok"}, "redis": {"status": "ok"}}}
+
+
+async def test_stopped_redis_makes_health_503_naming_redis(service_settings, private_redis):
+    settings = service_settings.model_copy(update={"redis_url": private_redis.url})
+    async with client_for(settings) as client:
+        assert (await client.get("/health")).status_code == 200
+        private_redis.stop()
+        response = await client.get("/health")
+    body = response.json()
+    assert response.status_code == 503
+    assert body["failing"] == ["redis"]
+    assert body["components"]["postgres"] == {"status": "ok"}
+    assert body["components"]["redis"]["status"] == "error" and body["components"]["redis"]["error"]
+    assert private_redis.server.password not in response.text
+
+
+async def test_unreachable_postgres_makes_health_503_naming_postgres(service_settings):
+    # The full gateway refuses to start without Postgres (it loads the price book), so this checks the
+    # health extension alone, as it answers once Postgres goes away under a running gateway.
+    dead = f"postgresql://tollgate:secret-pw@127.0.0.1:{free_port()}/tollgate"
+    settings = service_settings.model_copy(update={"database_url": dead})
+    async with client_for(settings, only_health=True) as client:
+        response = await client.get("/health")
+    assert response.status_code == 503
+    assert response.json()["failing"] == ["postgres"]
+    assert "secret-pw" not in response.text
