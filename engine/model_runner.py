@@ -30,6 +30,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, get_backend
@@ -160,6 +161,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        token_seq: list[int] = []  # [T] index of each token's sequence in the batch
         logits_indices: list[int] = []
         for s in batch.seqs:
             seq, start, n = s.seq, s.start, s.num_tokens
@@ -177,21 +179,23 @@ class ModelRunner:
                                  f"its block table has {len(seq.block_table)}")
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            token_seq.extend([len(tables)] * n)
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(seq.block_table[:num_blocks])
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        table_rows = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        for row, table in zip(table_rows, tables, strict=True):
+            row[: len(table)] = table
+        block_tables = torch.from_numpy(table_rows)
         lo, hi = int(block_tables.min()), int(block_tables.max())
         if lo < 0 or hi >= self.num_kv_blocks:
             raise ValueError(f"block ids must be in [0, {self.num_kv_blocks}), got {lo if lo < 0 else hi}")
 
         pos = torch.tensor(positions, dtype=torch.int64)
         lens = torch.tensor(query_lens, dtype=torch.int32)
-        token_seq = torch.repeat_interleave(torch.arange(len(tables)), lens)  # [T] sequence of each token
-        slot_mapping = block_tables[token_seq, pos // bs].to(torch.int64) * bs + pos % bs
+        slot_mapping = block_tables[torch.tensor(token_seq), pos // bs].to(torch.int64) * bs + pos % bs
         query_start_loc = torch.zeros(len(tables) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=query_start_loc[1:])
 
