@@ -45,14 +45,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_checkpoint(tmp_path_factory.mktemp("gateway_tiny"), arch="llama", seed=0)
 
 
-@pytest.fixture(scope="session")
-def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def run_engine(model_dir: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``tollgate engine`` as a subprocess on a free port, once it answers ``/health``."""
     port = free_port()
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from tollgate.cli import main; main()", "engine", "--model",
-             str(tiny_model_dir), "--port", str(port), "--num-kv-blocks", "512", "--max-num-seqs", "16"],
+             str(model_dir), "--port", str(port), "--num-kv-blocks", "512", "--max-num-seqs", "16"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     url = f"http://127.0.0.1:{port}"
@@ -67,7 +67,7 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine did not start:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -75,6 +75,12 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with run_engine(tiny_model_dir, tmp_path_factory.mktemp("engine_log") / "engine.log") as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -101,25 +107,25 @@ class GatewayUnderTest:
         return self.app.state.gateway
 
 
-@pytest.fixture(scope="session")
-async def gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str,
-                  redis_url: str) -> AsyncIterator[GatewayUnderTest]:
-    from gateway.app import create_app
-
-    dead_replica = f"http://127.0.0.1:{free_port()}"
-    settings = Settings(
-        environment="test", database_url=api_database_url, redis_url=redis_url,
-        models=[ModelConfig(name=MODEL, path=str(tiny_model_dir))],
-        pools={"interactive": PoolConfig(replicas=[engine_url, dead_replica])},
+def gateway_settings(replicas: list[str], model_dir: Path, database_url: str, redis_url: str) -> Settings:
+    return Settings(
+        environment="test", database_url=database_url, redis_url=redis_url,
+        models=[ModelConfig(name=MODEL, path=str(model_dir))],
+        pools={"interactive": PoolConfig(replicas=replicas)},
         health_poll_interval_s=0.2, health_check_timeout_s=1.0, key_cache_ttl_s=5.0,
         max_request_body_bytes=64 * 1024, default_max_tokens_reservation=64,
         # A CPU engine is slow: SLOs loose enough that overload shedding never fires here.
         tiers={name: tier.model_copy(update={"ttft_slo_ms": 600_000, "tpot_slo_ms": 60_000})
                for name, tier in default_tiers().items()},
     )
-    db = Database(api_database_url, pool_size=2)
-    async with db.session() as session:
-        await create_price(session, model=MODEL)
+
+
+@contextlib.asynccontextmanager
+async def run_gateway(settings: Settings) -> AsyncIterator[GatewayUnderTest]:
+    """The gateway app under uvicorn on a free port, in the running event loop."""
+    from gateway.app import create_app
+
+    db = Database(settings.database_url or "", pool_size=2)
     app = create_app(settings)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -135,6 +141,20 @@ async def gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str,
         server.should_exit = True
         await task
         await db.dispose()
+
+
+@pytest.fixture(scope="session")
+async def gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str,
+                  redis_url: str) -> AsyncIterator[GatewayUnderTest]:
+    db = Database(api_database_url, pool_size=1)
+    async with db.session() as session:
+        await create_price(session, model=MODEL)
+    await db.dispose()
+    # A dead replica next to the live one: the router must take it out and never send work there.
+    dead_replica = f"http://127.0.0.1:{free_port()}"
+    settings = gateway_settings([engine_url, dead_replica], tiny_model_dir, api_database_url, redis_url)
+    async with run_gateway(settings) as running:
+        yield running
 
 
 @dataclass
