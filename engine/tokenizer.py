@@ -222,12 +222,9 @@ class Tokenizer:
                 raise ValueError(f"the model's chat template does not compile: {e}") from e
             self._templates[name] = template
         try:
+            context = {**self._special_tokens, **template_kwargs}
             return template.render(
-                messages=msgs,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-                **template_kwargs,
+                messages=msgs, tools=tools, add_generation_prompt=add_generation_prompt, **context
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
@@ -299,7 +296,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             msg["tool_calls"] = [
                 _normalize_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
             ]
-        elif msg["content"] is None:
+        else:
+            msg.pop("tool_calls", None)  # an empty list reads as "has tool calls" to some templates
+        if msg["content"] is None and "tool_calls" not in msg:
             if role != "assistant":
                 raise ValueError(f"{where}.content is required for role {role!r}")
             msg["content"] = ""
@@ -319,7 +318,6 @@ class IncrementalDetokenizer:
         # Text of _ids[_prefix:_read] was emitted already; _ids[_read:] is held back.
         self._prefix = 0
         self._read = len(self._ids)
-        self._num_context = len(self._ids)
         self.text = ""
 
     def _decode(self, ids: Sequence[int]) -> str:

@@ -241,3 +241,14 @@ def test_stop_matcher_random_streams_equal_offline_truncation() -> None:
 def test_stop_matcher_rejects_empty_stop() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         StopStringMatcher([""])
+
+
+def test_empty_tool_calls_and_template_kwargs(tok: Tokenizer) -> None:
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "tool_calls": []},
+    ]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert text.endswith("<|im_start|>assistant\nhello<|im_end|>\n") and "<tool_call>" not in text
+    # Caller-supplied template variables win over the tokenizer's special tokens, without a TypeError.
+    assert tok.apply_chat_template(messages[:1], bos_token="[B]").startswith("[B]<|im_start|>user")
