@@ -181,8 +181,14 @@ class Tokenizer:
         kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
         return "ByteLevel" in kinds
 
+    @cached_property
+    def _added_tokens(self) -> dict[int, str]:
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI's logprob ``bytes``); may be part of a character."""
+        if token_id in self._added_tokens:  # stored as plain text, never byte-level encoded
+            return self._added_tokens[token_id].encode("utf-8")
         token = self._tok.id_to_token(token_id)
         if token is None:
             return b""

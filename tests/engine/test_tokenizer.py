@@ -143,6 +143,9 @@ def test_token_bytes_of_multibyte_character(tok: Tokenizer) -> None:
     ids = tok.encode("€", add_special_tokens=False)
     assert b"".join(tok.token_bytes(i) for i in ids) == "€".encode()
     assert tok.token_text(tok.encode("hello", add_special_tokens=False)[0]).startswith("h")
+    assert tok.token_text(tok.eos_token_ids[0]) == "<|im_end|>"
+    assert tok.token_bytes(tok.token_to_id("<tool_call>")) == b"<tool_call>"
+    assert tok.token_bytes(tok.encode(" the", add_special_tokens=False)[0]) == b" the"
 
 
 def _split_bytes_ids(tok: Tokenizer, text: str) -> list[int]:
