@@ -166,6 +166,7 @@ class Supervisor:
         self.status_path = status_path
         self.children: dict[str, Child] = {}
         self.ready = False
+        self._next_probe = 0.0
 
     # ------------------------------------------------------------------ starting
 
@@ -224,20 +225,24 @@ class Supervisor:
         """Supervise until a stop signal (returns 0) or the exit of a child that is not restarted (1)."""
         self.ready = True
         self.write_status()
-        next_probe = 0.0
         try:
-            while True:
-                now = time.monotonic()
-                for child in self.children.values():
-                    if not self._check_exit(child, now):
-                        return 1
-                if now >= next_probe:
-                    for child in self.children.values():
-                        self._probe(child)
-                    next_probe = now + self.poll_s
-                self.signals.wait(self._next_wake(next_probe))
+            while self.step():
+                self.signals.wait(self._next_wake(self._next_probe))
         except StopRequested:
             return 0
+        return 1
+
+    def step(self) -> bool:
+        """One pass: reap and restart children, probe health when due. False when the platform must stop."""
+        now = time.monotonic()
+        for child in self.children.values():
+            if not self._check_exit(child, now):
+                return False
+        if now >= self._next_probe:
+            for child in self.children.values():
+                self._probe(child)
+            self._next_probe = now + self.poll_s
+        return True
 
     def _next_wake(self, next_probe: float) -> float:
         wake = next_probe
@@ -273,7 +278,7 @@ class Supervisor:
         delay = min(self.backoff_s * 2 ** (child.consecutive_failures - 1), self.backoff_max_s)
         child.state, child.restart_at, child.healthy_since = "backoff", now + delay, None
         self.write_status()
-        self.report(f"{message}; restarting in {delay:.1f}s")
+        self.report(f"{message}; restarting in {delay:.2f}s")
         return True
 
     def _probe(self, child: Child) -> None:

@@ -1,0 +1,115 @@
+"""``tollgate tenants|keys|migrate`` against a database of their own (the commands commit)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from gateway.tenants.keys import parse_key
+from gateway.tenants.service import ApiKeyService, InvalidApiKey
+from tollgate.cli import main
+from tollgate.db import Database
+from tollgate.settings import get_settings
+
+
+@pytest.fixture
+def cli(settings, new_database, monkeypatch):
+    monkeypatch.setenv("TOLLGATE_DATABASE_URL", new_database)
+    get_settings.cache_clear()
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, list(args), catch_exceptions=False)
+
+    invoke.url = new_database  # type: ignore[attr-defined]
+    yield invoke
+    get_settings.cache_clear()
+
+
+def resolve(key: str):
+    async def run():
+        settings = get_settings()
+        db = Database.from_settings(settings)
+        try:
+            async with db.session() as session:
+                return await ApiKeyService(session, settings).resolve(key)
+        finally:
+            await db.dispose()
+
+    return asyncio.run(run())
+
+
+def test_create_tenant_then_key_prints_the_key_last(cli):
+    created = cli(
+        "tenants",
+        "create",
+        "acme",
+        "--tier",
+        "priority",
+        "--tpm",
+        "90000",
+        "--rpm",
+        "60",
+        "--max-concurrency",
+        "4",
+        "--batch-tpd",
+        "1000000",
+        "--monthly-budget-usd",
+        "250.50",
+    )
+    assert created.exit_code == 0, created.output
+    assert "'acme'" in created.output and "tpm=90000" in created.output and "$250.50" in created.output
+
+    issued = cli("keys", "create", "acme", "--name", "ci")
+    assert issued.exit_code == 0, issued.output
+    full_key = issued.output.strip().splitlines()[-1]
+    key_id, secret = parse_key(full_key)
+    key, tenant = resolve(full_key)
+    assert tenant.name == "acme" and tenant.monthly_budget_pico_usd == 250_500_000_000_000
+    assert key.prefix == key_id and key.name == "ci"
+    with psycopg.connect(cli.url) as conn:
+        stored = conn.execute("SELECT key_hash FROM api_keys").fetchall()
+        audit = [a for (a,) in conn.execute("SELECT action FROM audit_log ORDER BY id")]
+    assert secret not in str(stored) and full_key not in str(stored)
+    assert audit == ["tenant.create", "api_key.create"]
+
+    listed = cli("keys", "list", "acme")
+    assert key_id in listed.output and secret not in listed.output and "active" in listed.output
+    revoked = cli("keys", "revoke", "acme", str(key.id))
+    assert revoked.exit_code == 0, revoked.output
+    assert "revoked" in cli("keys", "list", "acme").output
+    with pytest.raises(InvalidApiKey):
+        resolve(full_key)
+
+
+def test_errors_are_messages_with_non_zero_exit(cli):
+    assert cli("tenants", "create", "dup").exit_code == 0
+    duplicate = cli("tenants", "create", "dup")
+    assert duplicate.exit_code == 1 and "already exists" in duplicate.output
+    unknown_tier = cli("tenants", "create", "t2", "--tier", "gold")
+    assert unknown_tier.exit_code == 1 and "unknown tier 'gold'" in unknown_tier.output
+    bad_budget = cli("tenants", "create", "t3", "--monthly-budget-usd", "lots")
+    assert bad_budget.exit_code == 2 and "dollar amount" in bad_budget.output
+    no_tenant = cli("keys", "create", "nobody")
+    assert no_tenant.exit_code == 1 and "no tenant 'nobody'" in no_tenant.output
+    assert "Traceback" not in duplicate.output + unknown_tier.output + no_tenant.output
+
+
+def test_suspend_and_resume(cli):
+    cli("tenants", "create", "sleepy")
+    suspended = cli("tenants", "suspend", "sleepy", "--reason", "billing")
+    assert suspended.exit_code == 0 and "suspended (billing)" in suspended.output
+    resumed = cli("tenants", "resume", "sleepy")
+    assert resumed.exit_code == 0 and "status=active" in resumed.output
+    assert "sleepy" in cli("tenants", "list").output
+
+
+def test_migrate_is_idempotent_and_needs_a_database_url(cli, monkeypatch):
+    assert cli("migrate").exit_code == 0
+    monkeypatch.delenv("TOLLGATE_DATABASE_URL")
+    get_settings.cache_clear()
+    result = cli("migrate")
+    assert result.exit_code == 1 and "TOLLGATE_DATABASE_URL is not set" in result.output

@@ -1,0 +1,98 @@
+"""Finding server binaries, making a data dir reachable for postgres, Redis durability settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tollgate.local_services import (
+    INSTALL_HINT,
+    LocalPostgres,
+    LocalRedis,
+    MissingServerBinaries,
+    find_postgres_bin_dir,
+    find_redis_server,
+    find_server_binaries,
+    grant_traversal,
+)
+from tollgate.redis import check_durability
+from tollgate.settings import Settings
+
+
+def test_configured_paths_that_do_not_exist_are_not_found(tmp_path):
+    assert find_postgres_bin_dir(tmp_path / "nowhere") is None
+    assert find_redis_server(tmp_path / "nowhere" / "redis-server") is None
+
+
+def test_missing_binaries_say_what_to_install(tmp_path):
+    settings = Settings(postgres_bin_dir=tmp_path / "pg", redis_server_bin=tmp_path / "redis-server")
+    with pytest.raises(MissingServerBinaries) as info:
+        find_server_binaries(settings)
+    message = str(info.value)
+    assert INSTALL_HINT == "apt-get install postgresql redis-server"
+    assert INSTALL_HINT in message and "PostgreSQL" in message and "redis-server" in message
+
+
+def test_installed_binaries_are_found():
+    binaries = find_server_binaries(Settings())
+    assert (binaries.postgres_bin_dir / "initdb").is_file() and binaries.redis_server.is_file()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"port": 0, "password": "x"}, "port"), ({"port": 5432, "password": ""}, "password")],
+)
+def test_server_arguments_are_validated(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LocalPostgres(tmp_path, tmp_path, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        LocalRedis(tmp_path, tmp_path, **kwargs)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the data directory to the postgres user")
+def test_grant_traversal_opens_a_private_parent_for_postgres(tmp_path):
+    home = tmp_path / "home"
+    target = home / "project" / ".tollgate" / "postgres"
+    target.mkdir(parents=True)
+    os.chmod(home, 0o700)
+    os.chmod(tmp_path, 0o700)
+
+    def postgres_can_reach() -> bool:
+        return (
+            subprocess.run(
+                ["/usr/bin/test", "-x", str(target.parent)],
+                user="postgres",
+                group="postgres",
+                extra_groups=[],
+            ).returncode
+            == 0
+        )
+
+    assert not postgres_can_reach()
+    changes = grant_traversal(target, "postgres")
+    assert any(str(home) in change for change in changes)
+    assert postgres_can_reach()
+    assert not os.stat(home).st_mode & 0o004  # search only: the folder still cannot be listed
+    assert grant_traversal(target, "postgres") == []
+
+
+async def test_local_redis_is_durable_and_never_evicts(private_redis):
+    client = aioredis.Redis.from_url(private_redis.url)
+    try:
+        assert await check_durability(client) == []
+        await client.config_set("maxmemory-policy", "allkeys-lru")
+        problems = await check_durability(client)
+        assert len(problems) == 1 and "noeviction" in problems[0]
+    finally:
+        await client.aclose()
+
+
+def test_redis_url_refuses_unknown_database_index(tmp_path: Path):
+    server = LocalRedis(tmp_path, tmp_path / "redis-server", port=6390, password="pw", databases=4)
+    assert server.url(3).endswith(":6390/3")
+    with pytest.raises(ValueError, match="db must be"):
+        server.url(4)

@@ -1,0 +1,165 @@
+"""The supervisor with small real child processes: restarts, fatal exits, health waits, clean stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tollgate.processes import group_alive
+from tollgate.supervisor import ProcessSpec, StartupFailed, StopRequested, StopSignals, Supervisor
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def always(_proc) -> bool:
+    return True
+
+
+def never(_proc) -> bool:
+    return False
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path):
+    messages: list[str] = []
+    with StopSignals() as signals:
+        sup = Supervisor(
+            signals=signals,
+            report=messages.append,
+            health_poll_interval_s=0.05,
+            restart_backoff_s=0.05,
+            restart_backoff_max_s=0.2,
+            stop_timeout_s=5,
+            status_path=tmp_path / "status.json",
+        )
+        sup.messages = messages  # type: ignore[attr-defined]
+        try:
+            yield sup
+        finally:
+            sup.stop_all()
+
+
+def spec(tmp_path: Path, name: str, argv: list[str] = SLEEPER, **kwargs) -> ProcessSpec:
+    return ProcessSpec(name, argv, tmp_path / f"{name}.log", kwargs.pop("health", always), **kwargs)
+
+
+def step_until(sup: Supervisor, condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert sup.step(), "the supervisor gave up"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout}s; reports: {sup.messages}")
+        time.sleep(0.02)
+
+
+def test_killed_stateless_child_is_reported_and_restarted(supervisor, tmp_path):
+    child = supervisor.start(spec(tmp_path, "gateway"))
+    supervisor.wait_healthy(["gateway"], 10)
+    first = child.proc.pid
+    os.kill(first, signal.SIGKILL)
+    step_until(supervisor, lambda: child.restarts == 1 and child.state == "healthy")
+    assert child.proc.pid != first and child.proc.poll() is None
+    assert any("gateway" in m and "SIGKILL" in m and "restarting" in m for m in supervisor.messages)
+    assert '"restarts": 1' in (tmp_path / "status.json").read_text()
+
+
+def test_backoff_doubles_for_a_crash_loop_and_is_capped(supervisor, tmp_path):
+    child = supervisor.start(
+        spec(tmp_path, "flaky", [sys.executable, "-c", "raise SystemExit(3)"], health=never)
+    )
+    step_until(supervisor, lambda: child.restarts >= 4, timeout=20)
+    delays = [m.rsplit("restarting in ", 1)[1] for m in supervisor.messages if "restarting in" in m]
+    assert delays[:4] == ["0.05s", "0.10s", "0.20s", "0.20s"]  # doubling, capped at restart_backoff_max_s
+    assert all("exited with status 3" in m for m in supervisor.messages if "restarting in" in m)
+
+
+def test_exit_of_a_stateful_child_stops_the_platform(supervisor, tmp_path):
+    child = supervisor.start(
+        spec(
+            tmp_path,
+            "postgres",
+            [sys.executable, "-c", "print('disk full', flush=True); raise SystemExit(2)"],
+            restart=False,
+        )
+    )
+    deadline = time.monotonic() + 10
+    while supervisor.step():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert child.state == "exited" and child.last_exit == 2
+    assert any("disk full" in m and "not restarted" in m for m in supervisor.messages)
+
+
+def test_startup_failure_quotes_the_log(supervisor, tmp_path):
+    supervisor.start(
+        spec(
+            tmp_path,
+            "engine",
+            [sys.executable, "-c", "print('no such model'); raise SystemExit(1)"],
+            health=never,
+        )
+    )
+    with pytest.raises(StartupFailed, match="(?s)engine exited with status 1.*no such model"):
+        supervisor.wait_healthy(["engine"], 10)
+
+
+def test_startup_timeout_names_the_unhealthy_process(supervisor, tmp_path):
+    supervisor.start(spec(tmp_path, "worker", health=never))
+    with pytest.raises(StartupFailed, match="worker was not healthy within"):
+        supervisor.wait_healthy(["worker"], 0.3)
+
+
+def test_unhealthy_transition_is_reported_once(supervisor, tmp_path):
+    healthy = {"ok": True}
+    child = supervisor.start(spec(tmp_path, "beat", health=lambda _p: healthy["ok"]))
+    supervisor.wait_healthy(["beat"], 5)
+    healthy["ok"] = False
+    step_until(supervisor, lambda: child.state == "unhealthy")
+    for _ in range(5):
+        supervisor.step()
+    healthy["ok"] = True
+    step_until(supervisor, lambda: child.state == "healthy")
+    assert sum("fails its health check" in m for m in supervisor.messages) == 1
+    assert sum("healthy again" in m for m in supervisor.messages) == 1
+
+
+def test_stop_all_stops_whole_process_groups(supervisor, tmp_path):
+    # A parent that leaves a grandchild behind (like uvicorn or Celery workers).
+    tree = ["/bin/sh", "-c", "sleep 120 & sleep 120"]
+    child = supervisor.start(spec(tmp_path, "tree", tree))
+    pgid = child.proc.pid
+    deadline = time.monotonic() + 5
+    while len(os.popen(f"pgrep -g {pgid}").read().split()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    supervisor.stop_all()
+    assert not group_alive(pgid)
+    assert child.state == "stopped"
+
+
+def test_stop_signal_interrupts_waits(supervisor, tmp_path):
+    supervisor.start(spec(tmp_path, "slow", health=never))
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(StopRequested, match="SIGTERM"):
+        supervisor.wait_healthy(["slow"], 30)
+
+
+def test_duplicate_names_and_bad_settings_are_refused(supervisor, tmp_path):
+    supervisor.start(spec(tmp_path, "one"))
+    with pytest.raises(ValueError, match="already supervised"):
+        supervisor.start(spec(tmp_path, "one"))
+    with pytest.raises(ValueError):
+        Supervisor(
+            signals=supervisor.signals,
+            report=print,
+            health_poll_interval_s=0,
+            restart_backoff_s=1,
+            restart_backoff_max_s=1,
+            stop_timeout_s=1,
+        )
+    with pytest.raises(ValueError):
+        ProcessSpec("x", [], tmp_path / "x.log", always)
