@@ -191,7 +191,7 @@ def extend_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )  # fmt: skip

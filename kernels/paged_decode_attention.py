@@ -242,7 +242,7 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
-    block_d = next_power_of_2(head_dim)
+    block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     common = dict(
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
