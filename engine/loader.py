@@ -115,12 +115,13 @@ def load_model(
     device: torch.device | str,
     max_positions: int | None = None,
     args: ModelArgs | None = None,
+    fused_kernels: bool = False,
 ) -> nn.Module:
     """Construct the checkpoint's model class in ``dtype`` on ``device`` and load its weights."""
     args = args or ModelArgs.from_pretrained(model_dir)
     cls = model_class(args)
     with torch.device("meta"):
-        model = cls(args, backend, max_positions)
+        model = cls(args, backend, max_positions, fused_kernels=fused_kernels)
     model = model.to(dtype).to_empty(device=torch.device(device))
     model.tie_weights()
     for module in model.modules():

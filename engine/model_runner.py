@@ -75,8 +75,11 @@ class ModelRunner:
         self.attention_backend = backend_cls(
             args.num_heads, args.num_kv_heads, args.head_dim, scale=args.head_dim**-0.5
         )
+        # The fused elementwise kernels only pay off (and are only needed) on the GPU; under the CPU
+        # interpreter they would just slow the triton backend's tests down.
+        fused = self.device.type == "cuda" and self.attention_backend.name == "triton"
         self.model = load_model(model_dir, self.attention_backend, self.dtype, self.device,
-                                max_positions=self.max_model_len, args=args)
+                                max_positions=self.max_model_len, args=args, fused_kernels=fused)
 
         if (model_dir / "tokenizer.json").is_file():
             from engine.tokenizer import Tokenizer

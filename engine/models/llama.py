@@ -10,6 +10,9 @@ per-head q/k RMSNorm and explicit ``head_dim``, tied embeddings. Invariants:
   fills them from HF's separate tensors. Parameter names otherwise mirror HF's.
 - The model holds no per-step state: the KV cache (one tensor per layer) and ``AttentionMetadata`` are
   arguments of ``forward``; the attention math is the backend's (``engine.attention``).
+- Elementwise ops (RMSNorm with the residual add fused in, RoPE, SiLU-and-mul) come from an ``Ops``
+  object: ``TorchOps`` (plain PyTorch, HF rounding) or, with ``fused_kernels=True``, ``TritonOps`` (the
+  ``kernels/`` launchers, same rounding points). The runner turns the kernels on for CUDA + triton.
 - ``forward`` returns the final hidden states ``[T, hidden]``; ``compute_logits`` projects only the
   rows the caller selects, so a prefill of many tokens never materialises ``[T, vocab]``.
 """
@@ -26,17 +29,70 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
 
 
+class TorchOps:
+    """Reference elementwise ops in PyTorch, rounding like the Hugging Face implementations."""
+
+    @staticmethod
+    def rms_norm(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x: [..., dim]; with residual: (norm(x + residual), x + residual)
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return out if residual is None else (out, x)
+
+    @staticmethod
+    def rotary(
+        q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, KVH, D]; rotate-half layout; cos_sin: [P, D] (cos | sin), float32
+        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+        return rotate(q), rotate(k)
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)  # x: [T, 2I] -> [T, I]
+        return F.silu(gate) * up
+
+
+class TritonOps:
+    """The same ops as fused Triton kernels (``kernels/``): one launch each, no intermediate tensors."""
+
+    def __init__(self) -> None:
+        import kernels
+
+        self.rms_norm = kernels.rms_norm
+        self.silu_and_mul = kernels.silu_and_mul
+        self._rotary = kernels.rotary_embedding
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rotary(q, k, positions, cos_sin)
+
+
+Ops = TorchOps | TritonOps
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]; normalised in float32, like HF, then scaled in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        return self._ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -61,7 +117,8 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin cache ``[max_positions, head_dim / 2]`` in float32, indexed by each token's position."""
+    """The RoPE table ``cos_sin [max_positions, head_dim]`` (cos | sin halves), float32, on the model's
+    device; the ``Ops`` rotate queries and keys with it."""
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
@@ -77,28 +134,24 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(self.max_positions, device=device, dtype=torch.float32), inv_freq)
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions: [T]; x: [T, heads, D] in rotate-half layout (first half / second half).
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.q_size, args.kv_size
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, ops)
         else:
             self.q_norm = self.k_norm = None
         # Shared, not owned: registering them as submodules would duplicate them per layer.
         self._rotary = (rotary,)
         self._backend = backend
+        self._ops = ops
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -109,50 +162,61 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rotary = self._rotary[0]
-        q, k = rotary(positions, q), rotary(positions, k)
+        if self.q_norm is not None:  # per-head RMSNorm over rows of head_dim (reshape packs the rows)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self._ops.rotary(q, k, positions, self._rotary[0].cos_sin)
         out = self._backend.forward(q, k, v.contiguous(), kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, ops: Ops) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
+        self._ops = ops
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, D]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.self_attn = Attention(args, rotary, backend, ops)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.mlp = MLP(args, ops)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous layer's output, ``residual`` the stream before it (None for layer 0); the
+        residual add is fused into the next norm. Returns ``(mlp output, residual stream)``."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int, ops: Ops) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rotary_emb = RotaryEmbedding(args, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, self.rotary_emb, backend) for _ in range(args.num_layers)
+            DecoderLayer(args, self.rotary_emb, backend, ops) for _ in range(args.num_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -161,19 +225,28 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        out, _ = self.norm(x, residual)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. ``max_positions`` sizes the RoPE cache (at least the engine's max_model_len)."""
+    """Decoder + LM head. ``max_positions`` sizes the RoPE cache (at least the engine's max_model_len);
+    ``fused_kernels`` picks ``TritonOps`` over ``TorchOps``."""
 
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+        fused_kernels: bool = False,
+    ) -> None:
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings)
+        ops: Ops = TritonOps() if fused_kernels else TorchOps()
+        self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings, ops)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 

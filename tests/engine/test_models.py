@@ -3,13 +3,19 @@ rejects broken checkpoints, and the torch attention backend equals dense causal 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():  # the fused-kernel test runs Triton's interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from safetensors.torch import load_file, save_file
 
 from engine.attention import AttentionMetadata, get_backend
@@ -82,6 +88,38 @@ def test_logits_equal_transformers(arch: str, request: pytest.FixtureRequest) ->
             ref = hf(prompt[None]).logits[0]
             ours = logits[meta.query_start_loc[b] : meta.query_start_loc[b + 1]]
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_triton_ops_equal_torch_ops(arch: str, request: pytest.FixtureRequest) -> None:
+    kernels = pytest.importorskip("kernels")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not kernels.kernels_are_interpreted():
+        pytest.skip("triton was imported before TRITON_INTERPRET was set")
+    d = request.getfixturevalue(f"tiny_{arch}_dir")
+    args = ModelArgs.from_pretrained(d)
+    backend = TorchAttentionBackend(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
+    ref = load_model(d, backend, torch.float32, device)
+    fused = load_model(d, backend, torch.float32, device, fused_kernels=True)
+    lengths = [9, 4]
+    meta, num_blocks = _prefill_meta(lengths, blocks_per_seq=1)
+    meta = dataclasses.replace(meta, **{
+        f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+        if isinstance(getattr(meta, f.name), torch.Tensor)
+    })  # fmt: skip
+    tokens = torch.randint(0, args.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    outs = []
+    kernels.reset_launch_counts()
+    for model in (ref, fused):
+        caches = [torch.zeros(2, num_blocks, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+                  for _ in range(args.num_layers)]  # fmt: skip
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(tokens.to(device), positions.to(device), caches, meta)))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    launches = dict(kernels.launch_counts)
+    assert launches["rms_norm"] >= 2 * args.num_layers + 1 and launches["silu_and_mul"] == args.num_layers
+    assert launches["rotary_embedding"] == args.num_layers
 
 
 def test_variants_are_read_from_config(
