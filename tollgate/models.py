@@ -31,6 +31,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    UniqueConstraint,
     func,
     text,
 )
@@ -181,4 +182,129 @@ class AuditLog(Base):
         BigInteger, ForeignKey("tenants.id", ondelete="SET NULL"), index=True
     )
     details: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default=text("'{}'::jsonb"))
+    created_at: Mapped[datetime] = _created_at()
+
+
+# --------------------------------------------------------------------------- files and batches (issue #6)
+# Public ids are strings (``file-…``, ``batch_…``) as OpenAI's API shows them; listing pages by
+# ``(created_at, id)``. Batch statuses are OpenAI's; ``batch_items`` holds one row per input line with its
+# lease (``lease_owner``, ``lease_expires_at``), attempts and result, so a line completes at most once.
+
+FILE_PURPOSES = ("batch", "batch_output")
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                  "cancelled")
+BATCH_ITEM_STATUSES = ("pending", "running", "completed", "failed", "cancelled", "expired")
+
+
+class File(Base):
+    __tablename__ = "files"
+    __table_args__ = (
+        CheckConstraint("purpose IN ('batch', 'batch_output')", name="purpose"),
+        CheckConstraint("bytes >= 0", name="bytes_non_negative"),
+        Index("ix_files_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_files_expires_at", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False
+    )
+    purpose: Mapped[str] = mapped_column(String(32), nullable=False)
+    filename: Mapped[str] = mapped_column(String(512), nullable=False)
+    bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    storage_key: Mapped[str] = mapped_column(String(512), nullable=False)
+    created_at: Mapped[datetime] = _created_at()
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('validating', 'failed', 'in_progress', 'finalizing', 'completed', 'expired',"
+            " 'cancelling', 'cancelled')",
+            name="status",
+        ),
+        CheckConstraint(
+            "request_total >= 0 AND request_completed >= 0 AND request_failed >= 0"
+            " AND request_completed + request_failed <= request_total",
+            name="request_counts",
+        ),
+        Index("ix_batches_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False
+    )
+    api_key_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("api_keys.id", ondelete="SET NULL")
+    )
+    endpoint: Mapped[str] = mapped_column(String(64), nullable=False)
+    model: Mapped[str | None] = mapped_column(String(128))
+    input_file_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    completion_window: Mapped[str] = mapped_column(String(16), nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, server_default="validating")
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    # ``metadata`` is reserved on declarative classes: the attribute is ``batch_metadata``.
+    batch_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONB)
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
+    request_total: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    request_completed: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    request_failed: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    created_at: Mapped[datetime] = _created_at()
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class BatchItem(Base):
+    """One input line. ``request_id`` is derived from the batch id and ``custom_id`` (the ledger's
+    idempotency key); ``served_pool`` records which engine pool ran it (``interactive`` = soaked)."""
+
+    __tablename__ = "batch_items"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('pending', 'running', 'completed', 'failed', 'cancelled', 'expired')", name="status"
+        ),
+        CheckConstraint("(status = 'running') = (lease_owner IS NOT NULL)", name="lease"),
+        UniqueConstraint("batch_id", "custom_id", name="uq_batch_items_batch_id_custom_id"),
+        UniqueConstraint("batch_id", "line", name="uq_batch_items_batch_id_line"),
+        Index("ix_batch_items_batch_id_status", "batch_id", "status"),
+        Index("ix_batch_items_status_lease_expires_at", "status", "lease_expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("batches.id", ondelete="CASCADE"), nullable=False
+    )
+    line: Mapped[int] = mapped_column(Integer, nullable=False)
+    custom_id: Mapped[str] = mapped_column(Text, nullable=False)
+    request_id: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    request_body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, server_default="pending")
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    response_status: Mapped[int | None] = mapped_column(Integer)
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    served_pool: Mapped[str | None] = mapped_column(String(32))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cost_pico_usd: Mapped[int | None] = mapped_column(BigInteger)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = _created_at()

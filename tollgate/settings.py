@@ -110,6 +110,33 @@ class Settings(BaseSettings):
     usage_flush_interval_s: float = 1.0
     usage_flush_batch: int = 500
 
+    # Files and the batch tier (issue #6). Files live under ``file_storage_dir`` (default
+    # ``data_dir/files``), shared by gateways and workers; uploads and batch outputs expire after
+    # ``files_retention_s`` and are deleted by beat.
+    file_storage_dir: Path | None = None
+    files_max_bytes: int = 200 * 1024 * 1024
+    files_retention_s: float = 30 * 24 * 3600.0
+    batch_max_requests: int = 50_000
+    batch_completion_window_s: float = 24 * 3600.0
+    # Execution: a Celery task claims ``batch_chunk_size`` lines (leases of ``batch_lease_ttl_s``, renewed
+    # while they run) and runs up to ``batch_line_concurrency`` at once; beat sweeps expired leases,
+    # expiry and retention every ``batch_sweep_interval_s``. A line whose worker died is retried until
+    # it has been started ``batch_max_attempts`` times.
+    batch_chunk_size: int = 32
+    batch_line_concurrency: int = 8
+    batch_tasks_per_batch: int = 2
+    batch_lease_ttl_s: float = 60.0
+    batch_sweep_interval_s: float = 10.0
+    batch_status_poll_interval_s: float = 1.0
+    batch_max_attempts: int = 3
+    # None: one below the lowest interactive tier (max tier engine_priority + 1).
+    batch_engine_priority: int | None = None
+    # Soaking: batch lines may run on an interactive replica while its queue is at most this long, its
+    # KV cache at most this full, and this worker process has fewer than this many lines on it.
+    batch_soak_max_waiting: int = 0
+    batch_soak_max_kv_usage: float = 0.6
+    batch_soak_max_inflight: int = 4
+
     # Stripe (billing issue).
     stripe_api_key: SecretStr | None = None
     stripe_api_base: str | None = None
