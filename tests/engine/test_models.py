@@ -314,3 +314,43 @@ def test_torch_backend_skips_padding_slots() -> None:
         and cache[0, 1].abs().sum() == 0
         and cache[0, 0, :3].abs().sum() == 0
     )
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    args, n = model.args, tokens.shape[0]
+    meta, num_blocks = _prefill_meta([n], blocks_per_seq=-(-n // BLOCK))
+    caches = [
+        torch.zeros(2, num_blocks, BLOCK, args.num_kv_heads, args.head_dim) for _ in range(args.num_layers)
+    ]
+    with torch.inference_mode():
+        return model.compute_logits(model(tokens, torch.arange(n), caches, meta))
+
+
+def test_mistral_checkpoint_equals_transformers(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    shutil.copytree(tiny_llama_dir, tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(
+        architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None, rope_theta=10000.0
+    )
+    del cfg["rope_scaling"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tokens = torch.randint(0, cfg["vocab_size"], (21,), generator=torch.Generator().manual_seed(3))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MistralForCausalLM"
+    with torch.no_grad():
+        ref = hf(tokens[None]).logits[0]
+    torch.testing.assert_close(_logits(_load(tmp_path), tokens), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    shutil.copytree(tiny_qwen3_dir, tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: weights[n] for n in part}, tmp_path / file)
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    tokens = torch.randint(0, 100, (7,), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(_logits(_load(tmp_path), tokens), _logits(_load(tiny_qwen3_dir), tokens))
