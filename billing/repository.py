@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.prices import Price
 from tollgate.models import Price as PriceRow
-from tollgate.models import UsageEvent
+from tollgate.models import UsageEvent, UsageRequestId
 
 _PRICE_COLUMNS = ("input", "cached_input", "output", "batch_input", "batch_cached_input", "batch_output")
 
@@ -41,13 +41,27 @@ async def upsert_price(session: AsyncSession, model: str, effective_from: dateti
     await session.execute(stmt.on_conflict_do_update(index_elements=["model", "effective_from"], set_=values))
 
 
-async def insert_usage_events(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> set[str]:
-    """Insert ledger rows, skipping request ids already present; returns the ids inserted now."""
+async def insert_usage_events(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Insert ledger rows, skipping request ids already present; returns the rows inserted now.
+
+    ``usage_events`` is partitioned by month, so it cannot hold a unique constraint on ``request_id``
+    alone: the id is first claimed in the unpartitioned ``usage_request_ids`` (``ON CONFLICT DO
+    NOTHING``), and only the rows whose id was claimed by this statement are inserted, in the same
+    transaction. A concurrent transaction claiming the same id waits on the primary key until this one
+    commits or rolls back, so exactly one ledger row per request id can ever commit."""
     if not rows:
-        return set()
-    stmt = (insert(UsageEvent).values(list(rows))
-            .on_conflict_do_nothing(index_elements=["request_id"]).returning(UsageEvent.request_id))
-    return set((await session.scalars(stmt)).all())
+        return []
+    first: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        first.setdefault(row["request_id"], row)
+    claim = (insert(UsageRequestId)
+             .values([{"request_id": rid, "created_at": row["created_at"]} for rid, row in first.items()])
+             .on_conflict_do_nothing(index_elements=["request_id"]).returning(UsageRequestId.request_id))
+    claimed = set((await session.scalars(claim)).all())
+    fresh = [row for rid, row in first.items() if rid in claimed]
+    if fresh:
+        await session.execute(insert(UsageEvent).values(fresh))
+    return fresh
 
 
 async def spend_by_tenant(session: AsyncSession, start: datetime, end: datetime,

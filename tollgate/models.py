@@ -29,6 +29,8 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Numeric,
+    SmallInteger,
     String,
     Text,
     UniqueConstraint,
@@ -87,6 +89,13 @@ class Tenant(Base):
     monthly_budget_pico_usd: Mapped[int | None] = mapped_column(BigInteger)
     stripe_customer_id: Mapped[str | None] = mapped_column(String(255), unique=True)
     created_at: Mapped[datetime] = _created_at()
+    # Billing (revision 0002): where budget alerts are POSTed (signed with the secret), the Stripe
+    # subscription ``tollgate billing attach`` created, and when an invoice payment failed (cleared
+    # when an invoice is paid).
+    alert_webhook_url: Mapped[str | None] = mapped_column(String(2048))
+    alert_webhook_secret: Mapped[str | None] = mapped_column(String(128))
+    stripe_subscription_id: Mapped[str | None] = mapped_column(String(255))
+    payment_failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class ApiKey(Base):
@@ -131,6 +140,10 @@ class Price(Base):
 
 
 class UsageEvent(Base):
+    """The ledger, partitioned by month of ``created_at`` (partitions live in the schema
+    ``usage_partitions``, managed by ``billing.partitions``). A partitioned table's unique constraints
+    must contain the partition key, so ``request_id`` is made unique by ``UsageRequestId``."""
+
     __tablename__ = "usage_events"
     __table_args__ = (
         CheckConstraint("request_class IN ('interactive', 'batch')", name="request_class"),
@@ -142,10 +155,12 @@ class UsageEvent(Base):
         CheckConstraint("cost_pico_usd >= 0", name="cost_non_negative"),
         Index("ix_usage_events_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_usage_events_created_at", "created_at"),
+        Index("ix_usage_events_request_id", "request_id"),
+        {"postgresql_partition_by": "RANGE (created_at)"},
     )
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    request_id: Mapped[str] = mapped_column(String(128), nullable=False)
     tenant_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("tenants.id"), nullable=False)
     api_key_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("api_keys.id"))
     model: Mapped[str] = mapped_column(String(128), nullable=False)
@@ -158,6 +173,140 @@ class UsageEvent(Base):
     status: Mapped[str] = mapped_column(String(32), nullable=False)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     tpot_ms: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True,
+                                                 server_default=func.now())
+
+
+class UsageRequestId(Base):
+    """One row per ledger row, inserted in the same transaction: the ledger's idempotency key."""
+
+    __tablename__ = "usage_request_ids"
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class UsageHourly(Base):
+    """Hourly rollup of the ledger per tenant × model × class; token kinds (input without the cached
+    part, cached input, output) as columns with their exact costs. Maintained by the ledger flusher in
+    the insert's transaction and proved equal to the ledger by ``billing.rollups.reconcile``."""
+
+    __tablename__ = "usage_hourly"
+    __table_args__ = (
+        CheckConstraint("request_class IN ('interactive', 'batch')", name="request_class"),
+        Index("ix_usage_hourly_hour", "hour"),
+    )
+
+    tenant_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("tenants.id"), primary_key=True)
+    hour: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    request_class: Mapped[str] = mapped_column(String(16), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    input_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    cached_input_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    output_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                 server_default=func.now())
+
+
+class StripeProvisioning(Base):
+    """The one billing meter, product and metered price ``tollgate billing setup-stripe`` created."""
+
+    __tablename__ = "stripe_provisioning"
+    __table_args__ = (CheckConstraint("id = 1", name="singleton"),)
+
+    id: Mapped[int] = mapped_column(SmallInteger, primary_key=True, autoincrement=False)
+    meter_event_name: Mapped[str] = mapped_column(String(100), nullable=False)
+    meter_id: Mapped[str] = mapped_column(String(255), nullable=False)
+    product_id: Mapped[str] = mapped_column(String(255), nullable=False)
+    price_id: Mapped[str] = mapped_column(String(255), nullable=False)
+    created_at: Mapped[datetime] = _created_at()
+
+
+class StripeExportState(Base):
+    """Per exported tenant: the first hour to export and the running totals that carry the sub-micro-USD
+    remainder from hour to hour (``sent_micro_usd == floor(covered_pico_usd / 1e6)`` after every plan,
+    except while a negative correction smaller than a cent waits to be absorbed)."""
+
+    __tablename__ = "stripe_export_state"
+
+    tenant_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("tenants.id"), primary_key=True)
+    since_hour: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    covered_pico_usd: Mapped[int] = mapped_column(Numeric(38, 0), nullable=False, server_default=text("0"))
+    sent_micro_usd: Mapped[int] = mapped_column(Numeric(38, 0), nullable=False, server_default=text("0"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                 server_default=func.now())
+
+
+class StripeExport(Base):
+    """Outbox of what is reported to Stripe: one row per (tenant, hour, revision), planned and committed
+    before it is sent, marked ``sent`` after Stripe accepted it."""
+
+    __tablename__ = "stripe_exports"
+    __table_args__ = (
+        CheckConstraint("kind IN ('meter_event', 'credit')", name="kind"),
+        CheckConstraint("status IN ('pending', 'sent')", name="status"),
+        CheckConstraint("revision >= 1", name="revision"),
+        UniqueConstraint("tenant_id", "hour", "revision"),
+        Index("ix_stripe_exports_status_id", "status", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("tenants.id"), nullable=False)
+    hour: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    revision: Mapped[int] = mapped_column(Integer, nullable=False)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)
+    identifier: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    stripe_customer_id: Mapped[str] = mapped_column(String(255), nullable=False)
+    amount_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    covered_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    value_micro_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, server_default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    stripe_object_id: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = _created_at()
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class StripeEvent(Base):
+    """Stripe webhook events already processed (deduplication by event id)."""
+
+    __tablename__ = "stripe_events"
+
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    type: Mapped[str] = mapped_column(String(128), nullable=False)
+    event_created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                  server_default=func.now())
+
+
+class BudgetAlert(Base):
+    """A tenant's month-to-date spend crossed ``threshold_percent`` (80 or 100) of its monthly budget:
+    the dashboard's flag, and the outbox of the signed webhook to ``tenants.alert_webhook_url``."""
+
+    __tablename__ = "budget_alerts"
+    __table_args__ = (
+        CheckConstraint("webhook_status IN ('none', 'pending', 'delivered', 'failed')",
+                        name="webhook_status"),
+        UniqueConstraint("tenant_id", "month", "threshold_percent"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"),
+                                           nullable=False)
+    month: Mapped[str] = mapped_column(String(7), nullable=False)
+    threshold_percent: Mapped[int] = mapped_column(SmallInteger, nullable=False)
+    spend_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    budget_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    webhook_status: Mapped[str] = mapped_column(String(16), nullable=False)
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = _created_at()
 
 
