@@ -166,7 +166,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self._ops.rotary(q, k, positions, self._rotary[0].cos_sin)
-        out = self._backend.forward(q, k, v.contiguous(), kv_cache, meta)  # [T, H, D]
+        out = self._backend.forward(q, k, v, kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
