@@ -27,7 +27,8 @@ Contract of ``forward(q, k, v, kv_cache, meta)``: first store ``k``/``v`` of the
 ``slot_mapping``, then return, for each new token, causal attention of its query over positions
 ``0 .. its own`` of its sequence (read through the cache), with GQA (query head ``h`` uses kv head
 ``h // (num_heads // num_kv_heads)``) and softmax scale ``scale``. Shapes: ``q [T, num_heads, head_dim]``,
-``k``/``v [T, num_kv_heads, head_dim]``, output ``[T, num_heads, head_dim]`` in ``q``'s dtype.
+``k``/``v [T, num_kv_heads, head_dim]`` (possibly strided views of the fused qkv projection; only the last
+dimension is guaranteed contiguous), output ``[T, num_heads, head_dim]`` in ``q``'s dtype.
 """
 
 from __future__ import annotations
