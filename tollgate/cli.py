@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("tollgate.commands.model", "engine"),
     "gateway": ("tollgate.commands.gateway", "gateway"),
     "prices": ("tollgate.commands.prices", "prices"),
+    "admins": ("tollgate.commands.admins", "admins"),
 }
 
 

@@ -1,0 +1,345 @@
+"""Admin operations: plain async functions taking a session (and, for writes, the acting admin), used by
+the admin API, the dashboard and ``tollgate admins``. They never commit and never publish: run them
+inside ``gateway.admin.uow.admin_unit_of_work`` (or the ``AdminSession`` dependency), which commits and
+then announces the invalidations they queued.
+
+Invariants:
+- Every write records one ``audit_log`` row (actor, action, tenant_id, details) in the same
+  transaction; tenant and key writes reuse ``gateway.tenants.service`` (which records them), prices reuse
+  ``billing.service.set_price``.
+- Changes gateways cache (tier, limits, status, a revoked key) queue a ``tollgate:invalidate`` message
+  (``{"tenant_id": n}`` / ``{"key_id": "<prefix>"}``), published only after the commit.
+- Suspensions from the admin API have reason ``admin``. ``reactivate_tenant`` lifts an ``admin``
+  suspension; a ``billing`` suspension (unpaid bill) is lifted only with ``force=True``, recorded as
+  such, and never replaced by an ``admin`` one (that would let a plain reactivate lift it).
+- Price rows start now or later: a row that starts in the past would rewrite which price was in effect
+  for requests already billed.
+- Errors are ``AdminError`` (a ``GatewayError``: HTTP status + ``{"error": ...}`` body); the tenant
+  service's domain errors are translated with the same status.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from argon2 import PasswordHasher
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from billing import repository as billing_repository
+from billing.prices import Price
+from billing.service import PriceConflict, set_price
+from gateway.admin import repository
+from gateway.admin.auth import generate_admin_token, hash_admin_token
+from gateway.admin.schemas import (
+    PRICE_FIELDS,
+    PriceCreateRequest,
+    PriceRowOut,
+    TenantCreateRequest,
+    TenantUpdateRequest,
+    UsageRow,
+    UsageTotals,
+    usd_string,
+)
+from gateway.admin.uow import queue_invalidation
+from gateway.errors import GatewayError
+from gateway.tenants.repository import AuditLogRepository
+from gateway.tenants.schemas import ApiKeyCreate
+from gateway.tenants.service import ApiKeyService, TenantError, TenantService
+from tollgate.models import Admin, ApiKey, AuditLog, Tenant
+from tollgate.settings import Settings
+
+EMAIL_RE = re.compile(r"[^@\s]+@[^@\s]+\.[^@\s]+")
+EMAIL_MAX_LENGTH = 254
+MAX_PAGE = 1000
+_TENANT_ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 409: "conflict"}
+
+
+class AdminError(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class AdminNotFound(AdminError):
+    status = 404
+    code = "not_found"
+
+
+class AdminConflict(AdminError):
+    status = 409
+    code = "conflict"
+
+
+@contextmanager
+def _tenant_errors() -> Iterator[None]:
+    try:
+        yield
+    except TenantError as e:
+        raise AdminError(str(e), status=e.status, code=_TENANT_ERROR_CODES.get(e.status)) from e
+
+
+# ------------------------------------------------------------------------------------------ admins
+
+
+def normalize_email(email: str) -> str:
+    email = email.strip().lower()
+    if len(email) > EMAIL_MAX_LENGTH or not EMAIL_RE.fullmatch(email):
+        raise AdminError(f"not an email address: {email[:EMAIL_MAX_LENGTH]!r}", param="email")
+    return email
+
+
+async def create_admin(session: AsyncSession, email: str, *, settings: Settings, actor: str,
+                       password: str | None = None) -> tuple[Admin, str]:
+    """A new admin and its API token (shown once). With ``password``, an argon2 hash of it is stored
+    for the dashboard's password login."""
+    email = normalize_email(email)
+    admins = repository.AdminRepository(session)
+    if await admins.get_by_email(email) is not None:
+        raise AdminConflict(f"an admin {email!r} already exists (use `tollgate admins rotate-token`)")
+    if password is not None and not password:
+        raise AdminError("the admin password must not be empty")
+    token = generate_admin_token()
+    password_hash = PasswordHasher().hash(password) if password else None
+    try:
+        async with session.begin_nested():
+            admin = await admins.add(Admin(email=email, password_hash=password_hash,
+                                           api_token_hash=hash_admin_token(token, settings)))
+    except IntegrityError as e:  # a concurrent create won the race for the email
+        raise AdminConflict(f"an admin {email!r} already exists") from e
+    await AuditLogRepository(session).record(actor, "admin.create", details={
+        "admin_id": admin.id, "email": email, "password_set": password_hash is not None})
+    return admin, token
+
+
+async def rotate_admin_token(session: AsyncSession, email: str, *, settings: Settings,
+                             actor: str) -> tuple[Admin, str]:
+    """Replace the admin's API token (the old one stops working at once); returns the new one."""
+    admins = repository.AdminRepository(session)
+    admin = await admins.get_by_email(normalize_email(email))
+    if admin is None:
+        raise AdminNotFound(f"no admin {email!r}")
+    token = generate_admin_token()
+    admin.api_token_hash = hash_admin_token(token, settings)
+    await admins.flush()
+    await AuditLogRepository(session).record(actor, "admin.rotate_token", details={"admin_id": admin.id})
+    return admin, token
+
+
+async def list_admins(session: AsyncSession) -> Sequence[Admin]:
+    return await repository.AdminRepository(session).list()
+
+
+# ------------------------------------------------------------------------------------------ tenants
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPage:
+    tenants: Sequence[Tenant]
+    total: int
+
+
+async def list_tenants(session: AsyncSession, *, search: str | None = None, status: str | None = None,
+                       limit: int = 50, offset: int = 0) -> TenantPage:
+    if not 1 <= limit <= MAX_PAGE or offset < 0:
+        raise AdminError(f"limit must be in 1..{MAX_PAGE} and offset >= 0")
+    tenants, total = await repository.search_tenants(session, search=(search or "").strip() or None,
+                                                     status=status, limit=limit, offset=offset)
+    return TenantPage(tenants, total)
+
+
+async def get_tenant(session: AsyncSession, tenant_id: int, *, settings: Settings) -> Tenant:
+    with _tenant_errors():
+        return await TenantService(session, settings).get_tenant(tenant_id)
+
+
+async def create_tenant(session: AsyncSession, data: TenantCreateRequest, *, settings: Settings,
+                        actor: str) -> Tenant:
+    with _tenant_errors():
+        return await TenantService(session, settings).create_tenant(data.to_tenant_create(), actor=actor)
+
+
+async def update_tenant(session: AsyncSession, tenant_id: int, data: TenantUpdateRequest, *,
+                        settings: Settings, actor: str) -> Tenant:
+    """Change tier, limits, budget or Stripe customer; gateways reload the tenant's limits at once."""
+    service = TenantService(session, settings)
+    with _tenant_errors():
+        if not data.model_fields_set:
+            return await service.get_tenant(tenant_id)
+        try:
+            async with session.begin_nested():
+                tenant = await service.update_tenant(tenant_id, data.to_tenant_update(), actor=actor)
+        except IntegrityError as e:  # the only unique column a PATCH can set
+            raise AdminConflict("that stripe_customer_id belongs to another tenant",
+                                param="stripe_customer_id") from e
+    queue_invalidation(session, tenant_id=tenant.id)
+    return tenant
+
+
+async def suspend_tenant(session: AsyncSession, tenant_id: int, *, settings: Settings, actor: str,
+                         note: str | None = None) -> Tenant:
+    """Suspend with reason ``admin`` (idempotent). A tenant suspended for billing stays so."""
+    tenant = await get_tenant(session, tenant_id, settings=settings)
+    if tenant.status == "suspended":
+        if tenant.suspended_reason == "admin":
+            return tenant
+        raise AdminConflict(f"tenant {tenant.id} is already suspended ({tenant.suspended_reason}); "
+                            "an admin suspension would hide the billing one")
+    tenant.status, tenant.suspended_reason = "suspended", "admin"
+    await session.flush()
+    await AuditLogRepository(session).record(actor, "tenant.suspend", tenant_id=tenant.id,
+                                             details={"reason": "admin", "note": note})
+    queue_invalidation(session, tenant_id=tenant.id)
+    return tenant
+
+
+async def reactivate_tenant(session: AsyncSession, tenant_id: int, *, settings: Settings, actor: str,
+                            force: bool = False, note: str | None = None) -> Tenant:
+    """Lift an ``admin`` suspension (idempotent on an active tenant); a ``billing`` one needs ``force``."""
+    tenant = await get_tenant(session, tenant_id, settings=settings)
+    if tenant.status == "active":
+        return tenant
+    reason = tenant.suspended_reason
+    if reason != "admin" and not force:
+        raise AdminConflict(f"tenant {tenant.id} is suspended for {reason}; reactivating it needs "
+                            '"force": true', code="suspended_for_billing")
+    tenant.status, tenant.suspended_reason = "active", None
+    await session.flush()
+    await AuditLogRepository(session).record(actor, "tenant.reactivate", tenant_id=tenant.id,
+                                             details={"lifted_reason": reason, "forced": reason != "admin",
+                                                      "note": note})
+    queue_invalidation(session, tenant_id=tenant.id)
+    return tenant
+
+
+# ------------------------------------------------------------------------------------------ keys
+
+
+async def create_key(session: AsyncSession, tenant_id: int, data: ApiKeyCreate, *, settings: Settings,
+                     actor: str) -> tuple[ApiKey, str]:
+    """A new key for the tenant: ``(row, full secret key)``; the secret is not stored anywhere."""
+    with _tenant_errors():
+        return await ApiKeyService(session, settings).create_key(tenant_id, data, actor=actor)
+
+
+async def list_keys(session: AsyncSession, tenant_id: int, *, settings: Settings) -> Sequence[ApiKey]:
+    await get_tenant(session, tenant_id, settings=settings)
+    return await ApiKeyService(session, settings).list_keys(tenant_id)
+
+
+async def revoke_key(session: AsyncSession, tenant_id: int, key_id: int, *, settings: Settings,
+                     actor: str) -> ApiKey:
+    """Revoke (idempotent); every gateway drops the key from its cache once the change commits."""
+    with _tenant_errors():
+        key = await ApiKeyService(session, settings).revoke_key(tenant_id, key_id, actor=actor)
+    queue_invalidation(session, key_id=key.prefix)
+    return key
+
+
+# ------------------------------------------------------------------------------------------ prices
+
+
+async def list_prices(session: AsyncSession, model: str | None = None, *,
+                      now: datetime | None = None) -> list[PriceRowOut]:
+    """The price book, oldest first per model, each row with the time the next one replaces it."""
+    now = now or datetime.now(UTC)
+    if model is not None:
+        rows = [(model, start, price) for start, price in await billing_repository.price_rows(session, model)]
+    else:
+        rows = await billing_repository.all_prices(session)
+    out = []
+    for i, (name, start, price) in enumerate(rows):
+        following = rows[i + 1] if i + 1 < len(rows) else None
+        until = following[1] if following is not None and following[0] == name else None
+        out.append(PriceRowOut.of(name, start, until, start <= now and (until is None or now < until), price))
+    return out
+
+
+async def add_price(session: AsyncSession, data: PriceCreateRequest, *, actor: str,
+                    now: datetime | None = None) -> PriceRowOut:
+    """Add a price row from ``data.effective_from`` (now when omitted). Gateways pick it up with their
+    periodic price-book refresh (``billing.prices.PriceBookCache``)."""
+    now = now or datetime.now(UTC)
+    start = data.effective_from or now
+    if start < now:
+        raise AdminError("effective_from must not be in the past (omit it to start now)",
+                         param="effective_from")
+    try:
+        price = Price.of(input=data.input_usd_per_mtok, output=data.output_usd_per_mtok,
+                         cached_input=data.cached_input_usd_per_mtok,
+                         batch_input=data.batch_input_usd_per_mtok,
+                         batch_cached_input=data.batch_cached_input_usd_per_mtok,
+                         batch_output=data.batch_output_usd_per_mtok)
+        start = await set_price(session, data.model, price, start, now=now)
+    except PriceConflict as e:
+        raise AdminConflict(str(e), param="effective_from") from e
+    except ValueError as e:
+        raise AdminError(str(e)) from e
+    details: dict[str, Any] = {"model": data.model, "effective_from": start.isoformat(),
+                               "pico_usd_per_token": {name: getattr(price, name) for name in PRICE_FIELDS}}
+    await AuditLogRepository(session).record(actor, "price.set", details=details)
+    return next(row for row in await list_prices(session, data.model, now=now)
+                if row.effective_from == start)
+
+
+# ------------------------------------------------------------------------------------------ usage
+
+
+@dataclass(frozen=True, slots=True)
+class UsageResult:
+    group_by: list[str]
+    rows: list[UsageRow]
+    totals: UsageTotals
+
+
+def _totals(requests: int, prompt: int, cached: int, completion: int, cost: int) -> dict[str, Any]:
+    return {"requests": requests, "prompt_tokens": prompt, "cached_tokens": cached,
+            "completion_tokens": completion, "cost_pico_usd": str(cost), "cost_usd": usd_string(cost)}
+
+
+async def usage(session: AsyncSession, *, start: datetime, end: datetime, tenant_id: int | None = None,
+                group_by: Sequence[str] = (), granularity: str | None = None,
+                settings: Settings) -> UsageResult:
+    """Sums of the ledger (``usage_events``) over ``[start, end)``, per tenant or overall, grouped by
+    any of model / request_class / tenant_id / tier and by UTC hour or day."""
+    if start.tzinfo is None or end.tzinfo is None:
+        raise AdminError("start and end must be timezone-aware")
+    if start >= end:
+        raise AdminError("start must be before end", param="start")
+    unknown = [name for name in group_by if name not in repository.USAGE_DIMENSIONS]
+    if unknown:
+        raise AdminError(f"cannot group usage by {unknown[0]!r}; use {', '.join(repository.USAGE_DIMENSIONS)}"
+                         " (and granularity=hour|day for time buckets)", param="group_by")
+    if granularity is not None and granularity not in repository.USAGE_GRANULARITIES:
+        raise AdminError("granularity must be hour or day", param="granularity")
+    group_by = list(dict.fromkeys(group_by))
+    if tenant_id is not None:
+        await get_tenant(session, tenant_id, settings=settings)
+    sums = await repository.usage_sums(session, start=start, end=end, tenant_id=tenant_id,
+                                       group_by=group_by, granularity=granularity)
+    rows = [UsageRow(bucket_start=s.bucket_start, **s.group,  # type: ignore[arg-type]
+                     **_totals(s.requests, s.prompt_tokens, s.cached_tokens, s.completion_tokens,
+                               s.cost_pico_usd))
+            for s in sums]
+    totals = UsageTotals(**_totals(sum(s.requests for s in sums), sum(s.prompt_tokens for s in sums),
+                                   sum(s.cached_tokens for s in sums), sum(s.completion_tokens for s in sums),
+                                   sum(s.cost_pico_usd for s in sums)))
+    return UsageResult(group_by, rows, totals)
+
+
+# ------------------------------------------------------------------------------------------ audit
+
+
+async def audit_log(session: AsyncSession, *, tenant_id: int | None = None, action: str | None = None,
+                    before_id: int | None = None, limit: int = 100) -> tuple[Sequence[AuditLog], bool]:
+    """Audit entries, newest first, and whether older ones exist (page on with ``before_id``)."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise AdminError(f"limit must be in 1..{MAX_PAGE}", param="limit")
+    entries = await repository.audit_entries(session, tenant_id=tenant_id, action=action,
+                                             before_id=before_id, limit=limit + 1)
+    return entries[:limit], len(entries) > limit

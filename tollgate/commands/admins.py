@@ -1,0 +1,99 @@
+"""``tollgate admins create|rotate-token|list``: admins of the admin API and dashboard.
+
+``create EMAIL`` adds a row to ``admins`` and prints its admin API token as the LAST line of its output
+(scripts take ``| tail -n 1``); the token is stored only as an HMAC-SHA256 hash and shown only once.
+If ``TOLLGATE_ADMIN_PASSWORD`` is set, an argon2 hash of it is stored too, for the dashboard's password
+login (read from the environment only: a password on the command line would land in shell history).
+``rotate-token EMAIL`` replaces a lost or leaked token the same way. Each change is recorded in
+``audit_log`` with the actor ``cli:<user>``, in the same unit of work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import click
+
+from tollgate.settings import get_settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+T = TypeVar("T")
+PASSWORD_ENV = "TOLLGATE_ADMIN_PASSWORD"
+
+
+def _actor() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli"
+
+
+def _run(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    """``work(session)`` in one committed-on-success unit of work; domain errors as CLI errors."""
+    from gateway.errors import GatewayError
+    from tollgate.db import Database
+
+    settings = get_settings()
+
+    async def main() -> T:
+        db = Database.from_settings(settings)
+        try:
+            async with db.session() as session:
+                return await work(session)
+        finally:
+            await db.dispose()
+
+    try:
+        return asyncio.run(main())
+    except GatewayError as e:
+        raise click.ClickException(e.message) from e
+    except RuntimeError as e:  # no database configured
+        raise click.ClickException(str(e)) from e
+
+
+@click.group()
+def admins() -> None:
+    """Admins of the admin API and the dashboard."""
+
+
+@admins.command("create")
+@click.argument("email")
+def create_admin(email: str) -> None:
+    """Create admin EMAIL; its admin API token is the last line printed (shown only once)."""
+    from gateway.admin import service
+
+    password = os.environ.get(PASSWORD_ENV)
+    settings = get_settings()
+    admin, token = _run(lambda s: service.create_admin(s, email, settings=settings, actor=_actor(),
+                                                       password=password or None))
+    login = " and dashboard password" if password else ""
+    click.echo(f"created admin {admin.id} {admin.email!r}{login}; its admin API token is shown only once:")
+    click.echo(token)
+
+
+@admins.command("rotate-token")
+@click.argument("email")
+def rotate_token(email: str) -> None:
+    """Replace EMAIL's admin API token (the old one stops working); the new one is the last line."""
+    from gateway.admin import service
+
+    settings = get_settings()
+    admin, token = _run(lambda s: service.rotate_admin_token(s, email, settings=settings, actor=_actor()))
+    click.echo(f"new admin API token for {admin.email!r}; it is shown only once:")
+    click.echo(token)
+
+
+@admins.command("list")
+def list_admins() -> None:
+    """List admins (never their tokens or password hashes)."""
+    from gateway.admin import service
+
+    for admin in _run(service.list_admins):
+        login = "password" if admin.password_hash else "token only"
+        click.echo(f"{admin.id}\t{admin.email}\t{login}\tcreated {admin.created_at.isoformat()}")
