@@ -16,7 +16,8 @@ count exactly the same tokens. Decisions and invariants:
   ``eos_token_id`` and the tokenizer's ``eos_token``.
 - ``IncrementalDetokenizer``: the concatenation of its deltas followed by ``flush()`` equals
   ``decode(output_ids)``; a delta never ends inside an incomplete UTF-8 sequence (held back until the
-  character completes, or released by ``flush()``).
+  character completes, or released by ``flush()``). For byte-level tokenizers at most 3 bytes are ever
+  held back and each token costs O(1).
 - ``StopStringMatcher``: the text it releases never contains a stop string nor ends with a prefix of one
   that could still complete; once a stop string matches, the output is truncated right before it (or
   after it, with ``include_stop_str_in_output``) and every later feed is ignored.
@@ -24,6 +25,7 @@ count exactly the same tokens. Decisions and invariants:
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -134,6 +136,7 @@ class Tokenizer:
         bos = self._special_tokens.get("bos_token")
         self.bos_token_id: int | None = tokenizer.token_to_id(bos) if bos else None
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._bytes_cache: dict[int, bytes] = {}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -176,7 +179,8 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     @cached_property
-    def _is_byte_level(self) -> bool:
+    def is_byte_level(self) -> bool:
+        """True for byte-level BPE: a text is exactly the concatenation of its tokens' bytes."""
         decoder = json.loads(self._tok.to_str()).get("decoder") or {}
         kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
         return "ByteLevel" in kinds
@@ -185,14 +189,25 @@ class Tokenizer:
     def _added_tokens(self) -> dict[int, str]:
         return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (those ``skip_special_tokens`` drops)."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI's logprob ``bytes``); may be part of a character."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            cached = self._bytes_cache[token_id] = self._token_bytes(token_id)
+        return cached
+
+    def _token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added_tokens:  # stored as plain text, never byte-level encoded
             return self._added_tokens[token_id].encode("utf-8")
         token = self._tok.id_to_token(token_id)
         if token is None:
             return b""
-        if self._is_byte_level and all(c in _BYTE_DECODER for c in token):
+        if self.is_byte_level and all(c in _BYTE_DECODER for c in token):
             return bytes(_BYTE_DECODER[c] for c in token)
         if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):  # SentencePiece byte fallback
             return bytes([int(token[3:5], 16)])
@@ -313,32 +328,56 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
 
 
 class IncrementalDetokenizer:
-    """Turns output tokens into text deltas, one token at a time (see the module invariants)."""
+    """Turns output tokens into text deltas, one token at a time (see the module invariants).
+
+    Byte-level BPE tokenizers (GPT-2 / Llama 3 / Qwen style) take an O(1) path: each token's raw bytes
+    go through an incremental UTF-8 decoder, so at most 3 bytes of an incomplete character are ever
+    held back and invalid bytes come out at once as U+FFFD. Other tokenizers (SentencePiece-style,
+    where a token's text depends on its neighbours) re-decode a short window of recent tokens and hold
+    the delta back while it ends in U+FFFD.
+    """
 
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._parts: list[str] = []
+        self._utf8: codecs.IncrementalDecoder | None = None
+        if tokenizer.is_byte_level:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._skipped_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._ids: list[int] = list(prompt_token_ids[-_DETOKENIZE_CONTEXT_TOKENS:])
-        # Text of _ids[_prefix:_read] was emitted already; _ids[_read:] is held back.
+        # Window path: text of _ids[_prefix:_read] was emitted already; _ids[_read:] is held back.
         self._prefix = 0
         self._read = len(self._ids)
-        self.text = ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:
         """Add one token and return the text that became final (possibly empty)."""
-        self._ids.append(token_id)
-        emitted = self._decode(self._ids[self._prefix : self._read])
-        current = self._decode(self._ids[self._prefix :])
-        if len(current) <= len(emitted) or current.endswith("\ufffd"):
-            return ""
-        delta = current[len(emitted) :]
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
+        if self._utf8 is not None:
+            if token_id in self._skipped_ids:
+                return ""
+            delta = self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        else:
+            self._ids.append(token_id)
+            emitted = self._decode(self._ids[self._prefix : self._read])
+            current = self._decode(self._ids[self._prefix :])
+            if len(current) <= len(emitted) or current.endswith("\ufffd"):
+                return ""
+            delta = current[len(emitted) :]
+            self._prefix, self._read = self._read, len(self._ids)
+        if delta:
+            self._parts.append(delta)
         return delta
 
     def add_many(self, token_ids: Iterable[int]) -> str:
@@ -346,13 +385,17 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Release held-back text (incomplete characters become U+FFFD); call when the stream ends."""
-        if self._read == len(self._ids):
+        if self._utf8 is not None:
+            delta = self._utf8.decode(b"", final=True)
+        elif self._read == len(self._ids):
             return ""
-        emitted = self._decode(self._ids[self._prefix : self._read])
-        current = self._decode(self._ids[self._prefix :])
-        delta = current[len(emitted) :] if current.startswith(emitted) else ""
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
+        else:
+            emitted = self._decode(self._ids[self._prefix : self._read])
+            current = self._decode(self._ids[self._prefix :])
+            delta = current[len(emitted) :] if current.startswith(emitted) else ""
+            self._prefix, self._read = self._read, len(self._ids)
+        if delta:
+            self._parts.append(delta)
         return delta
 
 

@@ -156,7 +156,11 @@ def _split_bytes_ids(tok: Tokenizer, text: str) -> list[int]:
     return [tok.token_to_id(alphabet[b]) for b in text.encode()]
 
 
-def test_incremental_detokenizer_holds_back_incomplete_utf8(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("path", ["bytes", "window"])
+def test_incremental_detokenizer_holds_back_incomplete_utf8(
+    tok: Tokenizer, window_tok: Tokenizer, path: str
+) -> None:
+    tok = tok if path == "bytes" else window_tok
     text = "a€b你好🚀!"
     ids = _split_bytes_ids(tok, text)
     detok = IncrementalDetokenizer(tok, prompt_token_ids=tok.encode("Say:"))
@@ -169,13 +173,36 @@ def test_incremental_detokenizer_holds_back_incomplete_utf8(tok: Tokenizer) -> N
     assert detok.flush() == ""
 
 
-def test_incremental_detokenizer_matches_full_decode_on_random_tokens(tok: Tokenizer) -> None:
+@pytest.fixture(scope="module")
+def window_tok(tiny_qwen2_dir: Path) -> Tokenizer:
+    """The same tokenizer forced onto the re-decoding window path used for non-byte-level tokenizers."""
+    t = Tokenizer.from_pretrained(tiny_qwen2_dir)
+    t.__dict__["is_byte_level"] = False
+    return t
+
+
+@pytest.mark.parametrize("path", ["bytes", "window"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenizer_matches_full_decode_on_random_tokens(
+    tok: Tokenizer, window_tok: Tokenizer, path: str, skip_special_tokens: bool
+) -> None:
+    t = tok if path == "bytes" else window_tok
     rng = random.Random(0)
-    for _ in range(20):
-        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
-        detok = IncrementalDetokenizer(tok)
+    for _ in range(30):
+        ids = [rng.randrange(t.vocab_size) for _ in range(rng.randrange(1, 40))]
+        ids += rng.sample(sorted(t.special_token_ids), 2)
+        rng.shuffle(ids)
+        detok = IncrementalDetokenizer(t, skip_special_tokens=skip_special_tokens)
         text = "".join(detok.add(i) for i in ids) + detok.flush()
-        assert text == tok.decode(ids)
+        assert text == t.decode(ids, skip_special_tokens=skip_special_tokens) == detok.text
+
+
+def test_byte_path_releases_invalid_bytes_at_once(tok: Tokenizer) -> None:
+    from engine.tokenizer import _bytes_to_unicode
+
+    stray = tok.token_to_id(_bytes_to_unicode()[0x80])  # a lone continuation byte: never valid
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add(stray) for _ in range(3)] == ["\ufffd"] * 3
 
 
 def test_incremental_detokenizer_flushes_dangling_bytes(tok: Tokenizer) -> None:
