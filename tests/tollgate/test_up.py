@@ -1,0 +1,282 @@
+"""``tollgate up`` end to end: real Postgres, Redis, engine, gateway, Celery worker and beat.
+
+One platform is started for the module (in a temporary data dir, on free ports) and shared by the
+tests, in file order: health of every process, the env file, restarts of killed stateless children,
+SIGTERM leaving nothing behind, then a second start reusing the data and the key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import redis
+
+from tollgate.local_services import free_port
+from tollgate.processes import pid_alive
+from tollgate.worker import beat_name, read_heartbeat, worker_name
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("tollgate-up")]
+
+STARTUP_TIMEOUT_S = 240.0
+UP_ENV = {
+    "TOLLGATE_ENVIRONMENT": "test",
+    "TOLLGATE_HEALTH_POLL_INTERVAL_S": "0.2",
+    "TOLLGATE_HEARTBEAT_INTERVAL_S": "0.5",
+    "TOLLGATE_BEAT_MAX_LOOP_INTERVAL_S": "0.5",
+    "TOLLGATE_RESTART_BACKOFF_S": "0.2",
+    "TOLLGATE_RESTART_BACKOFF_MAX_S": "1.0",
+    "TOLLGATE_STOP_TIMEOUT_S": "10",
+    "TOLLGATE_STARTUP_TIMEOUT_S": "180",
+    "TOLLGATE_WORKER_CONCURRENCY": "1",
+}
+ENV_VARS = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "TOLLGATE_DATABASE_URL", "TOLLGATE_REDIS_URL")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLGATE_")}
+    return {**env, **UP_ENV, **extra}
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("export "):
+            name, _, value = line.removeprefix("export ").partition("=")
+            values[name] = shlex.split(value)[0]
+    return values
+
+
+class UpProcess:
+    def __init__(self, data_dir: Path, port: int, engine_port: int, *extra_args: str) -> None:
+        self.data_dir, self.port, self.engine_port = data_dir, port, engine_port
+        self.out = data_dir.parent / f"up-{time.monotonic_ns()}.out"
+        with self.out.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tollgate", "up", "--data-dir", str(data_dir), "--port", str(port),
+                 "--engine-port", str(engine_port), *extra_args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=clean_env(),
+                cwd=data_dir.parent,
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def status(self) -> dict:
+        try:
+            return json.loads((self.data_dir / "run" / "status.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def wait_for(self, condition, what: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"tollgate up exited ({self.proc.returncode}) waiting for {what}:\n{self.output()}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {what}:\n{self.output()}")
+            time.sleep(0.1)
+
+    def wait_ready(self) -> None:
+        self.wait_for(
+            lambda: (
+                self.status().get("ready")
+                and self.status().get("pid") == self.proc.pid
+                and "tollgate is up" in self.output()
+            ),
+            "readiness",
+        )
+
+    def process(self, name: str) -> dict:
+        return self.status()["processes"][name]
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture(scope="module")
+def data_dir() -> Iterator[Path]:
+    if importlib.util.find_spec("engine.server") is None:
+        pytest.skip("the engine server (engine/server.py) is not built yet; `tollgate up` needs it")
+    # Not under pytest's basetemp: every pytest session resets /tmp/pytest-of-<user> to 0700, which
+    # would cut the postgres user off from a running cluster (see docs/operations.md).
+    root = Path(tempfile.mkdtemp(prefix="tollgate-up-test-"))
+    try:
+        yield root / "data"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def platform(data_dir):
+    up = UpProcess(data_dir, free_port(), free_port())
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        if up.proc.poll() is None:
+            up.terminate()
+
+
+def test_every_process_answers_its_health_check(platform):
+    processes = platform.status()["processes"]
+    assert set(processes) == {"postgres", "redis", "engine", "gateway", "worker", "beat"}
+    assert {p["state"] for p in processes.values()} == {"healthy"}
+    gateway = httpx.get(f"http://127.0.0.1:{platform.port}/health", timeout=5)
+    assert gateway.status_code == 200 and gateway.json()["status"] == "ok"
+    assert httpx.get(f"http://127.0.0.1:{platform.engine_port}/health", timeout=5).status_code == 200
+    env = read_env_file(platform.data_dir / "env")
+    with psycopg.connect(env["TOLLGATE_DATABASE_URL"]) as conn:
+        assert conn.execute("SELECT count(*) FROM tenants WHERE name = 'demo'").fetchone() == (1,)
+    client = redis.Redis.from_url(env["TOLLGATE_REDIS_URL"])
+    try:
+        assert read_heartbeat(client, "worker", worker_name()) == processes["worker"]["pid"]
+        assert read_heartbeat(client, "beat", beat_name()) == processes["beat"]["pid"]
+        config = client.config_get("appendonly") | client.config_get("maxmemory-policy")
+        assert config == {"appendonly": "yes", "maxmemory-policy": "noeviction"}
+    finally:
+        client.close()
+
+
+def test_env_file_has_the_four_variables_and_a_working_key(platform):
+    env_file = platform.data_dir / "env"
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    env = read_env_file(env_file)
+    assert set(ENV_VARS) <= env.keys()
+    assert env["OPENAI_BASE_URL"] == f"http://127.0.0.1:{platform.port}/v1"
+    assert env["OPENAI_API_KEY"].startswith("sk-tg-")
+    for line in env_file.read_text().splitlines()[1:]:
+        assert line in platform.output()  # printed as well
+    models = httpx.get(
+        f"{env['OPENAI_BASE_URL']}/models",
+        timeout=10,
+        headers={"Authorization": f"Bearer {env['OPENAI_API_KEY']}"},
+    )
+    assert models.status_code == 200, models.text
+    assert httpx.get(f"{env['OPENAI_BASE_URL']}/models", timeout=10).status_code == 401
+
+
+@pytest.mark.parametrize("name", ["worker", "gateway"])
+def test_killed_stateless_child_is_reported_and_restarted(platform, name):
+    before = platform.process(name)
+    os.kill(before["pid"], signal.SIGKILL)
+    platform.wait_for(
+        lambda: (
+            platform.process(name)["restarts"] == before["restarts"] + 1
+            and platform.process(name)["state"] == "healthy"
+        ),
+        f"{name} to restart",
+        timeout=120,
+    )
+    assert platform.process(name)["pid"] != before["pid"]
+    assert f"{name} (pid {before['pid']}) was killed by SIGKILL" in platform.output()
+    if name == "gateway":
+        assert httpx.get(f"http://127.0.0.1:{platform.port}/health", timeout=5).status_code == 200
+
+
+def test_sigterm_stops_every_process(platform):
+    tree = descendants(platform.proc.pid)
+    assert len(tree) >= 6
+    assert platform.terminate() == 0
+    deadline = time.monotonic() + 15
+    while any(pid_alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in tree if pid_alive(pid)]
+    for port in (platform.port, platform.engine_port):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert "tollgate up: stopped" in platform.output()
+
+
+def test_second_up_reuses_the_data_and_the_key(platform, data_dir):
+    first_key = read_env_file(data_dir / "env")["OPENAI_API_KEY"]
+    state = json.loads((data_dir / "state.json").read_text())
+    again = UpProcess(data_dir, free_port(), free_port(), "--no-engine")  # the engine is not what is reused
+    try:
+        again.wait_ready()
+        env = read_env_file(data_dir / "env")
+        assert env["OPENAI_API_KEY"] == first_key
+        assert (
+            json.loads((data_dir / "state.json").read_text())["postgres"]["password"]
+            == state["postgres"]["password"]
+        )
+        assert "created the demo tenant" not in again.output()
+        with psycopg.connect(env["TOLLGATE_DATABASE_URL"]) as conn:
+            assert conn.execute("SELECT count(*) FROM api_keys").fetchone() == (1,)
+    finally:
+        assert again.terminate() == 0
+
+
+def test_missing_server_binaries_give_an_install_command(tmp_path):
+    env = clean_env(
+        TOLLGATE_POSTGRES_BIN_DIR=str(tmp_path / "no-pg"),
+        TOLLGATE_REDIS_SERVER_BIN=str(tmp_path / "no-redis-server"),
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "tollgate", "up", "--data-dir", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "apt-get install postgresql redis-server" in result.stderr
+    assert not (tmp_path / "d" / "postgres").exists()
+
+
+def test_busy_gateway_port_is_refused_before_starting_anything(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "tollgate", "up", "--data-dir", str(tmp_path / "d"), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            cwd=tmp_path,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"port {port} for the gateway is in use" in result.stderr
+    assert not (tmp_path / "d" / "postgres").exists()
