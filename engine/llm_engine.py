@@ -32,6 +32,8 @@ from collections.abc import Sequence as SequenceLike
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
@@ -113,28 +115,29 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: SequenceLike[int], params: SamplingParams
     ) -> None:
         """Raise ``RequestValidationError`` if the engine cannot serve this request. Thread-safe."""
-        if not request_id:
+        if not isinstance(request_id, str) or not request_id:
             raise RequestValidationError("request_id must be a non-empty string", "request_id")
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise RequestValidationError("the prompt is empty: at least one token is required", "prompt")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        bad = next((t for t in prompt_token_ids if not (_is_int(t) and 0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise RequestValidationError(
-                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+                f"prompt token id {bad!r} is not an integer in the vocabulary [0, {self.vocab_size})",
+                "prompt",
             )
         if num_prompt >= self.max_model_len:
             raise RequestValidationError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{num_prompt} tokens (at least one token must be left to generate)",
-                "messages",
+                "prompt", code="context_length_exceeded",
             )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+        if num_prompt + params.max_tokens > self.max_model_len:
             raise RequestValidationError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{num_prompt} tokens and max_tokens asks for {params.max_tokens} more "
                 f"({num_prompt + params.max_tokens} in total)",
-                "max_tokens",
+                "max_tokens", code="context_length_exceeded",
             )
         bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
@@ -159,8 +162,8 @@ class LLMEngine:
         """Queue a request (``params.n`` streams). Raises ``RequestValidationError``, changing nothing."""
         if request_id in self._requests:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
+        self.validate_request(request_id, prompt_token_ids, params)
         prompt = [int(t) for t in prompt_token_ids]
-        self.validate_request(request_id, prompt, params)
         try:
             self.sampler.prepare(params)
         except ValueError as e:
@@ -229,6 +232,9 @@ class LLMEngine:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.has_unfinished():
+                # Every accepted request fits the KV pool alone, so an empty step with work left is a bug.
+                raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
             return outputs
         now = time.monotonic()
         sampled: list[Sequence] = []
@@ -401,6 +407,10 @@ class LLMEngine:
             tokens_per_s=s.tokens_per_s,
             ttft_s=s.ttft_s,
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _ewma(previous: float, value: float) -> float:

@@ -16,12 +16,14 @@ from typing import Any
 
 
 class RequestValidationError(ValueError):
-    """A request the engine refuses (an HTTP 400); ``param`` names the offending field, OpenAI style."""
+    """A request the engine refuses (an HTTP 400); ``param`` names the offending field and ``code`` is
+    OpenAI's error code where one applies (``context_length_exceeded``)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 @dataclass(slots=True)

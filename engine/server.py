@@ -75,8 +75,9 @@ class ServingEngine(Protocol):
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-           request_id: str | None = None) -> JSONResponse:
-    record = ErrorRecord(request_id=request_id, error=ErrorInfo(message=message, type=type_, param=param))
+           request_id: str | None = None, code: str | None = None) -> JSONResponse:
+    record = ErrorRecord(request_id=request_id,
+                         error=ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(record.model_dump(exclude_none=True), status_code=status)
 
 
@@ -158,7 +159,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
                                               tenant=body.tenant, cache_salt=body.cache_salt,
                                               priority=body.priority)
         except RequestValidationError as exc:
-            return _error(400, exc.message, exc.param, request_id=body.request_id)
+            return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:
             return _error(503, str(exc), type_="server_error", request_id=body.request_id)
         return StreamingResponse(_ndjson(stream), media_type=NDJSON)

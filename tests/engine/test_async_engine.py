@@ -79,7 +79,7 @@ async def test_validation_happens_in_the_caller(async_engine: AsyncEngine) -> No
     with pytest.raises(RequestValidationError) as info:
         await async_engine.add_request("too-long", [1] * (async_engine.max_model_len + 1),
                                        SamplingParams(max_tokens=1))
-    assert info.value.param == "messages"
+    assert info.value.param == "prompt" and info.value.code == "context_length_exceeded"
     running = await async_engine.add_request("dup", [4, 5, 6], SamplingParams(max_tokens=50,
                                                                             ignore_eos=True))
     with pytest.raises(RequestValidationError, match="already in flight"):

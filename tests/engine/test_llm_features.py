@@ -156,7 +156,8 @@ def test_bad_requests_fail_alone(llm: LLM) -> None:
         ([], SamplingParams(), "prompt"),
         ([engine.vocab_size], SamplingParams(), "prompt"),
         ([-1, 5], SamplingParams(), "prompt"),
-        (_prompt(1, engine.max_model_len), SamplingParams(max_tokens=1), "messages"),
+        (_prompt(1, engine.max_model_len), SamplingParams(max_tokens=1), "prompt"),
+        ([1.5, 2], SamplingParams(), "prompt"),
         (_prompt(1, 10), SamplingParams(max_tokens=engine.max_model_len), "max_tokens"),
         (_prompt(1, 10), SamplingParams(stop_token_ids=[engine.vocab_size + 5]), "stop_token_ids"),
         (_prompt(1, 10), SamplingParams(), "request_id"),  # duplicate id

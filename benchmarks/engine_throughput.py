@@ -1,0 +1,212 @@
+"""Offline generation throughput: Tollgate's engine vs ``transformers.generate`` on the same checkpoint
+and the same workload, in one run.
+
+Workload (nano-vllm's ``bench.py`` setup): ``--num-seqs`` requests of random token ids with prompt and
+output lengths drawn uniformly from ``--prompt-len`` and ``--output-len``, ``ignore_eos`` so every
+request produces exactly its output length, temperature 0.6. Throughput = requested output tokens /
+wall time of the whole workload (prefill included), after one warm-up request on each side. The
+process CPU time is reported too: on a shared machine it is far less sensitive to other load than the
+wall time (with ``--threads 1`` it is exactly the core-seconds spent).
+
+The baseline is transformers used the way its users batch offline work: prompts in input order, in
+batches of ``--hf-batch-size``, left-padded, ``generate(max_new_tokens=longest output in the batch)``
+with EOS disabled (``min_new_tokens`` = ``max_new_tokens``); only the requested tokens are counted.
+
+- ``--device cpu`` (default): a Qwen3-shaped random-weight model of ~3.9M parameters
+  (``QWEN3_CPU_SMALL``), float32, 48 requests, prompts in [50, 300], outputs in [50, 200].
+- ``--device cuda``: nano-vllm's exact setup: Qwen3-0.6B-shaped random weights, bfloat16, 256
+  requests, prompt and output lengths in [100, 1024].
+
+    python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    QWEN3_0_6B,
+    QWEN3_CPU_SMALL,
+    create_checkpoint,
+    format_table,
+    machine_description,
+    write_json,
+)
+
+TEMPERATURE = 0.6
+
+
+def make_workload(num_seqs: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+                  seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(*prompt_len))] for _ in range(num_seqs)]
+    outputs = [rng.randint(*output_len) for _ in range(num_seqs)]
+    return prompts, outputs
+
+
+def run_engine(model_dir: Path, prompts: list[list[int]], outputs: list[int], args: argparse.Namespace
+               ) -> dict[str, Any]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+              enable_prefix_caching=True)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in outputs]
+    _sync(args.device)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    results = llm.generate(prompts, params)
+    _sync(args.device)
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    produced = sum(len(r.token_ids) for r in results)
+    if produced != sum(outputs):
+        raise RuntimeError(f"the engine produced {produced} tokens, {sum(outputs)} were requested")
+    stats = llm.stats
+    del llm
+    gc.collect()
+    return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": produced,
+            "tokens_per_s": produced / elapsed, "tokens_per_cpu_s": produced / cpu,
+            "steps": stats.num_steps, "preemptions": stats.num_preemptions,
+            "partial_prefill_chunks": stats.num_partial_prefill_chunks}
+
+
+def run_transformers(model_dir: Path, prompts: list[list[int]], outputs: list[int], args: argparse.Namespace
+                     ) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    pad = model.generation_config.pad_token_id or 0
+
+    def generate(batch: list[list[int]], new_tokens: int) -> None:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=args.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=True, temperature=TEMPERATURE, top_p=1.0, top_k=0, pad_token_id=pad)
+
+    generate([prompts[0][:16]], 4)  # warm-up
+    _sync(args.device)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    size = args.hf_batch_size
+    for i in range(0, len(prompts), size):
+        generate(prompts[i : i + size], max(outputs[i : i + size]))
+    _sync(args.device)
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    model = None
+    gc.collect()
+    return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": sum(outputs),
+            "tokens_per_s": sum(outputs) / elapsed, "tokens_per_cpu_s": sum(outputs) / cpu,
+            "batch_size": size}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="Default: float32 on CPU, bfloat16 on CUDA.")
+    parser.add_argument("--num-seqs", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--hf-batch-size", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="Where to write (or reuse) the random-weight checkpoint.")
+    parser.add_argument("--dims", default=None,
+                        help="Override model dimensions (JSON), e.g. {\"hidden_size\": 256}.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="Write the results as JSON here.")
+    args = parser.parse_args(argv)
+
+    cuda = args.device.startswith("cuda")
+    dims = {**(QWEN3_0_6B if cuda else QWEN3_CPU_SMALL), **json.loads(args.dims or "{}")}
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.num_seqs = args.num_seqs or (256 if cuda else 48)
+    args.prompt_len = tuple(args.prompt_len or ((100, 1024) if cuda else (50, 300)))
+    args.output_len = tuple(args.output_len or ((100, 1024) if cuda else (50, 200)))
+    args.max_num_seqs = args.max_num_seqs or (256 if cuda else 64)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or (16384 if cuda else 2048)
+    args.hf_batch_size = args.hf_batch_size or (64 if cuda else 16)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"tollgate-bench-{'cuda' if cuda else 'cpu'}"
+    if args.dims and not args.model_dir:
+        model_dir = model_dir.with_name(model_dir.name + "-custom")
+    model_dir = create_checkpoint(model_dir, dims, seed=args.seed)
+    vocab = min(dims.get("vocab_size", 10**9), _tokenizer_size(model_dir))
+    prompts, outputs = make_workload(args.num_seqs, args.prompt_len, args.output_len, vocab, args.seed)
+
+    ours = run_engine(model_dir, prompts, outputs, args)
+    theirs = None if args.skip_transformers else run_transformers(model_dir, prompts, outputs, args)
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None
+    cpu_ratio = ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"] if theirs else None
+
+    def row(name: str, r: dict[str, Any], wall: float | None, cpu: float | None) -> list[Any]:
+        return [name, r["output_tokens"], f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
+                "-" if wall is None else f"{wall:.2f}x", f"{r['cpu_seconds']:.1f}",
+                f"{r['tokens_per_cpu_s']:.0f}", "-" if cpu is None else f"{cpu:.2f}x"]
+
+    rows = [row("tollgate engine", ours, ratio, cpu_ratio)]
+    if theirs:
+        rows.append(row(f"transformers generate (batch {theirs['batch_size']})", theirs, 1.0, 1.0))
+    print(f"{args.num_seqs} requests, prompt {args.prompt_len}, output {args.output_len}, ignore_eos, "
+          f"{args.dtype} on {machine_description(args.device)}, torch threads {torch.get_num_threads()}")
+    print(format_table(["system", "output tokens", "wall s", "output tok/s", "vs transformers", "CPU s",
+                        "tok/CPU-s", "vs transformers (CPU)"], rows))
+    result = {
+        "benchmark": "engine_throughput",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": args.device,
+        "machine": machine_description(args.device),
+        "dtype": args.dtype,
+        "model_dims": dims,
+        "workload": {"num_seqs": args.num_seqs, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "temperature": TEMPERATURE, "ignore_eos": True, "seed": args.seed},
+        "engine_config": {"max_num_seqs": args.max_num_seqs,
+                          "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "num_kv_blocks": args.num_kv_blocks},
+        "torch_threads": torch.get_num_threads(),
+        "tollgate": ours,
+        "transformers": theirs,
+        "speedup": ratio,
+        "speedup_cpu_time": cpu_ratio,
+    }
+    if args.out:
+        write_json(args.out, result)
+    return result
+
+
+def _tokenizer_size(model_dir: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=False)
+
+
+if __name__ == "__main__":
+    main()
