@@ -4,8 +4,10 @@ A flusher is one consumer of the consumer group ``ledger`` on the stream. Each b
 1. collects up to ``batch_size`` entries: its own pending ones first (a batch that failed before),
    then entries other consumers left pending longer than ``claim_idle_ms`` (their process died:
    ``XAUTOCLAIM``), then new ones (``XREADGROUP >``);
-2. inserts their rows in one transaction with ``INSERT … ON CONFLICT (request_id) DO NOTHING`` and
-   commits;
+2. inserts their rows in one transaction (request ids claimed with ``INSERT … ON CONFLICT (request_id)
+   DO NOTHING`` in ``usage_request_ids``, since the monthly partitioned ``usage_events`` cannot carry that
+   unique constraint), adds the rows inserted now to the hourly rollups (``billing.rollups``) in the
+   same transaction, and commits;
 3. only then acknowledges and deletes the entries (``XACK`` + ``XDEL``, one ``MULTI``).
 
 Invariants:
@@ -34,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord
 from billing.repository import insert_usage_events
+from billing.rollups import add_to_rollups, hold_writer_lock
 
 LEDGER_GROUP = "ledger"
 DEAD_LETTER_STREAM = "tollgate:usage:dead"
@@ -84,6 +87,14 @@ def _stream_entries(reply: Any) -> list[Entry]:
             entry_id, fields = entry[0], entry[1]
             out.append((_s(entry_id), fields or None))
     return out
+
+
+async def _insert_and_roll_up(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
+    """Insert ledger rows and add the ones inserted now to the hourly rollups, in one transaction."""
+    await hold_writer_lock(session)
+    inserted = await insert_usage_events(session, rows)
+    await add_to_rollups(session, inserted)
+    return len(inserted)
 
 
 class UsageFlusher:
@@ -174,7 +185,7 @@ class UsageFlusher:
             return 0, []
         try:
             async with self._session_factory() as session:
-                return len(await insert_usage_events(session, [r.row() for r in records])), []
+                return await _insert_and_roll_up(session, [r.row() for r in records]), []
         except (IntegrityError, DataError):
             pass  # some row violates a constraint: find it, one row per transaction
         except (OperationalError, InterfaceError, OSError) as exc:
@@ -184,7 +195,7 @@ class UsageFlusher:
         for record in records:
             try:
                 async with self._session_factory() as session:
-                    inserted += len(await insert_usage_events(session, [record.row()]))
+                    inserted += await _insert_and_roll_up(session, [record.row()])
             except (IntegrityError, DataError) as exc:
                 rejected.append((record, f"rejected by the database: {exc.orig or exc}"))
             except (OperationalError, InterfaceError, OSError) as exc:

@@ -141,6 +141,18 @@ class Settings(BaseSettings):
     stripe_api_key: SecretStr | None = None
     stripe_api_base: str | None = None
     stripe_webhook_secret: SecretStr | None = None
+    # Billing: the Stripe meter's event name; the beat exports an hour once it ended this long ago
+    # (late usage still goes out later, as a delta); an unpaid invoice suspends the tenant after the
+    # grace period; budget alerts are checked (and their webhooks retried) every interval.
+    stripe_meter_event_name: str = "tollgate_usage"
+    stripe_export_interval_s: float = 300.0
+    stripe_export_lag_s: float = 300.0
+    stripe_max_network_retries: int = 2
+    payment_failed_grace_s: float = 3 * 24 * 3600.0
+    budget_alert_interval_s: float = 60.0
+    alert_webhook_timeout_s: float = 5.0
+    rollup_reconcile_interval_s: float = 600.0
+    rollup_reconcile_window_h: int = 48
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Settings:
