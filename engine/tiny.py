@@ -87,10 +87,8 @@ _CHAT_TEMPLATE = """\
     {{- '<|im_start|>system\\n' + system_message + '<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in loop_messages %}
-    {%- if message['role'] == 'system' %}
-        {{- raise_exception('A system message is only allowed as the first message') }}
-    {%- elif message['role'] == 'user' %}
-        {{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}
+    {%- if message['role'] == 'user' or message['role'] == 'system' %}
+        {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
     {%- elif message['role'] == 'assistant' %}
         {{- '<|im_start|>assistant\\n' }}
         {%- if message['content'] %}{{- message['content'] }}{%- endif %}

@@ -127,16 +127,37 @@ def test_chat_template_matches_transformers(arch: str, request: pytest.FixtureRe
         ),
         ([{"role": "user", "content": 3}], "string or a list"),
         ([{"role": "user"}], "content is required"),
-        (
-            [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}],
-            "only allowed as the first",
-        ),
         ([{"role": "assistant", "tool_calls": [{"id": "x"}]}], "with a 'function'"),
     ],
 )
 def test_bad_messages_raise_value_error(tok: Tokenizer, messages: list, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         tok.apply_chat_template(messages)
+
+
+def test_later_system_messages_render_as_turns(tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "a"}, {"role": "developer", "content": "be terse"}]
+    text = tok.apply_chat_template(messages)
+    assert (
+        text
+        == "<|im_start|>user\na<|im_end|>\n<|im_start|>system\nbe terse<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_template_exceptions_and_missing_template_are_value_errors(tiny_qwen2_dir: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(tiny_qwen2_dir / "tokenizer.json"))
+    strict = Tokenizer(hf, "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}")
+    with pytest.raises(ValueError, match="chat template error: one message only"):
+        strict.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(hf).apply_chat_template([{"role": "user", "content": "a"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        Tokenizer(hf, "{% if %}").apply_chat_template([{"role": "user", "content": "a"}])
+    sandboxed = Tokenizer(hf, "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ValueError, match="chat template error"):
+        sandboxed.apply_chat_template([{"role": "user", "content": "a"}])
 
 
 def test_token_bytes_of_multibyte_character(tok: Tokenizer) -> None:
