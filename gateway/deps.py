@@ -47,6 +47,8 @@ class GatewayRuntime:
     admission: AdmissionController
     prices: PriceBookCache
     tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
+    # What generations on this runtime are metered and priced as (the batch tier's runtime: "batch").
+    request_class: str = "interactive"
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod

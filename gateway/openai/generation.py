@@ -14,6 +14,9 @@ Invariants:
   failure or a disconnect are billed; recomputation is the engine's business and never billed.
 - Several prompts (legacy completions with a list prompt) are several engine requests run
   concurrently; their records are merged and re-indexed as ``prompt_index * n + i``; usage is summed.
+- Prices, the ledger's ``request_class`` and admission come from the runtime: a ``GatewayRuntime``
+  meters ``interactive``; the batch tier runs the same pipeline on a runtime whose ``request_class`` is
+  ``batch`` (``gateway.batch_runner.runtime``).
 - The engine request id is the gateway request id (suffixed ``-<prompt index>`` for several prompts),
   so logs on both sides join on it.
 """
@@ -50,7 +53,6 @@ logger = logging.getLogger("tollgate.gateway.generation")
 STATUS_COMPLETED = "completed"
 STATUS_FAILED = "failed"
 STATUS_CANCELLED = "cancelled"
-REQUEST_CLASS = "interactive"
 
 
 def cache_salt(secret: str, tenant_id: int) -> str:
@@ -149,7 +151,7 @@ class Generation:
                 raise decision.error()
         self.admission = await rt.admission.admit(
             self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
-            max_cost_pico_usd(price, self.prompt_tokens, completion_budget, REQUEST_CLASS),
+            max_cost_pico_usd(price, self.prompt_tokens, completion_budget, rt.request_class),
         )
         try:
             priority = settings.tiers[self.tier].engine_priority
@@ -293,7 +295,7 @@ class Generation:
         rt = self.runtime
         try:
             cost = cost_pico_usd(rt.prices.price_for(self.route.name), self.usage.prompt_tokens,
-                                 self.usage.cached_tokens, self.usage.completion_tokens, REQUEST_CLASS)
+                                 self.usage.cached_tokens, self.usage.completion_tokens, rt.request_class)
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
             cost = 0
@@ -308,7 +310,7 @@ class Generation:
             ttft = (self._first_token_at - self._started_at) * 1000.0
         record = UsageRecord(
             request_id=self.request_id, tenant_id=self.principal.tenant_id,
-            api_key_id=self.principal.api_key_id, model=self.route.name, request_class=REQUEST_CLASS,
+            api_key_id=self.principal.api_key_id, model=self.route.name, request_class=rt.request_class,
             tier=self.tier, prompt_tokens=self.usage.prompt_tokens, cached_tokens=self.usage.cached_tokens,
             completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
             ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at,

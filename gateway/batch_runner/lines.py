@@ -1,0 +1,207 @@
+"""One batch input line: validation before anything runs, execution through the interactive pipeline,
+and its output-file record.
+
+Validation (``LineValidator.check``) mirrors what the endpoint would say about the request, before a
+token is spent: JSON object per line, a unique string ``custom_id``, ``method`` ``POST``, ``url`` equal to
+the batch's endpoint, a ``body`` the endpoint's own pydantic schema accepts (plus its cross-field
+``check()``), no ``stream``, a model this key may use, one model per batch. Errors are OpenAI's
+``BatchError`` (code, message, param, 1-based line).
+
+Execution (``execute_line``) calls the same service function as the HTTP route
+(``create_chat_completion`` / ``create_completion``) with a request-scoped receive channel: it reports
+``http.disconnect`` when the runner stops the line (cancel, expiry, lost lease), which aborts the engine
+work exactly as a client hang-up does. The response body is the interactive API's bytes, parsed once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.types import Message
+
+from gateway.auth import Principal
+from gateway.batch_runner.runtime import BatchDeferred, BatchRuntime, LineContext, current_line
+from gateway.chat.service import create_chat_completion
+from gateway.completions.service import create_completion
+from gateway.errors import GatewayError, InvalidRequestError, from_pydantic
+from gateway.openai.chat_schemas import ChatCompletionRequest
+from gateway.openai.completion_schemas import CompletionRequest
+
+MAX_REPORTED_ERRORS = 1000
+
+Handler = Callable[[BatchRuntime, Principal, str, Any, Request], Awaitable[Any]]
+ENDPOINTS: dict[str, tuple[type[BaseModel], Handler]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
+    "/v1/completions": (CompletionRequest, create_completion),
+}
+
+
+def line_request_id(batch_id: str, custom_id: str) -> str:
+    """The line's request id: the ledger's idempotency key, the same on every attempt."""
+    digest = hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:40]
+    return f"batch_req_{digest}"
+
+
+def batch_error(code: str, message: str, *, line: int | None = None, param: str | None = None) -> dict:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+@dataclass
+class ParsedLine:
+    line: int
+    custom_id: str
+    body: dict[str, Any]
+    model: str
+
+
+@dataclass
+class LineValidator:
+    """Checks lines in order; collects the first ``MAX_REPORTED_ERRORS`` errors."""
+
+    endpoint: str
+    known_models: frozenset[str]
+    allowed_models: frozenset[str] | None
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    error_count: int = 0
+    model: str | None = None
+    _seen: dict[str, int] = field(default_factory=dict)
+
+    def _error(self, code: str, message: str, line: int, param: str | None = None) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(batch_error(code, message, line=line, param=param))
+
+    def check(self, number: int, raw: bytes) -> ParsedLine | None:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            self._error("invalid_json_line", "This line is not parseable as valid JSON.", number)
+            return None
+        if not isinstance(data, dict):
+            self._error("invalid_json_line", "Each line must be a JSON object.", number)
+            return None
+        custom_id = data.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            self._error("missing_required_parameter", "Each request needs a non-empty string 'custom_id'.",
+                        number, "custom_id")
+            return None
+        first = self._seen.setdefault(custom_id, number)
+        if first != number:
+            self._error("duplicate_custom_id", f"The custom_id '{custom_id}' is a duplicate of line {first}.",
+                        number, "custom_id")
+            return None
+        if data.get("method") != "POST":
+            self._error("invalid_method", "The only supported method is 'POST'.", number, "method")
+            return None
+        if data.get("url") != self.endpoint:
+            self._error("invalid_url", f"The url must be the batch's endpoint, '{self.endpoint}'.", number,
+                        "url")
+            return None
+        body = data.get("body")
+        if not isinstance(body, dict):
+            self._error("invalid_request", "The 'body' must be a JSON object.", number, "body")
+            return None
+        schema, _ = ENDPOINTS[self.endpoint]
+        try:
+            request = schema.model_validate(body)
+            request.check()  # type: ignore[attr-defined]
+        except ValidationError as exc:
+            err = from_pydantic(exc)
+            self._error(err.code or "invalid_request", err.message, number, _body_param(err.param))
+            return None
+        except InvalidRequestError as exc:
+            self._error(exc.code or "invalid_request", exc.message, number, _body_param(exc.param))
+            return None
+        if getattr(request, "stream", False):
+            self._error("invalid_request", "Streaming is not supported in batches.", number, "body.stream")
+            return None
+        model = request.model  # type: ignore[attr-defined]
+        if model not in self.known_models or (self.allowed_models is not None
+                                              and model not in self.allowed_models):
+            self._error("model_not_found", f"The model `{model}` does not exist or you do not have access "
+                        "to it.", number, "body.model")
+            return None
+        if self.model is None:
+            self.model = model
+        elif model != self.model:
+            self._error("mismatched_model", f"All requests of a batch must use one model; line {number} "
+                        f"uses '{model}', earlier lines '{self.model}'.", number, "body.model")
+            return None
+        return ParsedLine(number, custom_id, body, model)
+
+
+def _body_param(param: str | None) -> str:
+    return f"body.{param}" if param else "body"
+
+
+@dataclass
+class LineResult:
+    """How a line ended. ``deferred``: it never started (put it back). ``status_code`` None with
+    ``error``: stopped by the runner (cancel/expiry) before an answer."""
+
+    deferred: bool = False
+    status_code: int | None = None
+    body: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    context: LineContext = field(default_factory=LineContext)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, cached, completion) tokens reported in a successful body."""
+        usage = (self.body or {}).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return int(usage.get("prompt_tokens") or 0), int(cached), int(usage.get("completion_tokens") or 0)
+
+
+def _receive_until(stop: asyncio.Event) -> Callable[[], Awaitable[Message]]:
+    async def receive() -> Message:
+        await stop.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: str, request_id: str,
+                       body: dict[str, Any], stop: asyncio.Event) -> LineResult:
+    context = LineContext()
+    token = current_line.set(context)
+    try:
+        schema, handler = ENDPOINTS[endpoint]
+        try:
+            request_body = schema.model_validate(body)
+        except ValidationError as exc:
+            err = from_pydantic(exc)
+            return LineResult(status_code=err.status, body=err.body(), context=context)
+        scope = {"type": "http", "method": "POST", "path": endpoint, "headers": [], "query_string": b""}
+        try:
+            response = await handler(runtime, principal, request_id, request_body,
+                                     Request(scope, _receive_until(stop)))
+        except BatchDeferred:
+            return LineResult(deferred=True, context=context)
+        except GatewayError as exc:
+            if exc.status in (429, 503):  # nothing started: capacity or limits, retry later
+                return LineResult(deferred=True, context=context)
+            return LineResult(status_code=exc.status, body=exc.body(), context=context)
+        if response.status_code == 499 or stop.is_set():
+            return LineResult(context=context)
+        return LineResult(status_code=response.status_code, body=orjson.loads(response.body), context=context)
+    finally:
+        current_line.reset(token)
+
+
+def output_record(item: Any) -> dict[str, Any]:
+    """The output/error file line of a finished item (OpenAI's batch output format)."""
+    response = None
+    if item.response_status is not None:
+        response = {"status_code": item.response_status, "request_id": item.request_id, "body": item.response}
+    return {"id": item.request_id, "custom_id": item.custom_id, "response": response, "error": item.error}

@@ -1,0 +1,213 @@
+"""The batch tier's runtime: the interactive pipeline's parts, configured for batch work.
+
+``BatchRuntime`` is a ``GatewayRuntime`` (same engine client, tokenizers, price book) whose
+- ``request_class`` is ``batch``: ``Generation`` prices lines at the batch prices and meters them in the
+  ledger as class ``batch``;
+- ``settings.tiers`` has a single tier, ``batch``, at ``batch_engine_priority`` (below every interactive
+  tier, so the engine preempts batch lines for interactive traffic) with SLOs that never shed;
+- ``router`` is a ``BatchRouter``: the model's ``batch`` pool replicas, plus its ``interactive`` replicas
+  while they are under the soak watermark;
+- ``admission`` is ``BatchAdmission``: the tenant's batch tokens-per-day quota (``batch_tpd_limit``,
+  separate from TPM), its status and monthly budget; a line that does not fit now is *deferred*
+  (``BatchDeferred``), never failed. Spend is added to the month (``billing.spend.record_spend``)
+  exactly once per line request id.
+
+``LineContext`` (a context variable set per line) receives what the pipeline decided for that line:
+the pool that served it and the billed cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from billing.prices import PriceBookCache
+from billing.spend import month_field, month_to_date_spend, record_spend, tenant_tag
+from gateway.admission.limits import Admission, TenantLimits
+from gateway.auth import Authenticator
+from gateway.deps import PRICE_REFRESH_INTERVAL_S, GatewayRuntime
+from gateway.engine_client import EngineClient
+from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.routing import INTERACTIVE_POOL, ModelRoute, Replica, Router
+from tollgate.settings import Settings, TierConfig
+
+logger = logging.getLogger("tollgate.batches")
+
+BATCH_POOL = "batch"
+BATCH_TIER = "batch"
+BATCH_REQUEST_CLASS = "batch"
+NEVER_SHED_MS = 10**9
+BILLED_TTL_S = 3 * 24 * 3600
+TPD_TTL_S = 2 * 24 * 3600
+
+# KEYS[1] = the tenant's TPD hash; ARGV = limit (-1: none), tokens to reserve. The day is Redis's
+# (``TIME``), so every worker agrees on it. Returns {day, 1 admitted | 0 refused, used after}.
+_TPD_RESERVE_LUA = """
+local t = redis.call('TIME')
+local day = tostring(math.floor(tonumber(t[1]) / 86400))
+local used = tonumber(redis.call('HGET', KEYS[1], day) or '0')
+local limit = tonumber(ARGV[1])
+local want = tonumber(ARGV[2])
+if limit >= 0 and used + want > limit then return {day, 0, used} end
+used = redis.call('HINCRBY', KEYS[1], day, want)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return {day, 1, used}
+"""
+
+
+def tpd_key(tenant_id: int) -> str:
+    return f"tollgate:batch_tpd:{tenant_tag(tenant_id)}"
+
+
+def billed_key(request_id: str) -> str:
+    return f"tollgate:batch:billed:{request_id}"
+
+
+class BatchDeferred(GatewayError):
+    """The line cannot start now (quota, budget, suspended tenant, no capacity): put it back, retry
+    later. Never written to a line's result."""
+
+    status = 429
+    type = "batch_deferred"
+
+
+@dataclass
+class LineContext:
+    served_pool: str | None = None
+    cost_pico_usd: int = 0
+    billed_tokens: int = 0
+
+
+current_line: contextvars.ContextVar[LineContext | None] = contextvars.ContextVar(
+    "tollgate_batch_line", default=None)
+
+
+def batch_priority(settings: Settings) -> int:
+    if settings.batch_engine_priority is not None:
+        return settings.batch_engine_priority
+    return max((t.engine_priority for t in settings.tiers.values()), default=0) + 1
+
+
+def batch_settings(settings: Settings) -> Settings:
+    tier = TierConfig(engine_priority=batch_priority(settings), ttft_slo_ms=NEVER_SHED_MS,
+                      tpot_slo_ms=NEVER_SHED_MS, rank=0)
+    return settings.model_copy(update={"tiers": {BATCH_TIER: tier}})
+
+
+class BatchRouter(Router):
+    """Routes batch lines: dedicated ``batch`` pool replicas always, ``interactive`` replicas only while
+    they are under the soak watermark (a short queue, KV cache not too full, few of our lines there).
+    Least loaded first; no prefix affinity (lines are independent)."""
+
+    def __init__(self, settings: Settings, client: EngineClient) -> None:
+        super().__init__(settings, client)
+        self._max_waiting = settings.batch_soak_max_waiting
+        self._max_kv = settings.batch_soak_max_kv_usage
+        self._max_inflight = settings.batch_soak_max_inflight
+        for cfg in settings.models:
+            route = self.models[cfg.name]
+            route.replicas = []
+            for pool in (BATCH_POOL, INTERACTIVE_POOL):
+                if pool not in cfg.pools:
+                    continue
+                pool_cfg = settings.pools.get(pool)
+                for url in pool_cfg.replicas if pool_cfg else ():
+                    route.replicas.append(Replica(url=url.rstrip("/"), pool=pool))
+
+    def soakable(self, replica: Replica) -> bool:
+        load = replica.load
+        return (load is not None and load.waiting <= self._max_waiting and load.kv_usage <= self._max_kv
+                and replica.inflight < self._max_inflight)
+
+    def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = ()) -> Replica:
+        route: ModelRoute = self.models[model]
+        candidates = [r for r in route.replicas if r.healthy and r not in exclude
+                      and (r.pool != INTERACTIVE_POOL or self.soakable(r))]
+        if not candidates:
+            raise ServiceUnavailableError(f"No capacity for batch work on model `{model}` right now.",
+                                          code="batch_no_capacity")
+        return min(candidates, key=lambda r: (r.pool == INTERACTIVE_POOL, r.load_score))
+
+    def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
+        line = current_line.get()
+        if line is not None:
+            line.served_pool = replica.pool
+
+
+class BatchAdmission:
+    """``AdmissionController``'s interface for batch lines (see the module docstring)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    async def admit(self, limits: TenantLimits, request_id: str, reserved_tokens: int,
+                    estimated_cost_pico_usd: int) -> Admission:
+        if limits.status != "active":
+            raise BatchDeferred(f"tenant {limits.tenant_id} is {limits.status}")
+        if limits.monthly_budget_pico_usd is not None:
+            spent = await month_to_date_spend(self.redis, limits.tenant_id, month_field(datetime.now(UTC)))
+            if spent + estimated_cost_pico_usd > limits.monthly_budget_pico_usd:
+                raise BatchDeferred(f"tenant {limits.tenant_id} is over its monthly budget")
+        limit = -1 if limits.batch_tpd_limit is None else limits.batch_tpd_limit
+        day, admitted, _used = await self.redis.eval(
+            _TPD_RESERVE_LUA, 1, tpd_key(limits.tenant_id), str(limit), str(reserved_tokens), str(TPD_TTL_S))
+        day = day.decode() if isinstance(day, bytes) else str(day)
+        if not admitted:
+            raise BatchDeferred(f"tenant {limits.tenant_id} has used its batch tokens for today")
+        return Admission(request_id=request_id, tenant_id=limits.tenant_id, lease_id=day,
+                         reserved_tokens=reserved_tokens, headers={})
+
+    async def settle(self, admission: Admission, used_tokens: int, cost_pico_usd: int) -> None:
+        if admission.settled:
+            return
+        admission.settled = True
+        line = current_line.get()
+        if line is not None:
+            line.cost_pico_usd = cost_pico_usd
+            line.billed_tokens = used_tokens
+        await self.redis.hincrby(tpd_key(admission.tenant_id), admission.lease_id,
+                                 used_tokens - admission.reserved_tokens)
+        # Month-to-date spend once per line, however often the line was generated.
+        if await self.redis.set(billed_key(admission.request_id), 1, nx=True, ex=BILLED_TTL_S):
+            await record_spend(self.redis, admission.tenant_id, cost_pico_usd)
+
+    async def renew_lease(self, admission: Admission) -> None:
+        """Batch lines hold no concurrency lease."""
+
+
+@dataclass(eq=False)
+class BatchRuntime(GatewayRuntime):
+    @classmethod
+    def create(cls, settings: Settings, redis: Redis,  # type: ignore[override]
+               sessions: async_sessionmaker[AsyncSession]) -> BatchRuntime:
+        settings = batch_settings(settings)
+        engine = EngineClient(request_timeout_s=settings.request_timeout_s,
+                              connect_timeout_s=settings.health_check_timeout_s)
+        return cls(settings=settings, redis=redis, sessions=sessions, engine=engine,
+                   router=BatchRouter(settings, engine), auth=Authenticator(sessions, redis, settings),
+                   admission=BatchAdmission(redis),  # type: ignore[arg-type]
+                   prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S),
+                   request_class=BATCH_REQUEST_CLASS)
+
+    async def start(self) -> None:
+        """Price book, tokenizers and replica polling (no key cache: lines carry their tenant)."""
+        await self.prices.refresh()
+        await asyncio.gather(*(self._load_tokenizer(route) for route in self.router.models.values()))
+        await self.router.start()
+        self._tasks.append(asyncio.create_task(self.prices.run(), name="tollgate-batch-price-refresh"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.router.stop()
+        await self.engine.aclose()
+

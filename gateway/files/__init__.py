@@ -1,0 +1,1 @@
+"""Files (``/v1/files``): uploads for the batch tier and the batch outputs, in a storage backend."""
