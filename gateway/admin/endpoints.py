@@ -92,19 +92,19 @@ async def update_tenant(tenant_id: TenantId, body: TenantUpdateRequest, session:
 
 
 @router.post("/tenants/{tenant_id}/suspend", summary="Suspend a tenant (reason: admin)")
-async def suspend_tenant(tenant_id: TenantId, session: AdminSession, settings: AppSettings,
-                         admin: CurrentAdmin, body: SuspendRequest | None = None) -> AdminTenant:
+async def suspend_tenant(tenant_id: TenantId, session: AdminSession, admin: CurrentAdmin,
+                         body: SuspendRequest | None = None) -> AdminTenant:
     note = body.note if body else None
-    tenant = await service.suspend_tenant(session, tenant_id, settings=settings, actor=admin.actor, note=note)
+    tenant = await service.suspend_tenant(session, tenant_id, actor=admin.actor, note=note)
     return AdminTenant.of(tenant)
 
 
 @router.post("/tenants/{tenant_id}/reactivate", summary="Lift a suspension")
-async def reactivate_tenant(tenant_id: TenantId, session: AdminSession, settings: AppSettings,
-                            admin: CurrentAdmin, body: ReactivateRequest | None = None) -> AdminTenant:
+async def reactivate_tenant(tenant_id: TenantId, session: AdminSession, admin: CurrentAdmin,
+                            body: ReactivateRequest | None = None) -> AdminTenant:
     body = body or ReactivateRequest()
-    tenant = await service.reactivate_tenant(session, tenant_id, settings=settings, actor=admin.actor,
-                                             force=body.force, note=body.note)
+    tenant = await service.reactivate_tenant(session, tenant_id, actor=admin.actor, force=body.force,
+                                             note=body.note)
     return AdminTenant.of(tenant)
 
 

@@ -55,6 +55,13 @@ class AdminRepository:
         await self.session.flush()
 
 
+async def lock_tenant(session: AsyncSession, tenant_id: int) -> Tenant | None:
+    """The tenant row, locked (``FOR UPDATE``) until the transaction ends, so a status change decided on
+    what was read cannot race another writer (e.g. billing suspending the tenant meanwhile)."""
+    stmt = select(Tenant).where(Tenant.id == tenant_id).with_for_update()
+    return await session.scalar(stmt.execution_options(populate_existing=True))
+
+
 async def search_tenants(session: AsyncSession, *, search: str | None, status: str | None,
                          limit: int, offset: int) -> tuple[Sequence[Tenant], int]:
     """A page of tenants (by id) whose name contains ``search`` (case-insensitive) or whose id equals it,
@@ -95,7 +102,7 @@ async def usage_sums(session: AsyncSession, *, start: datetime, end: datetime, t
     keys: list[ColumnElement[object]] = [_USAGE_COLUMNS[name].label(name) for name in group_by]
     if granularity is not None:
         # The unit is one of two constants, inlined so the SELECT and GROUP BY expressions are identical.
-        unit = literal_column(f"'{granularity}'")
+        unit: ColumnElement[str] = literal_column(f"'{granularity}'")
         keys.insert(0, func.date_trunc(unit, UsageEvent.created_at, literal_column("'UTC'"))
                     .label("bucket_start"))
     stmt = (

@@ -9,6 +9,8 @@ Invariants:
   ``billing.service.set_price``.
 - Changes gateways cache (tier, limits, status, a revoked key) queue a ``tollgate:invalidate`` message
   (``{"tenant_id": n}`` / ``{"key_id": "<prefix>"}``), published only after the commit.
+- Status changes lock the tenant row first (``SELECT … FOR UPDATE``): the decision is made on the row
+  as it is, not as it was before a concurrent billing suspension.
 - Suspensions from the admin API have reason ``admin``. ``reactivate_tenant`` lifts an ``admin``
   suspension; a ``billing`` suspension (unpaid bill) is lifted only with ``force=True``, recorded as
   such, and never replaced by an ``admin`` one (that would let a plain reactivate lift it).
@@ -158,6 +160,13 @@ async def get_tenant(session: AsyncSession, tenant_id: int, *, settings: Setting
         return await TenantService(session, settings).get_tenant(tenant_id)
 
 
+async def _locked_tenant(session: AsyncSession, tenant_id: int) -> Tenant:
+    tenant = await repository.lock_tenant(session, tenant_id)
+    if tenant is None:
+        raise AdminNotFound(f"no tenant {tenant_id!r}")
+    return tenant
+
+
 async def create_tenant(session: AsyncSession, data: TenantCreateRequest, *, settings: Settings,
                         actor: str) -> Tenant:
     with _tenant_errors():
@@ -168,9 +177,10 @@ async def update_tenant(session: AsyncSession, tenant_id: int, data: TenantUpdat
                         settings: Settings, actor: str) -> Tenant:
     """Change tier, limits, budget or Stripe customer; gateways reload the tenant's limits at once."""
     service = TenantService(session, settings)
+    await _locked_tenant(session, tenant_id)
+    if not data.model_fields_set:
+        return await get_tenant(session, tenant_id, settings=settings)
     with _tenant_errors():
-        if not data.model_fields_set:
-            return await service.get_tenant(tenant_id)
         try:
             async with session.begin_nested():
                 tenant = await service.update_tenant(tenant_id, data.to_tenant_update(), actor=actor)
@@ -181,10 +191,10 @@ async def update_tenant(session: AsyncSession, tenant_id: int, data: TenantUpdat
     return tenant
 
 
-async def suspend_tenant(session: AsyncSession, tenant_id: int, *, settings: Settings, actor: str,
+async def suspend_tenant(session: AsyncSession, tenant_id: int, *, actor: str,
                          note: str | None = None) -> Tenant:
     """Suspend with reason ``admin`` (idempotent). A tenant suspended for billing stays so."""
-    tenant = await get_tenant(session, tenant_id, settings=settings)
+    tenant = await _locked_tenant(session, tenant_id)
     if tenant.status == "suspended":
         if tenant.suspended_reason == "admin":
             return tenant
@@ -198,10 +208,10 @@ async def suspend_tenant(session: AsyncSession, tenant_id: int, *, settings: Set
     return tenant
 
 
-async def reactivate_tenant(session: AsyncSession, tenant_id: int, *, settings: Settings, actor: str,
-                            force: bool = False, note: str | None = None) -> Tenant:
+async def reactivate_tenant(session: AsyncSession, tenant_id: int, *, actor: str, force: bool = False,
+                            note: str | None = None) -> Tenant:
     """Lift an ``admin`` suspension (idempotent on an active tenant); a ``billing`` one needs ``force``."""
-    tenant = await get_tenant(session, tenant_id, settings=settings)
+    tenant = await _locked_tenant(session, tenant_id)
     if tenant.status == "active":
         return tenant
     reason = tenant.suspended_reason

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select, text
 
 from gateway.admin import service
 from gateway.app import create_app
@@ -306,6 +307,31 @@ async def test_a_billing_suspension_is_never_lifted_silently(api: AdminApi,
     assert audit[0]["details"] == {"lifted_reason": "billing", "forced": True, "note": "paid by wire"}
 
 
+async def test_reactivate_decides_on_the_row_after_a_concurrent_billing_suspension(
+        api: AdminApi, client: httpx.AsyncClient) -> None:
+    tenant = await create_tenant_api(client)
+    path = f"/admin/v1/tenants/{tenant['id']}"
+    await client.post(f"{path}/suspend")
+
+    async def reactivate_is_waiting_for_the_row() -> bool:
+        async with api.db.session() as probe:
+            waiting = await probe.scalar(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock'"))
+        return bool(waiting)
+
+    async with api.db.session() as billing:  # billing suspends the tenant while an admin reactivates it
+        row = await billing.scalar(select(Tenant).where(Tenant.id == tenant["id"]).with_for_update())
+        assert row is not None
+        row.suspended_reason = "billing"
+        await billing.flush()
+        reactivation = asyncio.create_task(client.post(f"{path}/reactivate"))
+        assert await eventually(reactivate_is_waiting_for_the_row, deadline_s=10.0)
+    assert_error(await reactivation, 409)
+    final = (await client.get(path)).json()
+    assert (final["status"], final["suspended_reason"]) == ("suspended", "billing")
+
+
 # ------------------------------------------------------------------------------------------ keys
 
 
@@ -516,7 +542,7 @@ async def test_services_run_without_http_and_raise_gateway_errors(api: AdminApi)
         async with admin_unit_of_work(api.db, api.app.state.redis) as session:
             await service.update_tenant(session, tenant.id, TenantUpdateRequest(rpm_limit=4),
                                         settings=api.settings, actor="dashboard:test")
-            await service.reactivate_tenant(session, 9_000_000_000, settings=api.settings, actor="x")
+            await service.reactivate_tenant(session, 9_000_000_000, actor="x")
     assert info.value.status == 404
     async with api.db.session() as session:  # the failed unit of work was rolled back as a whole
         assert (await service.get_tenant(session, tenant.id, settings=api.settings)).rpm_limit == 3
