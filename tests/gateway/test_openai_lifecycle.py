@@ -31,7 +31,9 @@ from tollgate.models import ApiKey
 
 pytestmark = pytest.mark.slow
 
+# seed 1 makes the tiny model talk for all 1500 tokens (no early EOS), so the request is surely running.
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 1500,
+        "seed": 1,
         "temperature": 1.0, "stream": True}
 
 
@@ -150,7 +152,7 @@ async def test_openai_sdk_works_unchanged(gateway: GatewayUnderTest, tenant_key:
         chunks = [chunk async for chunk in stream]
         assert chunks[-1].usage is not None and chunks[-1].choices == []
         parsed = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "weather?"}], max_tokens=40,
+            model=MODEL, messages=[{"role": "user", "content": "weather?"}], max_tokens=100, temperature=0,
             tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {
                 "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
                 "required": ["city"]}}}],
