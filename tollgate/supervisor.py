@@ -2,7 +2,7 @@
 
 Invariants:
 - Each child is spawned by ``tollgate.processes.spawn``: its own process group, stdout/stderr appended
-  to its log file, killed with us if we die. ``stop_all`` stops children in reverse start order (clients
+  to its log file, sent its stop signal if we die. ``stop_all`` stops children in reverse start order (clients
   before the servers they use) and signals whole groups, so no process of ours survives it.
 - A child that exits is always reported (name, pid, status, log). One whose spec says ``restart`` is
   started again after an exponential backoff (``restart_backoff_s`` doubling up to
@@ -180,7 +180,8 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         spec = child.spec
-        child.proc = spawn(spec.argv, log_path=spec.log_path, user=spec.user, cwd=spec.cwd, env=spec.env)
+        child.proc = spawn(spec.argv, log_path=spec.log_path, user=spec.user, cwd=spec.cwd, env=spec.env,
+                           parent_death_signal=spec.stop_signal)
         child.state, child.started_at = "starting", time.monotonic()
         child.healthy_since = child.restart_at = None
         self.write_status()
