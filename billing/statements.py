@@ -1,0 +1,166 @@
+"""Monthly statements: per tenant and UTC month, line items by model, class and token kind.
+
+Invariants:
+- Built from the hourly rollups (``usage_hourly``), which ``billing.rollups`` keeps equal to the ledger:
+  each line's ``amount_pico_usd`` is exact, and the statement's ``total_pico_usd`` is exactly the sum of
+  the month's ledger costs (the three token-kind amounts of a rollup add up to its ledger cost).
+- Money leaves as cents here, rounded once: line ``i`` shows
+  ``round(cumulative_i) - round(cumulative_{i-1})`` cents (half up), so every line's rounding is carried
+  into the next and the shown lines add up to the shown total, ``round(total)``; no cent is made or lost.
+- Line order is fixed (model, class interactive then batch, kind input, cached input, output), so the
+  carried rounding, and so the document, is reproducible.
+- Token kinds: ``input`` is prompt tokens not served from the prompt cache, ``cached_input`` those
+  served from it, ``output`` completion tokens.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
+
+from sqlalchemy import Numeric, cast, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from billing.spend import month_bounds
+from tollgate.models import Tenant, UsageHourly
+
+PICO_PER_CENT = 10**10
+PICO_PER_USD = 10**12
+TOKEN_KINDS = ("input", "cached_input", "output")
+_CLASS_ORDER = {"interactive": 0, "batch": 1}
+_MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
+
+
+def cents_half_up(pico: int) -> int:
+    return int((Decimal(pico) / PICO_PER_CENT).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+def usd_exact(pico: int) -> str:
+    """``1234567`` pico-USD → ``"0.000001234567"`` (exact, 12 decimals)."""
+    return str((Decimal(pico) / PICO_PER_USD).quantize(Decimal("0.000000000001")))
+
+
+def format_cents(cents: int) -> str:
+    sign = "-" if cents < 0 else ""
+    return f"{sign}{abs(cents) // 100}.{abs(cents) % 100:02d}"
+
+
+@dataclass(frozen=True, slots=True)
+class StatementLine:
+    model: str
+    request_class: str
+    token_kind: str
+    tokens: int
+    amount_pico_usd: int
+    amount_cents: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "request_class": self.request_class, "token_kind": self.token_kind,
+                "tokens": self.tokens, "amount_pico_usd": self.amount_pico_usd,
+                "amount_usd_exact": usd_exact(self.amount_pico_usd), "amount_cents": self.amount_cents,
+                "amount": format_cents(self.amount_cents)}
+
+
+@dataclass(slots=True)
+class Statement:
+    tenant_id: int
+    tenant_name: str
+    month: str
+    period_start: datetime
+    period_end: datetime
+    requests: int = 0
+    lines: list[StatementLine] = field(default_factory=list)
+    total_pico_usd: int = 0
+    total_cents: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"object": "statement", "tenant_id": self.tenant_id, "tenant_name": self.tenant_name,
+                "month": self.month, "period_start": self.period_start.isoformat(),
+                "period_end": self.period_end.isoformat(), "currency": "usd", "requests": self.requests,
+                "lines": [line.as_dict() for line in self.lines], "total_pico_usd": self.total_pico_usd,
+                "total_usd_exact": usd_exact(self.total_pico_usd), "total_cents": self.total_cents,
+                "total": format_cents(self.total_cents)}
+
+    def to_csv(self) -> str:
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["tenant", "month", "model", "request_class", "token_kind", "tokens",
+                         "amount_pico_usd", "amount_usd"])
+        for line in self.lines:
+            writer.writerow([self.tenant_name, self.month, line.model, line.request_class, line.token_kind,
+                             line.tokens, line.amount_pico_usd, format_cents(line.amount_cents)])
+        writer.writerow([self.tenant_name, self.month, "TOTAL", "", "", "", self.total_pico_usd,
+                         format_cents(self.total_cents)])
+        return out.getvalue()
+
+
+def carry_rounding(amounts: list[int]) -> list[int]:
+    """Cents per amount with each rounding carried into the next; they sum to the total's cents."""
+    cents: list[int] = []
+    cumulative = 0
+    shown = 0
+    for amount in amounts:
+        cumulative += amount
+        now = cents_half_up(cumulative)
+        cents.append(now - shown)
+        shown = now
+    return cents
+
+
+class StatementTenantNotFound(LookupError):
+    pass
+
+
+async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> Statement:
+    """The statement of ``tenant_id`` for ``month`` (``YYYY-MM``, UTC)."""
+    if not _MONTH.fullmatch(month):
+        raise ValueError(f"month must be YYYY-MM, got {month!r}")
+    start, end = month_bounds(month)
+    tenant = await session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise StatementTenantNotFound(f"no tenant {tenant_id}")
+    total = func.sum
+    stmt = (select(UsageHourly.model, UsageHourly.request_class,
+                   total(cast(UsageHourly.requests, Numeric)),
+                   total(cast(UsageHourly.input_tokens, Numeric)),
+                   total(cast(UsageHourly.cached_input_tokens, Numeric)),
+                   total(cast(UsageHourly.output_tokens, Numeric)),
+                   total(cast(UsageHourly.input_cost_pico_usd, Numeric)),
+                   total(cast(UsageHourly.cached_input_cost_pico_usd, Numeric)),
+                   total(cast(UsageHourly.output_cost_pico_usd, Numeric)))
+            .where(UsageHourly.tenant_id == tenant_id, UsageHourly.hour >= start, UsageHourly.hour < end)
+            .group_by(UsageHourly.model, UsageHourly.request_class))
+    rows = sorted((await session.execute(stmt)).all(),
+                  key=lambda r: (r[0], _CLASS_ORDER.get(r[1], 9), r[1]))
+    statement = Statement(tenant_id=tenant.id, tenant_name=tenant.name, month=month, period_start=start,
+                          period_end=end)
+    raw: list[tuple[str, str, str, int, int]] = []
+    for model, klass, requests, in_tok, cached_tok, out_tok, in_cost, cached_cost, out_cost in rows:
+        statement.requests += int(requests)
+        for kind, tokens, amount in zip(TOKEN_KINDS, (in_tok, cached_tok, out_tok),
+                                        (in_cost, cached_cost, out_cost), strict=True):
+            if int(tokens) or int(amount):
+                raw.append((model, klass, kind, int(tokens), int(amount)))
+    cents = carry_rounding([amount for *_, amount in raw])
+    statement.lines = [StatementLine(m, c, k, t, a, cent)
+                       for (m, c, k, t, a), cent in zip(raw, cents, strict=True)]
+    statement.total_pico_usd = sum(line.amount_pico_usd for line in statement.lines)
+    statement.total_cents = cents_half_up(statement.total_pico_usd)
+    return statement
+
+
+async def find_tenant_id(session: AsyncSession, ref: str | int) -> int:
+    """A tenant id from an id or a name."""
+    if isinstance(ref, int) or ref.isdigit():
+        tenant = await session.get(Tenant, int(ref))
+        if tenant is not None:
+            return tenant.id
+    tenant_id = await session.scalar(select(Tenant.id).where(Tenant.name == str(ref)))
+    if tenant_id is None:
+        raise StatementTenantNotFound(f"no tenant {ref!r}")
+    return int(tenant_id)

@@ -1,0 +1,181 @@
+"""Rollups equal the ledger after concurrent flushers (and a reconcile running among them), the reconcile
+repairs gaps, the kind split is exact across a price change, statements add up to the ledger to the
+pico-USD with cents carried, and the monthly partitions take rows out of the default partition."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import random
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import Numeric, cast, delete, func, select, text, update
+
+from billing.ledger import UsageFlusher
+from billing.outbox import UsageRecord, append_usage
+from billing.partitions import ensure_usage_partitions
+from billing.prices import Price, cost_pico_usd
+from billing.rollups import PriceHistory, hour_of, reconcile_rollups
+from billing.statements import build_statement, carry_rounding
+from tests.factories import create_price, create_tenant, create_usage_event
+from tollgate.db import Database
+from tollgate.models import UsageEvent, UsageHourly
+
+PRICES = {"alpha": Price.of(input=3_000_000, output=15_000_000),
+          "beta": Price.of(input=250_000, output=1_250_003, cached_input=31_111)}
+MONTH_START = datetime(2026, 10, 1, tzinfo=UTC)
+
+
+def make_records(tenant_ids: list[int], count: int, seed: int) -> list[UsageRecord]:
+    rng = random.Random(seed)
+    records = []
+    for i in range(count):
+        model = rng.choice(list(PRICES))
+        klass = rng.choice(["interactive", "interactive", "batch"])
+        prompt = rng.randint(0, 5000)
+        cached = rng.randint(0, prompt)
+        completion = rng.randint(0, 900)
+        at = MONTH_START + timedelta(days=rng.choice([0, 14, 30]), hours=rng.randint(0, 3),
+                                     seconds=rng.randint(0, 3599))
+        records.append(UsageRecord(
+            request_id=f"r{seed}-{i}", tenant_id=rng.choice(tenant_ids), api_key_id=None, model=model,
+            request_class=klass, tier="default", prompt_tokens=prompt, cached_tokens=cached,
+            completion_tokens=completion,
+            cost_pico_usd=cost_pico_usd(PRICES[model], prompt, cached, completion, klass),
+            status="completed", ttft_ms=None, tpot_ms=None, created_at=at))
+    return records
+
+
+async def ledger_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
+    hour = func.date_trunc("hour", UsageEvent.created_at, "UTC")
+    rows = await session.execute(
+        select(UsageEvent.tenant_id, hour, UsageEvent.model, UsageEvent.request_class, func.count(),
+               func.sum(UsageEvent.prompt_tokens - UsageEvent.cached_tokens),
+               func.sum(UsageEvent.cached_tokens),
+               func.sum(UsageEvent.completion_tokens), func.sum(cast(UsageEvent.cost_pico_usd, Numeric)))
+        .where(UsageEvent.tenant_id.in_(tenant_ids))
+        .group_by(UsageEvent.tenant_id, hour, UsageEvent.model, UsageEvent.request_class))
+    return {(t, hour_of(h), m, c): tuple(int(v) for v in rest) for t, h, m, c, *rest in rows.all()}
+
+
+async def rollup_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
+    rows = (await session.scalars(select(UsageHourly).where(UsageHourly.tenant_id.in_(tenant_ids)))).all()
+    for r in rows:  # the kind split always adds up to the ledger cost
+        split = r.input_cost_pico_usd + r.cached_input_cost_pico_usd + r.output_cost_pico_usd
+        assert split == r.cost_pico_usd
+    return {(r.tenant_id, hour_of(r.hour), r.model, r.request_class):
+            (r.requests, r.input_tokens, r.cached_input_tokens, r.output_tokens, r.cost_pico_usd)
+            for r in rows}
+
+
+async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(new_database,
+                                                                                 redis_client) -> None:
+    db = Database(new_database, pool_size=8)
+    try:
+        async with db.session() as session:
+            tenants = [(await create_tenant(session)).id for _ in range(3)]
+            for model, price in PRICES.items():
+                await create_price(session, model=model, input=price.input, output=price.output,
+                                   cached_input=price.cached_input)
+        records = make_records(tenants, 600, seed=1)
+        for rec in records + records[:50]:  # some appended twice (gateway retries)
+            await append_usage(redis_client, rec)
+        flushers = [UsageFlusher(redis_client, db.session, consumer=f"w{i}", batch_size=25) for i in range(4)]
+        done = asyncio.Event()
+
+        async def reconcile_meanwhile() -> int:
+            runs = 0
+            while not done.is_set() or runs == 0:
+                async with db.session() as session:
+                    await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32))
+                runs += 1
+                await asyncio.sleep(0)
+            return runs
+
+        reconciler = asyncio.create_task(reconcile_meanwhile())
+        results = await asyncio.gather(*(f.flush() for f in flushers))
+        done.set()
+        assert await reconciler >= 1
+        assert sum(r.inserted for r in results) == 600
+        async with db.session() as session:
+            ledger = await ledger_buckets(session, tenants)
+            assert await rollup_buckets(session, tenants) == ledger
+            assert sum(v[-1] for v in ledger.values()) == sum(r.cost_pico_usd for r in records)
+            clean = await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32),
+                                            tenant_ids=tenants)
+            assert (clean.repaired, clean.removed) == ([], [])
+
+        # A gap (a lost bucket), a wrong bucket and a stray one: the reconcile finds and repairs all three.
+        async with db.session() as session:
+            keys = sorted(ledger)
+            lost, wrong = keys[0], keys[1]
+            await session.execute(delete(UsageHourly).where(UsageHourly.tenant_id == lost[0],
+                                                            UsageHourly.hour == lost[1],
+                                                            UsageHourly.model == lost[2],
+                                                            UsageHourly.request_class == lost[3]))
+            await session.execute(update(UsageHourly).where(UsageHourly.tenant_id == wrong[0],
+                                                            UsageHourly.hour == wrong[1],
+                                                            UsageHourly.model == wrong[2],
+                                                            UsageHourly.request_class == wrong[3])
+                                  .values(cost_pico_usd=UsageHourly.cost_pico_usd + 1))
+            session.add(UsageHourly(tenant_id=tenants[0], hour=MONTH_START + timedelta(days=5), model="alpha",
+                                    request_class="batch", requests=1, input_tokens=1, cached_input_tokens=0,
+                                    output_tokens=0, input_cost_pico_usd=5, cached_input_cost_pico_usd=0,
+                                    output_cost_pico_usd=0, cost_pico_usd=5))
+        async with db.session() as session:
+            fixed = await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32))
+            assert sorted(fixed.repaired) == sorted([lost, wrong])
+            assert [k[1] for k in fixed.removed] == [MONTH_START + timedelta(days=5)]
+        async with db.session() as session:
+            assert await rollup_buckets(session, tenants) == ledger
+
+            # Statements: totals equal the ledger exactly; shown cents carry the rounding to the total.
+            for tenant_id in tenants:
+                statement = await build_statement(session, tenant_id, "2026-10")
+                exact = await session.scalar(select(func.sum(cast(UsageEvent.cost_pico_usd, Numeric))).where(
+                    UsageEvent.tenant_id == tenant_id, UsageEvent.created_at >= MONTH_START,
+                    UsageEvent.created_at < datetime(2026, 11, 1, tzinfo=UTC)))
+                assert statement.total_pico_usd == int(exact)
+                assert sum(line.amount_cents for line in statement.lines) == statement.total_cents
+                assert statement.total_cents == (int(exact) + 5 * 10**9) // 10**10
+                rows = list(csv.reader(io.StringIO(statement.to_csv())))
+                assert rows[-1][2] == "TOTAL" and int(rows[-1][6]) == statement.total_pico_usd
+                assert {line.token_kind for line in statement.lines} <= {"input", "cached_input", "output"}
+                assert {line.request_class for line in statement.lines} <= {"interactive", "batch"}
+    finally:
+        await db.dispose()
+
+
+def test_cents_carry_the_rounding_to_the_total() -> None:
+    # Three lines of 0.4 cent each: shown 0, 1, 0 cents, total 1 cent (rounding 0.4 each would show 0).
+    assert carry_rounding([4 * 10**9] * 3) == [0, 1, 0]
+    assert carry_rounding([5 * 10**9, 5 * 10**9]) == [1, 0]
+    assert sum(carry_rounding([123_456_789_012, 987_654_321, 55])) == (123_456_789_012 + 987_654_321 + 55
+                                                                        + 5 * 10**9) // 10**10
+
+
+def test_the_split_uses_the_price_the_request_was_admitted_with() -> None:
+    change = datetime(2026, 10, 10, 12, tzinfo=UTC)
+    old, new = Price.of(input=3_000_000, output=15_000_000), Price.of(input=2_000_000, output=9_000_000)
+    history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), old), ("alpha", change, new)])
+    row = {"model": "alpha", "request_class": "interactive", "prompt_tokens": 100, "cached_tokens": 40,
+           "completion_tokens": 7, "created_at": change + timedelta(seconds=30),
+           "cost_pico_usd": cost_pico_usd(old, 100, 40, 7, "interactive")}  # admitted before the change
+    assert history.split(row) == (60 * 3_000_000, 40 * 300_000, 7 * 15_000_000)
+    row["cost_pico_usd"] = cost_pico_usd(new, 100, 40, 7, "interactive")
+    assert history.split(row) == (60 * 2_000_000, 40 * 200_000, 7 * 9_000_000)
+    row["cost_pico_usd"] = 1_000_003  # matches no price (written by hand): apportioned, still exact
+    assert sum(history.split(row)) == 1_000_003
+
+
+async def test_monthly_partitions_take_their_rows_out_of_the_default_partition(db_session) -> None:
+    tenant = await create_tenant(db_session)
+    far = datetime(2031, 3, 15, tzinfo=UTC)
+    event = await create_usage_event(db_session, tenant, created_at=far)
+    where = text("SELECT tableoid::regclass::text FROM usage_events WHERE id = :id")
+    assert (await db_session.scalar(where, {"id": event.id})) == "usage_partitions.usage_events_default"
+    created = await ensure_usage_partitions(db_session, at=far, months_ahead=1)
+    assert created == ["usage_events_2031_03", "usage_events_2031_04"]
+    assert (await db_session.scalar(where, {"id": event.id})) == "usage_partitions.usage_events_2031_03"
+    assert await ensure_usage_partitions(db_session, at=far, months_ahead=1) == []
