@@ -4,8 +4,9 @@ Implements the contract of ``engine.attention.base`` for any mix of prefills, pr
 prefix-cache hit or earlier chunks, and decode tokens:
 
 - store: the new K/V rows are scattered into the cache through ``slot_mapping`` (``-1`` rows skipped);
-- a decode-only step (every query length 1) gathers every sequence's blocks at once
-  (``[B, max_blocks * block_size]`` keys, masked past ``seq_lens``) and runs one batched SDPA;
+- a decode-only step (every query length 1) sorts the sequences into buckets of similar length; each
+  bucket gathers its sequences' blocks at once (``[b, max_blocks * block_size]`` keys, masked past
+  ``seq_lens``) and runs one batched SDPA with the query heads of a KV head on the query axis;
 - any other step loops over the sequences: each gathers its own ``cdiv(seq_len, block_size)`` blocks
   and runs SDPA of its new queries with a causal mask offset by its cached context.
 
@@ -52,22 +53,27 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat.index_copy_(0, slot_mapping, v)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_seqs = meta.num_seqs
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        # keys, values: [B, max_blocks * BS, KVH, D] -> [B, KVH, S, D]
-        keys = kv_cache[0][meta.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = kv_cache[1][meta.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        key_pos = torch.arange(keys.shape[2], device=q.device)
-        mask = key_pos[None, :] < meta.seq_lens[:, None]  # [B, S]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, D]
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return out.squeeze(2)  # [B, H, D]
+        group = self.num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        for members in _length_buckets(meta.seq_lens_cpu):
+            n = len(members)
+            index = torch.tensor(members, device=q.device)
+            num_blocks = -(-max(meta.seq_lens_cpu[i] for i in members) // meta.block_size)
+            tables = meta.block_tables[index, :num_blocks]
+            # keys, values: [n, num_blocks * BS, KVH, D] -> [n, KVH, S, D]
+            keys = kv_cache[0][tables].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+            values = kv_cache[1][tables].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+            key_pos = torch.arange(keys.shape[2], device=q.device)
+            mask = key_pos[None, :] < meta.seq_lens[index][:, None]  # [n, S]
+            # The query heads sharing a KV head ride on SDPA's query-length axis ([n, KVH, group, D]):
+            # no K/V repeat for GQA, and no causal mask is needed for a single new token.
+            o = F.scaled_dot_product_attention(
+                q[index].view(n, num_kv_heads, group, head_dim), keys, values,
+                attn_mask=mask[:, None, None, :], scale=self.scale,
+            )  # fmt: skip
+            out[index] = o.reshape(n, self.num_heads, head_dim)
+        return out
 
     def _extend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -96,3 +102,23 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = o.transpose(0, 1)
             start = end
         return out
+
+
+def _length_buckets(seq_lens: list[int], min_size: int = 8, slack: float = 1.25) -> list[list[int]]:
+    """Indices of the decode batch grouped by similar context length (ascending).
+
+    Each bucket gathers K/V padded only to its own longest context; with one bucket, a batch of
+    uniformly spread lengths gathers about twice the keys it uses. A bucket closes when it holds
+    ``min_size`` sequences and the next is ``slack`` times longer than its first (measured on a 2-core
+    CPU, 48 decodes of 50-500 tokens, GQA 4:2: 10.4 ms -> 5.9 ms of CPU per layer)."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if len(current) >= min_size and seq_lens[i] > slack * seq_lens[current[0]]:
+            buckets.append(current)
+            current = []
+        current.append(i)
+    buckets.append(current)
+    return buckets
+
