@@ -41,6 +41,7 @@ from billing.prices import PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.block_hash import prefix_block_hashes
 from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
 from gateway.admission import Admission
+from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
@@ -135,7 +136,7 @@ class Generation:
         except PriceNotFound:
             raise ServiceUnavailableError(
                 f"The model `{self.route.name}` has no price configured and cannot be served.",
-                code="model_not_priced") from None
+                code="model_not_priced", headers={"x-should-retry": "false"}) from None
         per_completion = self.max_tokens
         if per_completion is None:
             per_completion = settings.default_max_tokens_reservation
@@ -144,15 +145,16 @@ class Generation:
         block_size = (self.route.info().block_size if self.route.info() else 16)
         hashes = [prefix_block_hashes(p, block_size, salt) for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved).
-        first = rt.router.pick(self.route.name, hashes[0])
-        if first.load is not None:
-            decision = should_shed(first.load, self.prompt_tokens, self.tier, settings.tiers)
-            if decision is not None:
-                raise decision.error()
-        self.admission = await rt.admission.admit(
-            self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
-            max_cost_pico_usd(price, self.prompt_tokens, completion_budget, rt.request_class),
-        )
+        async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class):
+            first = rt.router.pick(self.route.name, hashes[0])
+            if first.load is not None:
+                decision = should_shed(first.load, self.prompt_tokens, self.tier, settings.tiers)
+                if decision is not None:
+                    raise decision.error()
+            self.admission = await rt.admission.admit(
+                self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
+                max_cost_pico_usd(price, self.prompt_tokens, completion_budget, rt.request_class),
+            )
         try:
             priority = settings.tiers[self.tier].engine_priority
             for index, (prompt, prompt_hashes) in enumerate(zip(self.prompts, hashes, strict=True)):
@@ -269,7 +271,9 @@ class Generation:
 
     # -- the end --------------------------------------------------------------------------------
     def cancel(self) -> None:
-        if self.status == STATUS_COMPLETED:
+        """The client went away. A request whose every stream already ended stays ``completed``
+        (servers report a disconnect right after the last byte of a finished response, too)."""
+        if self.status == STATUS_COMPLETED and self._finals < len(self._streams):
             self.status = STATUS_CANCELLED
 
     async def finish(self) -> None:

@@ -88,6 +88,7 @@ async def test_stream_with_usage_follows_openai(client: httpx.AsyncClient, gatew
     assert all(set(d) == {"content"} and d["content"] for d in deltas)
     records = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
     assert len(records) == 1 and records[0]["completion_tokens"] == usage_chunk["usage"]["completion_tokens"]
+    assert records[0]["status"] == "completed"
 
 
 async def test_stream_without_usage_has_no_usage_field(client: httpx.AsyncClient) -> None:

@@ -67,7 +67,7 @@ async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:
     assert all(len(top) <= 2 for top in lp["top_logprobs"])
 
 
-async def test_streamed_completion(client: httpx.AsyncClient) -> None:
+async def test_streamed_completion(client: httpx.AsyncClient, gateway: GatewayUnderTest) -> None:
     r = await client.post("/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4,
                                                 "stream": True, "stream_options": {"include_usage": True},
                                                 "temperature": 0})
@@ -86,6 +86,8 @@ async def test_streamed_completion(client: httpx.AsyncClient) -> None:
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert all(c["choices"][0]["text"] for c in chunks[:-2])
+    records = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
+    assert [rec["status"] for rec in records] == ["completed"]
 
 
 async def test_models(client: httpx.AsyncClient) -> None:
