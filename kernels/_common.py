@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 # op name -> number of launcher calls that launched a kernel. Read by tests; reset with
@@ -43,6 +44,12 @@ def launcher_for(kernel: Any, device: torch.device, dtype: torch.dtype) -> Any:
     run correctly: compiled kernels on CPU tensors, and bfloat16 in the interpreter (its NumPy
     emulation of bfloat16 rounds wrongly, off by several ulps)."""
     if isinstance(kernel, InterpretedFunction):
+        if not isinstance(tl.standard.sum, InterpretedFunction):
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton was imported, so triton.language's helpers are "
+                "compiled while this kernel is interpreted and it cannot run. Set TRITON_INTERPRET=1 before "
+                "anything imports triton (torch._dynamo and transformers' models do)."
+            )
         if dtype == torch.bfloat16:
             raise TypeError(
                 "bfloat16 is not supported by Triton's interpreter (TRITON_INTERPRET=1); use float32 or "
