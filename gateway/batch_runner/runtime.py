@@ -3,8 +3,9 @@
 ``BatchRuntime`` is a ``GatewayRuntime`` (same engine client, tokenizers, price book) whose
 - ``request_class`` is ``batch``: ``Generation`` prices lines at the batch prices and meters them in the
   ledger as class ``batch``;
-- ``settings.tiers`` has a single tier, ``batch``, at ``batch_engine_priority`` (below every interactive
-  tier, so the engine preempts batch lines for interactive traffic) with SLOs that never shed;
+- ``settings.tiers`` has a single tier (``default``, as OpenAI reports batch lines) at
+  ``batch_engine_priority``, below every interactive tier (the engine preempts batch lines for
+  interactive traffic), with SLOs that never shed;
 - ``router`` is a ``BatchRouter``: the model's ``batch`` pool replicas, plus its ``interactive`` replicas
   while they are under the soak watermark;
 - ``admission`` is ``BatchAdmission``: the tenant's batch tokens-per-day quota (``batch_tpd_limit``,
@@ -41,7 +42,9 @@ from tollgate.settings import Settings, TierConfig
 logger = logging.getLogger("tollgate.batches")
 
 BATCH_POOL = "batch"
-BATCH_TIER = "batch"
+# The one tier of the batch runtime. Named like OpenAI's ``service_tier`` so response bodies stay valid
+# (OpenAI answers batch lines with ``default``); the ledger tells batch apart by ``request_class``.
+BATCH_TIER = "default"
 BATCH_REQUEST_CLASS = "batch"
 NEVER_SHED_MS = 10**9
 BILLED_TTL_S = 3 * 24 * 3600
