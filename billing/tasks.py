@@ -6,6 +6,11 @@ in ``TASK_MODULES`` and merges the schedule):
   never pile up behind a busy worker; any number may run at once safely (the ledger is idempotent).
 - ``billing.reconcile_spend`` every ``RECONCILE_INTERVAL_S``: raises each tenant's month-to-date spend
   counter in Redis to the ledger's sum (repairs a Redis that lost writes).
+- ``billing.export_stripe`` every ``stripe_export_interval_s``; ``billing.reconcile_rollups`` every
+  ``rollup_reconcile_interval_s``; ``billing.maintain_partitions`` daily; ``billing.check_budgets`` and
+  ``billing.enforce_payment_grace`` every ``budget_alert_interval_s`` (``billing.jobs``). Each is safe to
+  run concurrently with itself (outbox rows, advisory and row locks), so an expired or repeated run
+  never doubles anything.
 
 Each worker process keeps one event loop, one database engine and one Redis client for its tasks
 (``_ProcessRuntime``), created lazily in the process that runs the task (never before Celery forks),
@@ -24,6 +29,7 @@ from typing import Any, TypeVar
 from celery import shared_task
 from redis.asyncio import Redis
 
+from billing import jobs
 from billing.ledger import LedgerUnavailable, SessionFactory, UsageFlusher
 from billing.service import reconcile_month_spend
 from tollgate.db import Database
@@ -33,6 +39,7 @@ from tollgate.settings import Settings, get_settings
 logger = logging.getLogger("tollgate.billing")
 
 RECONCILE_INTERVAL_S = 300.0
+PARTITION_INTERVAL_S = 24 * 3600.0
 MAX_BATCHES_PER_RUN = 50
 CONSUMER_IDLE_FORGET_MS = 24 * 3600 * 1000
 
@@ -133,6 +140,38 @@ def reconcile_spend_task() -> int:
     return _process_runtime().run(lambda rt: reconcile_spend(rt.redis, rt.db))
 
 
+@shared_task(name="billing.export_stripe", ignore_result=True)
+def export_stripe_task() -> dict[str, int] | None:
+    result = _process_runtime().run(lambda rt: jobs.export_stripe(rt.db, rt.settings))
+    if result is None:
+        return None
+    return {"planned": result.planned, "sent": result.sent, "failed": result.failed}
+
+
+@shared_task(name="billing.reconcile_rollups", ignore_result=True)
+def reconcile_rollups_task() -> dict[str, int]:
+    return _process_runtime().run(lambda rt: jobs.reconcile_rollups_job(rt.db, rt.settings))
+
+
+@shared_task(name="billing.maintain_partitions", ignore_result=True)
+def maintain_partitions_task() -> list[str]:
+    return _process_runtime().run(lambda rt: jobs.maintain_partitions(rt.db))
+
+
+@shared_task(name="billing.check_budgets", ignore_result=True)
+def check_budgets_task() -> dict[str, Any]:
+    return _process_runtime().run(lambda rt: jobs.check_budgets_job(rt.db, rt.redis, rt.settings))
+
+
+@shared_task(name="billing.enforce_payment_grace", ignore_result=True)
+def enforce_payment_grace_task() -> list[int]:
+    return _process_runtime().run(lambda rt: jobs.enforce_payment_grace_job(rt.db, rt.redis, rt.settings))
+
+
+def _every(task: str, seconds: float) -> dict[str, Any]:
+    return {"task": task, "schedule": seconds, "options": {"expires": max(1.0, seconds)}}
+
+
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     """Entries for ``celery_app.conf.beat_schedule``."""
     interval = settings.usage_flush_interval_s
@@ -141,4 +180,10 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
                                 "options": {"expires": max(1.0, interval)}},
         "billing.reconcile_spend": {"task": "billing.reconcile_spend", "schedule": RECONCILE_INTERVAL_S,
                                     "options": {"expires": RECONCILE_INTERVAL_S}},
-    }
+    } | {task: _every(task, seconds) for task, seconds in (
+        ("billing.export_stripe", settings.stripe_export_interval_s),
+        ("billing.reconcile_rollups", settings.rollup_reconcile_interval_s),
+        ("billing.maintain_partitions", PARTITION_INTERVAL_S),
+        ("billing.check_budgets", settings.budget_alert_interval_s),
+        ("billing.enforce_payment_grace", settings.budget_alert_interval_s),
+    )}

@@ -17,6 +17,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("tollgate.commands.model", "engine"),
     "gateway": ("tollgate.commands.gateway", "gateway"),
     "prices": ("tollgate.commands.prices", "prices"),
+    "billing": ("tollgate.commands.billing", "billing"),
+    "statements": ("tollgate.commands.statements", "statements"),
     "admins": ("tollgate.commands.admins", "admins"),
 }
 
