@@ -195,6 +195,7 @@ def build_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Cas
     x = torch.randn((t, s.hidden), dtype=dtype, device=device)
     residual = torch.randn_like(x)
     weight = torch.randn(s.hidden, dtype=dtype, device=device)
+
     def check_rms_norm():
         got = K.rms_norm(x, weight, 1e-5, residual)
         for a, b in zip(got, K.rms_norm_reference(x, weight, 1e-5, residual), strict=True):

@@ -28,6 +28,7 @@ Design:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -185,10 +186,16 @@ def _merge_splits_kernel(
     )
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per sequence: enough programs to give every SM two, never splits under 256 tokens."""
     if device.type == "cuda":
-        target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target_programs = 2 * _sm_count(index)
     else:
         # The interpreter runs one program at a time: splitting only adds the merge.
         target_programs = 1

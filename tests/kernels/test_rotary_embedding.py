@@ -70,6 +70,12 @@ def test_llama3_frequencies_match_transformers():
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, params), expected, atol=0, rtol=1e-6)
 
 
+def test_linear_scaling_divides_frequencies():
+    plain = rope_inv_freq(64, 10000.0)
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, {"type": "linear", "factor": 4.0}), plain / 4)
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, {"rope_type": "default"}), plain)
+
+
 def test_rejects_bad_inputs(device):
     q, k = torch.randn((3, 4, 64), device=device), torch.randn((3, 2, 64), device=device)
     cos_sin = rope_cos_sin_cache(64, 16, 10000.0, device=device)
