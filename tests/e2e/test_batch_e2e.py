@@ -333,3 +333,43 @@ async def test_cancel_stops_new_lines_and_keeps_finished_ones(batch_platform: Ba
     assert {e["error"]["code"] for e in errors if e["response"] is None} <= {"batch_cancelled"}
     again = await client.batches.cancel(batch.id)  # idempotent on a cancelled batch
     assert again.status == "cancelled"
+
+
+async def test_a_worker_killed_mid_batch_resumes_without_duplicates(batch_platform: BatchPlatform) -> None:
+    """SIGKILL the worker (all its processes) mid-batch and start another: the sweep frees the dead
+    leases (no broker redelivery needed), the batch completes, each line is answered, billed and
+    written exactly once, and no line was started more than twice."""
+    tenant = await batch_platform.tenant()
+    client = sdk(batch_platform, tenant.key)
+    custom_ids = [f"crash-{i:03d}" for i in range(200)]
+    lines: list[Any] = [chat_line(cid, f"Item number {i}.", max_tokens=4) for i, cid in enumerate(custom_ids)]
+    uploaded = await client.files.create(file=("crash.jsonl", jsonl(lines)), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    await wait_for_batch(client.batches.retrieve, batch.id, until=lambda b: b.request_counts.completed >= 20)
+    (victim,) = batch_platform.workers
+    batch_platform.kill_worker(victim)
+    at_kill = await client.batches.retrieve(batch.id)
+    assert at_kill.status == "in_progress" and at_kill.request_counts.completed < len(custom_ids)
+    async with batch_platform.db.session() as session:
+        orphaned = await session.scalar(select(func.count()).select_from(BatchItem).where(
+            BatchItem.batch_id == batch.id, BatchItem.status == "running"))
+
+    batch_platform.start_worker()
+    done = await wait_for_batch(client.batches.retrieve, batch.id, timeout_s=60)  # resumes within a minute
+    assert done.status == "completed"
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (200, 200, 0)
+    output = read_jsonl((await client.files.content(done.output_file_id)).content)
+    assert [o["custom_id"] for o in output] == custom_ids
+    assert done.error_file_id is None
+
+    request_ids = {line_request_id(batch.id, cid) for cid in custom_ids}
+    rows = await ledger_rows(batch_platform.db, request_ids)
+    assert len(rows) == len(request_ids) and {r.request_id for r in rows} == request_ids
+    assert all(r.request_class == "batch" and r.status == "completed" for r in rows)
+    async with batch_platform.db.session() as session:
+        attempts = list(await session.scalars(
+            select(BatchItem.attempts).where(BatchItem.batch_id == batch.id)))
+    assert max(attempts) <= 2
+    assert orphaned == 0 or attempts.count(2) >= 1  # lines the dead worker held were started again
