@@ -115,62 +115,47 @@ def test_backend_rejects_a_mismatched_cache(tiny_llama_dir: Path) -> None:
         get_backend("triton")(4, 2, 32, scale=1.0, decode_num_splits=0)
 
 
-def test_default_cuda_graph_batch_sizes() -> None:
-    from engine.cuda_graphs import default_batch_sizes
-
-    assert default_batch_sizes(1) == [1]
-    assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
-    assert default_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-
-
-def test_cuda_graphs_refuse_what_cannot_be_captured() -> None:
-    from engine.attention import get_backend
-    from engine.cuda_graphs import DecodeCudaGraphs
-
-    model = torch.nn.Identity()
-    caches = [torch.zeros(2, 4, 16, 2, 32)]
-    with pytest.raises(ValueError, match="need the triton attention backend"):
-        DecodeCudaGraphs(model, caches, get_backend("torch")(4, 2, 32, scale=1.0), max_num_seqs=4,
-                         max_model_len=64, block_size=16)  # fmt: skip
-    with pytest.raises(ValueError, match="KV cache on a CUDA device"):
-        DecodeCudaGraphs(model, caches, get_backend("triton")(4, 2, 32, scale=1.0), max_num_seqs=4,
-                         max_model_len=64, block_size=16)  # fmt: skip
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cuda_graph_decode_matches_eager(tiny_llama_dir: Path, dtype: str) -> None:
-    """Replaying the captured decode graph gives the eager forward's hidden states, for a batch that is
-    padded up to a captured size (3 -> 4) and after a larger batch left stale rows behind."""
+    """On the GPU path (triton backend, fused kernels) the runner's CUDA-graph decode steps give the
+    eager runner's logits: a batch padded up to a captured size (5 -> 8), then a smaller one (3 -> 4)
+    that replays over the stale rows the first left behind."""
     from engine.config import EngineConfig
-    from engine.cuda_graphs import DecodeCudaGraphs
     from engine.model_runner import ModelRunner
     from engine.sequence import ScheduledBatch, ScheduledSeq, Sequence
 
-    config = EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype=dtype, attention_backend="triton",
-                          num_kv_blocks=64, enforce_eager=True)  # fmt: skip
-    runner = ModelRunner(config)
-    gen = torch.Generator().manual_seed(0)
-    seqs = []
-    for i, length in enumerate([5, 40, 17, 70, 3]):
-        tokens = torch.randint(0, runner.vocab_size, (length,), generator=gen).tolist()
-        seq = Sequence(request_id=str(i), token_ids=tokens, params=SamplingParams(max_tokens=4))
-        seq.block_table = [10 * i + j for j in range(6)]  # room for prompt + a few decode tokens
-        seqs.append(seq)
-    runner.run(ScheduledBatch([ScheduledSeq(s, len(s.token_ids)) for s in seqs]))  # prefill eagerly
-    for s in seqs:
-        s.num_computed_tokens = len(s.token_ids)
-        s.append_token(1)
+    def make_runner(enforce_eager: bool) -> ModelRunner:
+        return ModelRunner(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype=dtype, max_num_seqs=8,
+                                        num_kv_blocks=64, enforce_eager=enforce_eager))  # fmt: skip
 
-    graphs = DecodeCudaGraphs(runner.model, runner.kv_caches, runner.attention_backend, max_num_seqs=8,
-                              max_model_len=runner.max_model_len, block_size=runner.block_size)  # fmt: skip
-    graphs.capture()
-    for batch_seqs in (seqs, seqs[:3]):
-        step = ScheduledBatch([ScheduledSeq(s, 1) for s in batch_seqs])
-        input_ids, positions, meta, _ = runner.prepare(step)
-        assert graphs.can_run(meta, input_ids.shape[0])
-        replayed = graphs.run(input_ids, positions, meta).clone()
-        with torch.inference_mode():
-            eager = runner.model(input_ids, positions, runner.kv_caches, meta)
-        torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
+    eager_runner, graph_runner = make_runner(True), make_runner(False)
+    assert eager_runner.attention_backend.name == graph_runner.attention_backend.name == "triton"
+    # Capture failures fall back to eager steps with a warning; here they must not have happened.
+    assert graph_runner._graphs is not None and eager_runner._graphs is None
+    gen = torch.Generator().manual_seed(0)
+    vocab = eager_runner.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 40, 17, 70, 3)]
+
+    def sequences() -> list[Sequence]:
+        seqs = []
+        for i, tokens in enumerate(prompts):
+            seq = Sequence(request_id=str(i), token_ids=list(tokens), params=SamplingParams(max_tokens=4))
+            seq.block_table = [60 - 10 * i - j for j in range(6)]  # shuffled ids, room for a few tokens
+            seqs.append(seq)
+        return seqs
+
+    logits = {}
+    for name, runner in (("eager", eager_runner), ("graphs", graph_runner)):
+        seqs = sequences()
+        steps = [runner.run(ScheduledBatch([ScheduledSeq(s, len(s.token_ids)) for s in seqs]))]
+        for batch_seqs in (seqs, seqs[:3]):
+            for s in batch_seqs:
+                s.num_computed_tokens = len(s.token_ids)
+                s.append_token(7)
+            steps.append(runner.run(ScheduledBatch([ScheduledSeq(s, 1) for s in batch_seqs])))
+        logits[name] = steps
+    for eager, replayed in zip(logits["eager"], logits["graphs"], strict=True):
+        torch.testing.assert_close(replayed, eager, atol=5e-2, rtol=5e-2)
