@@ -115,7 +115,6 @@ def test_backend_rejects_a_mismatched_cache(tiny_llama_dir: Path) -> None:
         get_backend("triton")(4, 2, 32, scale=1.0, decode_num_splits=0)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
