@@ -12,6 +12,9 @@
   time the subscription (re)connects, since messages sent while it was down are lost; the TTL bounds
   staleness even then.
 
+``api_keys.last_used_at`` is written in batches (every ``LAST_USED_FLUSH_S``, one UPDATE for all keys
+used since), never per request.
+
 Invalidation messages (JSON): ``{"key_id": "<prefix>"}``, ``{"api_key_id": 12}``, ``{"tenant_id": 3}``, or
 anything else (``"*"``, unparsable) → flush everything.
 """
@@ -42,6 +45,7 @@ logger = logging.getLogger("tollgate.gateway.auth")
 INVALIDATE_CHANNEL = "tollgate:invalidate"
 # Unknown key ids are remembered this long at most (a flood of bad keys must not reach Postgres).
 NEGATIVE_TTL_S = 1.0
+LAST_USED_FLUSH_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,8 @@ class Authenticator:
         self._ttl = settings.key_cache_ttl_s
         self._cache: dict[str, _CacheSlot] = {}
         self._inflight: dict[str, asyncio.Future[_KeyEntry | None]] = {}
-        self._listener: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._used: set[int] = set()
         self.subscribed = asyncio.Event()
 
     # -- public API -----------------------------------------------------------------------------
@@ -112,6 +117,7 @@ class Authenticator:
             raise _incorrect_key(presented)
         if entry.expires_at is not None and entry.expires_at <= datetime.now(UTC):
             raise AuthenticationError("The API key provided has expired.", code="expired_api_key")
+        self._used.add(entry.principal.api_key_id)
         return entry.principal
 
     def flush(self) -> None:
@@ -136,14 +142,33 @@ class Authenticator:
             self.flush()
 
     async def start(self) -> None:
-        self._listener = asyncio.create_task(self._listen(), name="tollgate-auth-invalidate")
+        self._tasks = [asyncio.create_task(self._listen(), name="tollgate-auth-invalidate"),
+                       asyncio.create_task(self._flush_last_used_forever(), name="tollgate-auth-last-used")]
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
-            self._listener = None
+                await task
+        self._tasks = []
+        await self.flush_last_used()
+
+    async def flush_last_used(self) -> None:
+        """Write ``last_used_at`` of the keys used since the last flush (one statement)."""
+        if not self._used:
+            return
+        used, self._used = sorted(self._used), set()
+        try:
+            async with self._sessions() as session:
+                await ApiKeyRepository(session).touch_last_used(used, datetime.now(UTC))
+                await session.commit()
+        except Exception as exc:
+            logger.warning("could not record key use: %s", exc)
+
+    async def _flush_last_used_forever(self) -> None:
+        while True:
+            await asyncio.sleep(LAST_USED_FLUSH_S)
+            await self.flush_last_used()
 
     # -- cache ----------------------------------------------------------------------------------
     def _drop(self, match: Any) -> None:

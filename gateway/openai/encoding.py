@@ -7,6 +7,7 @@ bytes so clients can reassemble characters split across tokens, as OpenAI docume
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 from typing import Any
@@ -23,8 +24,14 @@ def completion_id(prefix: str) -> str:
 def system_fingerprint(route: ModelRoute) -> str:
     """Changes when the served checkpoint's shape changes (OpenAI: "backend configuration")."""
     info = route.info()
-    shape = f"{info.max_model_len}|{info.vocab_size}" if info else ""
-    basis = f"{route.name}|{route.path}|{shape}"
+    if info is None:
+        return _fingerprint(route.name, route.path, 0, 0)
+    return _fingerprint(route.name, route.path, info.max_model_len, info.vocab_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _fingerprint(name: str, path: str | None, max_model_len: int, vocab_size: int) -> str:
+    basis = f"{name}|{path}|{max_model_len}|{vocab_size}"
     return "fp_" + hashlib.sha256(basis.encode()).hexdigest()[:10]
 
 

@@ -177,3 +177,15 @@ async def test_openai_sdk_works_unchanged(gateway: GatewayUnderTest, tenant_key:
             await bad.models.list()
     finally:
         await bad.close()
+
+
+async def test_key_use_is_recorded_in_batches(gateway: GatewayUnderTest) -> None:
+    from sqlalchemy import select
+
+    tk = await make_tenant_key(gateway)
+    async with httpx.AsyncClient(base_url=f"{gateway.url}/v1", headers=tk.headers, timeout=30) as c:
+        assert (await c.get("/models")).status_code == 200
+    await gateway.runtime.auth.flush_last_used()
+    async with gateway.db.session() as session:
+        used = await session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == tk.api_key_id))
+    assert used is not None
