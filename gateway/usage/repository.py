@@ -1,0 +1,74 @@
+"""Every usage query of the tenant usage API, scoped to one tenant in one place: a ``UsageRepository`` is
+built from the authenticated tenant's id and adds it to every statement, so no endpoint can forget it.
+
+Hourly and daily buckets read the hourly rollups (``usage_hourly``); minute buckets read the ledger.
+Sums are taken as ``NUMERIC`` and returned as Python ints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Numeric, cast, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tollgate.models import UsageEvent, UsageHourly
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """Usage (and, from the rollups, cost) of one (time, model, class)."""
+
+    at: datetime
+    model: str
+    request_class: str
+    requests: int
+    input_tokens: int  # not served from the prompt cache
+    cached_input_tokens: int
+    output_tokens: int
+    input_cost_pico_usd: int = 0
+    cached_input_cost_pico_usd: int = 0
+    output_cost_pico_usd: int = 0
+
+
+def _n(column: object) -> object:
+    return func.sum(cast(column, Numeric))
+
+
+class UsageRepository:
+    def __init__(self, session: AsyncSession, tenant_id: int) -> None:
+        self.session = session
+        self.tenant_id = tenant_id
+
+    async def hourly(self, start: datetime, end: datetime, *, models: Sequence[str] | None = None,
+                     request_class: str | None = None) -> list[UsageRow]:
+        """Rollup rows with ``start <= hour < end``."""
+        stmt = select(UsageHourly).where(UsageHourly.tenant_id == self.tenant_id, UsageHourly.hour >= start,
+                                         UsageHourly.hour < end)
+        if models:
+            stmt = stmt.where(UsageHourly.model.in_(list(models)))
+        if request_class is not None:
+            stmt = stmt.where(UsageHourly.request_class == request_class)
+        rows = (await self.session.scalars(stmt.order_by(UsageHourly.hour))).all()
+        return [UsageRow(r.hour, r.model, r.request_class, r.requests, r.input_tokens, r.cached_input_tokens,
+                         r.output_tokens, r.input_cost_pico_usd, r.cached_input_cost_pico_usd,
+                         r.output_cost_pico_usd) for r in rows]
+
+    async def by_minute(self, start: datetime, end: datetime, *, models: Sequence[str] | None = None,
+                        request_class: str | None = None) -> list[UsageRow]:
+        """Ledger usage per minute with ``start <= created_at < end`` (no cost split)."""
+        minute = func.date_trunc("minute", UsageEvent.created_at, "UTC")
+        stmt = (select(minute, UsageEvent.model, UsageEvent.request_class, func.count(),
+                       _n(UsageEvent.prompt_tokens - UsageEvent.cached_tokens), _n(UsageEvent.cached_tokens),
+                       _n(UsageEvent.completion_tokens))
+                .where(UsageEvent.tenant_id == self.tenant_id, UsageEvent.created_at >= start,
+                       UsageEvent.created_at < end)
+                .group_by(minute, UsageEvent.model, UsageEvent.request_class))
+        if models:
+            stmt = stmt.where(UsageEvent.model.in_(list(models)))
+        if request_class is not None:
+            stmt = stmt.where(UsageEvent.request_class == request_class)
+        return [UsageRow(at, model, klass, int(n), int(i), int(c), int(o))
+                for at, model, klass, n, i, c, o in (await self.session.execute(stmt)).all()]

@@ -1,0 +1,201 @@
+"""Tenant usage and costs in the shape of OpenAI's Usage API (``UsageResponse`` pages of ``bucket``s with
+``organization.usage.completions.result`` / ``organization.costs.result`` results).
+
+Invariants:
+- Buckets are whole UTC widths (``1m``, ``1h``, ``1d``) starting at ``start_time`` rounded down to the
+  width, up to ``end_time`` (exclusive, now by default); every bucket in the range is listed, empty ones
+  with no results, like OpenAI. The page holds ``limit`` buckets; ``next_page`` is an opaque cursor
+  (the next bucket's start) while more remain.
+- ``1h``/``1d`` read the hourly rollups; ``1m`` reads the ledger. So the numbers are the ledger's, and
+  costs are exact pico-USD sums converted to USD once per result (``amount.value``, a JSON number).
+- ``group_by`` supports ``model`` and ``batch`` (usage) and ``line_item`` (costs: model × class × token
+  kind); Tollgate has no projects or users, so grouping or filtering by them (or by API key, which the
+  rollups do not keep) is a 400 naming the parameter rather than a silently wrong answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from gateway.errors import InvalidRequestError
+from gateway.usage.repository import UsageRepository, UsageRow
+
+WIDTH_S = {"1m": 60, "1h": 3600, "1d": 86400}
+USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, max) buckets per page
+COSTS_LIMITS = (7, 180)
+USAGE_GROUPS = ("model", "batch")
+PICO_PER_USD = Decimal(10**12)
+_KIND_NAMES = {"input": "input", "cached_input": "cached input", "output": "output"}
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    starts: list[int]
+    width_s: int
+    next_page: str | None
+
+    @property
+    def start(self) -> datetime:
+        return datetime.fromtimestamp(self.starts[0], UTC)
+
+    @property
+    def end(self) -> datetime:
+        return datetime.fromtimestamp(self.starts[-1] + self.width_s, UTC)
+
+
+def encode_cursor(bucket_start: int) -> str:
+    return base64.urlsafe_b64encode(f"tg1:{bucket_start}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(page: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(page + "=" * (-len(page) % 4)).decode()
+        prefix, value = raw.split(":", 1)
+        if prefix != "tg1":
+            raise ValueError(prefix)
+        return int(value)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise InvalidRequestError("Invalid 'page': not a cursor returned by this API.", param="page",
+                                  code="invalid_value") from None
+
+
+def plan_page(start_time: int, end_time: int | None, width: str, limit: int | None, page: str | None,
+              limits: tuple[int, int], *, now: int) -> Page:
+    if width not in WIDTH_S:
+        raise InvalidRequestError(f"Invalid 'bucket_width': {width!r}.", param="bucket_width",
+                                  code="invalid_value")
+    default, maximum = limits
+    limit = default if limit is None else limit
+    if not 1 <= limit <= maximum:
+        raise InvalidRequestError(f"Invalid 'limit': must be between 1 and {maximum} for bucket_width "
+                                  f"{width}.", param="limit", code="invalid_value")
+    end = now if end_time is None else end_time
+    if start_time < 0 or end <= start_time:
+        raise InvalidRequestError("Invalid 'end_time': it must be after 'start_time'.", param="end_time",
+                                  code="invalid_value")
+    w = WIDTH_S[width]
+    first = start_time - start_time % w
+    if page is not None:
+        cursor = decode_cursor(page)
+        if cursor < first or cursor % w:
+            raise InvalidRequestError("Invalid 'page': it does not belong to this query.", param="page",
+                                      code="invalid_value")
+        first = cursor
+    starts = list(range(first, end, w))  # empty only for a cursor at or past end_time
+    more = len(starts) > limit
+    starts = starts[:limit]
+    return Page(starts, w, encode_cursor(starts[-1] + w) if more else None)
+
+
+def _unsupported(name: str, value: Any) -> None:
+    if value:
+        raise InvalidRequestError(f"Invalid '{name}': Tollgate has no projects or users and keeps no per-key "
+                                  "rollups; this filter is not supported.", param=name, code="invalid_value")
+
+
+def _bucket_of(row: UsageRow, page: Page) -> int:
+    return int(row.at.timestamp()) // page.width_s * page.width_s
+
+
+def _empty_buckets(page: Page) -> dict[int, dict[Any, list[UsageRow]]]:
+    return {s: {} for s in page.starts}
+
+
+async def completions_usage(repo: UsageRepository, *, start_time: int, end_time: int | None,
+                            bucket_width: str, models: Sequence[str] | None, batch: bool | None,
+                            group_by: Sequence[str] | None,
+                            limit: int | None, page: str | None, project_ids: Sequence[str] | None = None,
+                            user_ids: Sequence[str] | None = None, api_key_ids: Sequence[str] | None = None,
+                            now: int) -> dict[str, Any]:
+    for name, value in (("project_ids", project_ids), ("user_ids", user_ids), ("api_key_ids", api_key_ids)):
+        _unsupported(name, value)
+    groups = list(dict.fromkeys(group_by or []))
+    for group in groups:
+        if group not in USAGE_GROUPS:
+            raise InvalidRequestError(f"Invalid 'group_by': {group!r} is not supported (use model, batch).",
+                                      param="group_by", code="invalid_value")
+    plan = plan_page(start_time, end_time, bucket_width, limit, page, USAGE_LIMITS.get(bucket_width, (1, 1)),
+                     now=now)
+    klass = None if batch is None else ("batch" if batch else "interactive")
+    rows: list[UsageRow] = []
+    if plan.starts:
+        fetch = repo.by_minute if bucket_width == "1m" else repo.hourly
+        rows = await fetch(plan.start, plan.end, models=models, request_class=klass)
+    buckets = _empty_buckets(plan)
+    for row in rows:
+        key = (row.model if "model" in groups else None,
+               (row.request_class == "batch") if "batch" in groups else None)
+        buckets.setdefault(_bucket_of(row, plan), {}).setdefault(key, []).append(row)
+    data = []
+    for start in plan.starts:
+        results = []
+        for (model, is_batch), members in sorted(buckets[start].items(), key=lambda kv: (str(kv[0][0]),
+                                                                                         str(kv[0][1]))):
+            cached = sum(r.cached_input_tokens for r in members)
+            uncached = sum(r.input_tokens for r in members)
+            results.append({
+                "object": "organization.usage.completions.result", "input_tokens": uncached + cached,
+                "input_cached_tokens": cached, "input_uncached_tokens": uncached,
+                "output_tokens": sum(r.output_tokens for r in members), "input_audio_tokens": 0,
+                "output_audio_tokens": 0, "num_model_requests": sum(r.requests for r in members),
+                "project_id": None, "user_id": None, "api_key_id": None, "model": model, "batch": is_batch,
+                "service_tier": None})
+        data.append({"object": "bucket", "start_time": start, "end_time": start + plan.width_s,
+                     "results": results})
+    return {"object": "page", "data": data, "has_more": plan.next_page is not None,
+            "next_page": plan.next_page}
+
+
+def line_item(row: UsageRow, kind: str) -> str:
+    prefix = "batch " if row.request_class == "batch" else ""
+    return f"{row.model}, {prefix}{_KIND_NAMES[kind]}"
+
+
+def usd(pico: int) -> float:
+    return float(Decimal(pico) / PICO_PER_USD)
+
+
+async def costs(repo: UsageRepository, *, start_time: int, end_time: int | None, bucket_width: str,
+                group_by: Sequence[str] | None, limit: int | None, page: str | None,
+                project_ids: Sequence[str] | None = None, api_key_ids: Sequence[str] | None = None,
+                now: int) -> dict[str, Any]:
+    _unsupported("project_ids", project_ids)
+    _unsupported("api_key_ids", api_key_ids)
+    groups = list(dict.fromkeys(group_by or []))
+    for group in groups:
+        if group != "line_item":
+            raise InvalidRequestError(f"Invalid 'group_by': {group!r} is not supported (use line_item).",
+                                      param="group_by", code="invalid_value")
+    if bucket_width != "1d":
+        raise InvalidRequestError("Invalid 'bucket_width': only 1d is supported for costs.",
+                                  param="bucket_width", code="invalid_value")
+    plan = plan_page(start_time, end_time, bucket_width, limit, page, COSTS_LIMITS, now=now)
+    rows = await repo.hourly(plan.start, plan.end) if plan.starts else []
+    per_bucket: dict[int, dict[str, list[int]]] = {s: {} for s in plan.starts}
+    for row in rows:
+        items = per_bucket.setdefault(_bucket_of(row, plan), {})
+        kinds = (("input", row.input_tokens, row.input_cost_pico_usd),
+                 ("cached_input", row.cached_input_tokens, row.cached_input_cost_pico_usd),
+                 ("output", row.output_tokens, row.output_cost_pico_usd))
+        for kind, tokens, amount in kinds:
+            name = line_item(row, kind) if groups else ""
+            acc = items.setdefault(name, [0, 0])
+            acc[0] += amount
+            acc[1] += tokens
+    data = []
+    for start in plan.starts:
+        results = [{"object": "organization.costs.result",
+                    "amount": {"value": usd(amount), "currency": "usd"},
+                    "line_item": name or None, "project_id": None, "api_key_id": None,
+                    "quantity": tokens if groups else None, "quantity_unit": "tokens" if groups else None}
+                   for name, (amount, tokens) in sorted(per_bucket[start].items())]
+        data.append({"object": "bucket", "start_time": start, "end_time": start + plan.width_s,
+                     "results": results})
+    return {"object": "page", "data": data, "has_more": plan.next_page is not None,
+            "next_page": plan.next_page}
