@@ -29,6 +29,8 @@ EXTENSIONS: tuple[str, ...] = (
     "gateway.files.endpoints",
     "gateway.batches.endpoints",
     "gateway.admin",
+    "gateway.usage",
+    "billing.webhooks",
 )
 
 
