@@ -13,7 +13,7 @@ batches of ``--hf-batch-size``, left-padded, ``generate(max_new_tokens=longest o
 with EOS disabled (``min_new_tokens`` = ``max_new_tokens``); only the requested tokens are counted.
 
 - ``--device cpu`` (default): a Qwen3-shaped random-weight model of ~3.9M parameters
-  (``QWEN3_CPU_SMALL``), float32, 48 requests, prompts in [50, 300], outputs in [50, 200].
+  (``QWEN3_CPU_SMALL``), float32, 64 requests, prompts in [50, 300], outputs in [50, 200].
 - ``--device cuda``: nano-vllm's exact setup: Qwen3-0.6B-shaped random weights, bfloat16, 256
   requests, prompt and output lengths in [100, 1024].
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
     dims = {**(QWEN3_0_6B if cuda else QWEN3_CPU_SMALL), **json.loads(args.dims or "{}")}
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    args.num_seqs = args.num_seqs or (256 if cuda else 48)
+    args.num_seqs = args.num_seqs or (256 if cuda else 64)
     args.prompt_len = tuple(args.prompt_len or ((100, 1024) if cuda else (50, 300)))
     args.output_len = tuple(args.output_len or ((100, 1024) if cuda else (50, 200)))
     args.max_num_seqs = args.max_num_seqs or (256 if cuda else 64)

@@ -106,9 +106,10 @@ class LLM:
                     if out is not None:
                         out.add(delta)
         except BaseException:
+            # Interrupted (or the engine failed): leave no request of this call behind.
             for rid in request_ids:
                 self.engine.abort(rid)
-            self.engine.step()
+            self.engine.discard_pending()
             raise
         return [outputs[rid] for rid in request_ids]
 

@@ -215,8 +215,12 @@ class LLMEngine:
         request_ids = list(self._requests)
         for request_id in request_ids:
             self.abort(request_id)
-        self._pending.clear()
+        self.discard_pending()
         return request_ids
+
+    def discard_pending(self) -> None:
+        """Drop the deltas queued for the next ``step()`` (aborts nobody will read)."""
+        self._pending.clear()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
