@@ -31,6 +31,7 @@ EXTENSIONS: tuple[str, ...] = (
     "gateway.admin",
     "gateway.usage",
     "billing.webhooks",
+    "admin_ui.extension",
 )
 
 

@@ -1,0 +1,31 @@
+"""The dashboard as a ``gateway.app`` extension module (listed in ``gateway.app.EXTENSIONS``).
+
+- ``install(app)``: serves ``admin_ui/static`` (our stylesheet and script, plus the vendored Pico CSS and
+  Chart.js with their licenses; nothing is fetched from a CDN) under ``/admin/static``, and registers
+  the handlers that turn ``LoginRequired`` into a redirect to ``/admin/login`` and ``CsrfRejected`` into
+  a 403 page.
+- ``router``: the pages under ``/admin`` (login, tenants and keys, usage, SLOs and engines, batches,
+  prices), and last a catch-all so that an unknown dashboard path says "log in" to an anonymous visitor.
+  The admin API (``/admin/v1``, ``gateway.admin``) is a separate extension with token auth; this one
+  never answers under ``/admin/v1``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from admin_ui.views import auth, batches, engines, prices, tenants, usage
+from admin_ui.web import PACKAGE_DIR, install_handlers
+
+__all__ = ["install", "router"]
+
+router = APIRouter(include_in_schema=False)
+for module in (auth, tenants, usage, engines, batches, prices):
+    router.include_router(module.router)
+router.include_router(auth.catch_all)
+
+
+def install(app: FastAPI) -> None:
+    app.mount("/admin/static", StaticFiles(directory=PACKAGE_DIR / "static"), name="admin-static")
+    install_handlers(app)

@@ -1,0 +1,181 @@
+"""Usage series for the dashboard's charts and CSV export, from the ledger and the rejection counters.
+
+- Tokens, requests and cost are ``gateway.admin.service.usage`` (exact sums of ``usage_events`` by UTC
+  hour or day, the admin API's numbers). Input tokens are split into uncached input
+  (``prompt - cached``), cached input and output; the cache hit rate of a bucket is cached / prompt.
+- Rejections are ``gateway.admission.rejections`` counts (kept ``RETENTION_S``; older hours read 0).
+- Every bucket of the range is present (zeros where nothing happened), so charts have a true time axis.
+- Costs stay integer pico-USD; the float USD in the chart data is for drawing only, totals and CSV carry
+  the exact amount.
+- A range is whole UTC days ``[start 00:00, end + 1 day 00:00)``; at most ``MAX_RANGE_DAYS``. The
+  default granularity is hourly up to ``HOURLY_MAX_DAYS`` and daily beyond.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.admin import service
+from gateway.admin.schemas import usd_string
+from gateway.admission.rejections import REASONS, RETENTION_S, rejection_counts
+from tollgate.settings import Settings
+
+MAX_RANGE_DAYS = 366
+HOURLY_MAX_DAYS = 3
+MAX_HOURLY_DAYS = 31
+DEFAULT_DAYS = 7
+PICO_PER_USD = 10**12
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRange:
+    first_day: date
+    last_day: date
+    granularity: str
+
+    @property
+    def start(self) -> datetime:
+        return datetime(self.first_day.year, self.first_day.month, self.first_day.day, tzinfo=UTC)
+
+    @property
+    def end(self) -> datetime:
+        return self.start + timedelta(days=(self.last_day - self.first_day).days + 1)
+
+    @property
+    def step(self) -> timedelta:
+        return timedelta(hours=1) if self.granularity == "hour" else timedelta(days=1)
+
+    def buckets(self) -> list[datetime]:
+        out, at = [], self.start
+        while at < self.end:
+            out.append(at)
+            at += self.step
+        return out
+
+    def query(self) -> dict[str, str]:
+        return {"start": self.first_day.isoformat(), "end": self.last_day.isoformat(),
+                "granularity": self.granularity}
+
+
+def parse_range(start: str | None, end: str | None, granularity: str | None, *,
+                today: date | None = None) -> UsageRange:
+    """The range of the query (``YYYY-MM-DD`` days, both included); ``ValueError`` explains a bad one."""
+    today = today or datetime.now(UTC).date()
+    try:
+        last = date.fromisoformat(end) if end else today
+        first = date.fromisoformat(start) if start else last - timedelta(days=DEFAULT_DAYS - 1)
+    except ValueError:
+        raise ValueError("dates must look like 2026-01-31") from None
+    if first > last:
+        raise ValueError("the start date must not be after the end date")
+    days = (last - first).days + 1
+    if days > MAX_RANGE_DAYS:
+        raise ValueError(f"at most {MAX_RANGE_DAYS} days at once")
+    if granularity not in (None, "", "hour", "day"):
+        raise ValueError("granularity must be hour or day")
+    chosen = granularity or ("hour" if days <= HOURLY_MAX_DAYS else "day")
+    if chosen == "hour" and days > MAX_HOURLY_DAYS:
+        raise ValueError(f"hourly buckets for at most {MAX_HOURLY_DAYS} days; choose daily")
+    return UsageRange(first, last, chosen)
+
+
+def _label(at: datetime, granularity: str) -> str:
+    return at.strftime("%Y-%m-%d %H:00") if granularity == "hour" else at.strftime("%Y-%m-%d")
+
+
+def _bucket_of(at: datetime, granularity: str) -> datetime:
+    at = at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    return at if granularity == "hour" else at.replace(hour=0)
+
+
+async def _rejections(redis: Redis, rng: UsageRange, tenant_id: int | None,
+                      ) -> dict[tuple[datetime, int], dict[str, int]]:
+    """``(bucket, tenant) -> {reason: count}`` within the counters' retention."""
+    start = max(rng.start, datetime.now(UTC) - timedelta(seconds=RETENTION_S))
+    out: dict[tuple[datetime, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    if start >= rng.end:
+        return out
+    for count in await rejection_counts(redis, start, rng.end, tenant_id):
+        out[(_bucket_of(count.hour, rng.granularity), count.tenant_id)][count.reason] += count.count
+    return out
+
+
+def _hit_rate(cached: int, prompt: int) -> float | None:
+    return round(cached / prompt, 6) if prompt else None
+
+
+async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, rng: UsageRange,
+                       tenant_id: int | None) -> dict[str, Any]:
+    """Chart data and totals of one tenant (or all) over ``rng`` (JSON-serialisable)."""
+    result = await service.usage(session, start=rng.start, end=rng.end, tenant_id=tenant_id,
+                                 granularity=rng.granularity, settings=settings)
+    by_bucket = {row.bucket_start: row for row in result.rows}
+    rejected: dict[datetime, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for (bucket, _tenant), reasons in (await _rejections(redis, rng, tenant_id)).items():
+        for reason, count in reasons.items():
+            rejected[bucket][reason] += count
+    buckets = rng.buckets()
+    series: dict[str, list[Any]] = defaultdict(list)
+    for at in buckets:
+        row = by_bucket.get(at)
+        prompt, cached = (row.prompt_tokens, row.cached_tokens) if row else (0, 0)
+        cost = int(row.cost_pico_usd) if row else 0
+        series["input_tokens"].append(prompt - cached)
+        series["cached_tokens"].append(cached)
+        series["output_tokens"].append(row.completion_tokens if row else 0)
+        series["requests"].append(row.requests if row else 0)
+        series["cost_pico_usd"].append(str(cost))
+        series["cost_usd"].append(cost / PICO_PER_USD)
+        series["cache_hit_rate"].append(_hit_rate(cached, prompt))
+    reasons = [r for r in REASONS if any(rejected[at].get(r) for at in buckets)]
+    totals = result.totals
+    total_rejections = {r: sum(rejected[at].get(r, 0) for at in buckets) for r in reasons}
+    return {
+        "granularity": rng.granularity,
+        "labels": [_label(at, rng.granularity) for at in buckets],
+        **series,
+        "rejections": {r: [rejected[at].get(r, 0) for at in buckets] for r in reasons},
+        "totals": {
+            "requests": totals.requests, "prompt_tokens": totals.prompt_tokens,
+            "input_tokens": totals.prompt_tokens - totals.cached_tokens,
+            "cached_tokens": totals.cached_tokens, "output_tokens": totals.completion_tokens,
+            "cost_pico_usd": totals.cost_pico_usd, "cost_usd": totals.cost_usd,
+            "cache_hit_rate": _hit_rate(totals.cached_tokens, totals.prompt_tokens),
+            "rejections": total_rejections, "rejected": sum(total_rejections.values()),
+        },
+    }
+
+
+CSV_COLUMNS = ("bucket_start", "tenant_id", "requests", "prompt_tokens", "input_tokens", "cached_tokens",
+               "output_tokens", "cache_hit_rate", "cost_pico_usd", "cost_usd",
+               *(f"rejected_{reason}" for reason in REASONS))
+
+
+async def usage_csv_rows(session: AsyncSession, redis: Redis, settings: Settings, rng: UsageRange,
+                         tenant_id: int | None) -> list[list[str]]:
+    """One row per bucket and tenant that had usage or rejections (header first), exact integers."""
+    result = await service.usage(session, start=rng.start, end=rng.end, tenant_id=tenant_id,
+                                 group_by=["tenant_id"], granularity=rng.granularity, settings=settings)
+    rejected = await _rejections(redis, rng, tenant_id)
+    rows_by_key = {(row.bucket_start, row.tenant_id): row for row in result.rows}
+    keys = sorted(set(rows_by_key) | set(rejected), key=lambda k: (k[0], k[1]))
+    out = [list(CSV_COLUMNS)]
+    for bucket, tenant in keys:
+        row = rows_by_key.get((bucket, tenant))
+        prompt, cached = (row.prompt_tokens, row.cached_tokens) if row else (0, 0)
+        cost = int(row.cost_pico_usd) if row else 0
+        rate = _hit_rate(cached, prompt)
+        reasons = rejected.get((bucket, tenant), {})  # type: ignore[arg-type]
+        out.append([
+            bucket.isoformat() if bucket else "", str(tenant), str(row.requests if row else 0), str(prompt),
+            str(prompt - cached), str(cached), str(row.completion_tokens if row else 0),
+            "" if rate is None else f"{rate:.6f}", str(cost), usd_string(cost),
+            *(str(reasons.get(reason, 0)) for reason in REASONS),
+        ])
+    return out
