@@ -1,7 +1,7 @@
 """``tollgate up`` end to end: real Postgres, Redis, engine, gateway, Celery worker and beat.
 
-One platform is started for the module (in a temporary data dir, on free ports) and shared by the
-tests, in file order: health of every process, the env file, restarts of killed stateless children,
+One platform is started (in a temporary data dir, on free ports) and taken through its life in one test,
+step by step (subtests): health of every process, the env file, restarts of killed stateless children,
 SIGTERM leaving nothing behind, then a second start reusing the data and the key.
 """
 
@@ -30,7 +30,7 @@ from tollgate.local_services import free_port
 from tollgate.processes import pid_alive
 from tollgate.worker import beat_name, read_heartbeat, worker_name
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("tollgate-up")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STARTUP_TIMEOUT_S = 240.0
 UP_ENV = {
@@ -85,8 +85,19 @@ class UpProcess:
         self.out = data_dir.parent / f"up-{time.monotonic_ns()}.out"
         with self.out.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tollgate", "up", "--data-dir", str(data_dir), "--port", str(port),
-                 "--engine-port", str(engine_port), *extra_args],
+                [
+                    sys.executable,
+                    "-m",
+                    "tollgate",
+                    "up",
+                    "--data-dir",
+                    str(data_dir),
+                    "--port",
+                    str(port),
+                    "--engine-port",
+                    str(engine_port),
+                    *extra_args,
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=clean_env(),
@@ -133,7 +144,7 @@ class UpProcess:
         return self.proc.wait(timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def data_dir() -> Iterator[Path]:
     if importlib.util.find_spec("engine.server") is None:
         pytest.skip("the engine server (engine/server.py) is not built yet; `tollgate up` needs it")
@@ -146,18 +157,7 @@ def data_dir() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def platform(data_dir):
-    up = UpProcess(data_dir, free_port(), free_port())
-    try:
-        up.wait_ready()
-        yield up
-    finally:
-        if up.proc.poll() is None:
-            up.terminate()
-
-
-def test_every_process_answers_its_health_check(platform):
+def check_every_process_answers_its_health_check(platform: UpProcess) -> None:
     processes = platform.status()["processes"]
     assert set(processes) == {"postgres", "redis", "engine", "gateway", "worker", "beat"}
     assert {p["state"] for p in processes.values()} == {"healthy"}
@@ -177,7 +177,7 @@ def test_every_process_answers_its_health_check(platform):
         client.close()
 
 
-def test_env_file_has_the_four_variables_and_a_working_key(platform):
+def check_env_file_has_the_four_variables_and_a_working_key(platform: UpProcess) -> None:
     env_file = platform.data_dir / "env"
     assert env_file.stat().st_mode & 0o777 == 0o600
     env = read_env_file(env_file)
@@ -195,8 +195,7 @@ def test_env_file_has_the_four_variables_and_a_working_key(platform):
     assert httpx.get(f"{env['OPENAI_BASE_URL']}/models", timeout=10).status_code == 401
 
 
-@pytest.mark.parametrize("name", ["worker", "gateway"])
-def test_killed_stateless_child_is_reported_and_restarted(platform, name):
+def check_killed_stateless_child_is_reported_and_restarted(platform: UpProcess, name: str) -> None:
     before = platform.process(name)
     os.kill(before["pid"], signal.SIGKILL)
     platform.wait_for(
@@ -213,7 +212,7 @@ def test_killed_stateless_child_is_reported_and_restarted(platform, name):
         assert httpx.get(f"http://127.0.0.1:{platform.port}/health", timeout=5).status_code == 200
 
 
-def test_sigterm_stops_every_process(platform):
+def check_sigterm_stops_every_process(platform: UpProcess) -> None:
     tree = descendants(platform.proc.pid)
     assert len(tree) >= 6
     assert platform.terminate() == 0
@@ -227,7 +226,7 @@ def test_sigterm_stops_every_process(platform):
     assert "tollgate up: stopped" in platform.output()
 
 
-def test_second_up_reuses_the_data_and_the_key(platform, data_dir):
+def check_second_up_reuses_the_data_and_the_key(data_dir: Path) -> None:
     first_key = read_env_file(data_dir / "env")["OPENAI_API_KEY"]
     state = json.loads((data_dir / "state.json").read_text())
     again = UpProcess(data_dir, free_port(), free_port(), "--no-engine")  # the engine is not what is reused
@@ -244,6 +243,28 @@ def test_second_up_reuses_the_data_and_the_key(platform, data_dir):
             assert conn.execute("SELECT count(*) FROM api_keys").fetchone() == (1,)
     finally:
         assert again.terminate() == 0
+
+
+def test_up_runs_supervises_and_stops_the_platform(data_dir, subtests):
+    # One platform for every step, in order, inside one test: each start costs tens of seconds, and no
+    # test distribution (xdist) can split the steps or reorder them.
+    up = UpProcess(data_dir, free_port(), free_port())
+    try:
+        up.wait_ready()
+        with subtests.test(msg="every process answers its health check"):
+            check_every_process_answers_its_health_check(up)
+        with subtests.test(msg="the env file has the four variables and a working key"):
+            check_env_file_has_the_four_variables_and_a_working_key(up)
+        for name in ("worker", "gateway"):
+            with subtests.test(msg=f"a killed {name} is reported and restarted"):
+                check_killed_stateless_child_is_reported_and_restarted(up, name)
+        with subtests.test(msg="SIGTERM stops every process"):
+            check_sigterm_stops_every_process(up)
+    finally:
+        if up.proc.poll() is None:
+            up.terminate()
+    with subtests.test(msg="a second start reuses the data and the key"):
+        check_second_up_reuses_the_data_and_the_key(data_dir)
 
 
 def test_missing_server_binaries_give_an_install_command(tmp_path):
