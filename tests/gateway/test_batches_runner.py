@@ -1,0 +1,150 @@
+"""The batch runner in-process (the code the Celery tasks call) on the real gateway app, Postgres, Redis
+and an engine subprocess: line validation details, the window's expiry keeping finished lines, and the
+batch tokens-per-day quota deferring lines instead of failing them."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+
+from gateway.batch_runner.dispatch import BatchDispatcher, chain_key
+from gateway.batch_runner.runtime import BatchRuntime, tpd_key
+from gateway.batch_runner.service import BatchRunner
+from gateway.files.storage import LocalFileStorage
+from tests.factories import create_price
+from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key
+from tests.gateway.test_files import _files_gateway, upload  # noqa: F401
+from tollgate.models import Batch, BatchItem
+from tollgate.settings import ModelConfig, PoolConfig
+
+pytestmark = pytest.mark.slow
+
+
+def line(custom_id: str, *, url: str = "/v1/chat/completions", method: str = "POST", **body: Any) -> str:
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": f"Hello {custom_id}"}],
+               "max_tokens": 4, "temperature": 0, **body}
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": payload})
+
+
+@pytest.fixture
+async def runner(files_gateway: GatewayUnderTest, engine_url: str,
+                 tiny_model_dir: Path) -> AsyncIterator[BatchRunner]:
+    async with files_gateway.db.session() as session:
+        await create_price(session, model="tiny", effective_from=datetime(2020, 1, 1, tzinfo=UTC)
+                           + timedelta(seconds=uuid.uuid4().int % 10**6))
+    settings = files_gateway.settings.model_copy(update={
+        "models": [ModelConfig(name="tiny", path=str(tiny_model_dir))],
+        "pools": {"interactive": PoolConfig(replicas=[engine_url])},
+        "batch_chunk_size": 3, "batch_soak_max_waiting": 64, "batch_soak_max_inflight": 64,
+    })
+    redis = files_gateway.app.state.redis
+    runtime = BatchRuntime.create(settings, redis, files_gateway.db.sessionmaker)
+    await runtime.start()
+
+    async def get_runtime() -> BatchRuntime:
+        return runtime
+
+    try:
+        yield BatchRunner(settings, files_gateway.db, LocalFileStorage(Path(settings.file_storage_dir)),
+                          BatchDispatcher(settings, redis), get_runtime)
+    finally:
+        await runtime.stop()
+
+
+def api_client(gateway: GatewayUnderTest, tenant: TenantKey) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"{gateway.url}/v1", headers=tenant.headers, timeout=30)
+
+
+async def start_batch(client: httpx.AsyncClient, lines: list[str]) -> str:
+    file_id = (await upload(client, ("\n".join(lines) + "\n").encode())).json()["id"]
+    batch = await client.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                                "completion_window": "24h"})
+    return batch.json()["id"]
+
+
+async def run_chunk(runner: BatchRunner, batch_id: str) -> int:
+    """One ``batches.run`` task for chain slot 0 (with the token ``kick`` stored)."""
+    token = await runner.dispatch.redis.get(chain_key(batch_id, 0))
+    return await runner.run(batch_id, 0, token.decode())
+
+
+async def test_validation_names_each_bad_line(runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
+    tenant = await make_tenant_key(files_gateway)
+    lines = [
+        line("ok"),
+        json.dumps(["not", "an", "object"]),
+        json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}),
+        line("get", method="GET"),
+        line("streamed", stream=True),
+        line("unknown-model", model="gpt-nope"),
+        line("bad-temperature", temperature=7),
+        json.dumps({"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": "tiny"}}),
+    ]
+    async with api_client(files_gateway, tenant) as client:
+        batch_id = await start_batch(client, lines)
+        assert await runner.validate(batch_id) == "failed"
+        errors = (await client.get(f"/batches/{batch_id}")).json()["errors"]["data"]
+    found = {(e["line"], e["code"], e["param"]) for e in errors}
+    assert found == {
+        (2, "invalid_json_line", None),
+        (3, "missing_required_parameter", "custom_id"),
+        (4, "invalid_method", "method"),
+        (5, "invalid_request", "body.stream"),
+        (6, "model_not_found", "body.model"),
+        (7, "invalid_value", "body.temperature"),
+        (8, "missing_required_parameter", "body.messages"),
+    }
+    assert await runner.validate(batch_id) == "failed"  # idempotent
+
+
+async def test_expiry_keeps_finished_lines_and_expires_the_rest(runner: BatchRunner,
+                                                                files_gateway: GatewayUnderTest) -> None:
+    tenant = await make_tenant_key(files_gateway)
+    async with api_client(files_gateway, tenant) as client:
+        batch_id = await start_batch(client, [line(f"l{i}") for i in range(7)])
+        assert await runner.validate(batch_id) == "in_progress"
+        assert await run_chunk(runner, batch_id) == 3
+        async with files_gateway.db.session() as session:
+            await session.execute(update(Batch).where(Batch.id == batch_id)
+                                  .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+        await runner.sweep()
+        batch = (await client.get(f"/batches/{batch_id}")).json()
+        assert batch["status"] == "expired" and batch["expired_at"]
+        assert batch["request_counts"] == {"total": 7, "completed": 3, "failed": 0}
+        output = (await client.get(f"/files/{batch['output_file_id']}/content")).text.splitlines()
+        expired = [json.loads(x) for x in (await client.get(f"/files/{batch['error_file_id']}/content"))
+                   .text.splitlines()]
+    assert [json.loads(x)["custom_id"] for x in output] == ["l0", "l1", "l2"]
+    assert [e["custom_id"] for e in expired] == ["l3", "l4", "l5", "l6"]
+    assert all(e["response"] is None and e["error"]["code"] == "batch_expired" for e in expired)
+
+
+async def test_the_batch_token_quota_defers_lines_instead_of_failing_them(
+        runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
+    # A line reserves its prompt (over 10 tokens) + max_tokens (30): a quota of 60 admits one line a day.
+    tenant = await make_tenant_key(files_gateway, batch_tpd_limit=60)
+    async with api_client(files_gateway, tenant) as client:
+        batch_id = await start_batch(client, [line(f"q{i}", max_tokens=30) for i in range(4)])
+        assert await runner.validate(batch_id) == "in_progress"
+        await run_chunk(runner, batch_id)
+        batch = (await client.get(f"/batches/{batch_id}")).json()
+    assert batch["status"] == "in_progress"
+    assert batch["request_counts"] == {"total": 4, "completed": 1, "failed": 0}
+    async with files_gateway.db.session() as session:
+        items = list(await session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)
+                                           .order_by(BatchItem.line)))
+    done = [i for i in items if i.status == "completed"]
+    waiting = [i for i in items if i.status == "pending"]
+    assert len(done) == 1 and len(waiting) == 3
+    assert all(i.attempts == 0 for i in waiting)  # a deferred line was never started
+    used = await runner.dispatch.redis.hgetall(tpd_key(tenant.tenant_id))
+    assert sum(int(v) for v in used.values()) == done[0].prompt_tokens + done[0].completion_tokens
