@@ -47,12 +47,13 @@ def spawn(
     if not argv:
         raise ValueError("argv must not be empty")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    user_kwargs: dict[str, object] = {}
+    uid = gid = None
+    extra_groups: list[int] | None = None
     if user is not None:
         if os.geteuid() != 0:
             raise PermissionError(f"only root can start a process as user {user!r}")
         entry = pwd.getpwnam(user)
-        user_kwargs = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+        uid, gid, extra_groups = entry.pw_uid, entry.pw_gid, []
     preexec = None
     if parent_death_signal is not None and sys.platform.startswith("linux"):
         parent_pid, sig = os.getpid(), int(parent_death_signal)
@@ -71,7 +72,9 @@ def spawn(
             process_group=0,
             preexec_fn=preexec,
             close_fds=True,
-            **user_kwargs,  # type: ignore[arg-type]
+            user=uid,
+            group=gid,
+            extra_groups=extra_groups,
         )
 
 

@@ -67,5 +67,7 @@ async def check_durability(client: aioredis.Redis) -> list[str]:
     return problems
 
 
-def _text(value: str | bytes) -> str:
+def _text(value: str | bytes | None) -> str:
+    if value is None:
+        return ""
     return value.decode() if isinstance(value, bytes) else value

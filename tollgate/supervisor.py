@@ -178,13 +178,14 @@ class Supervisor:
         self._spawn(child)
         return child
 
-    def _spawn(self, child: Child) -> None:
+    def _spawn(self, child: Child) -> int:
         spec = child.spec
         child.proc = spawn(spec.argv, log_path=spec.log_path, user=spec.user, cwd=spec.cwd, env=spec.env,
                            parent_death_signal=spec.stop_signal)
         child.state, child.started_at = "starting", time.monotonic()
         child.healthy_since = child.restart_at = None
         self.write_status()
+        return child.proc.pid
 
     def wait_healthy(self, names: Iterable[str], timeout: float) -> None:
         """Block until every named child passes its probe; ``StartupFailed`` if one exits or times out."""
@@ -257,8 +258,8 @@ class Supervisor:
         if child.state == "backoff":
             if child.restart_at is not None and now >= child.restart_at:
                 child.restarts += 1
-                self._spawn(child)
-                self.report(f"{child.spec.name} restarted (pid {child.proc.pid}, restart #{child.restarts})")
+                pid = self._spawn(child)
+                self.report(f"{child.spec.name} restarted (pid {pid}, restart #{child.restarts})")
             return True
         proc = child.proc
         if proc is None or proc.poll() is None:

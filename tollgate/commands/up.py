@@ -231,8 +231,10 @@ class LocalPlatform:
                 await db.dispose()
 
         created = asyncio.run(main())
+        if created is None and saved:
+            return str(saved)
         if created is None:
-            return saved
+            raise RuntimeError("no demo key was saved or created")
         state["demo_api_key"] = created
         self._save_state(state)
         self.report(f"created the demo tenant {DEMO_TENANT!r} and its API key")
