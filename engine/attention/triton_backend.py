@@ -17,8 +17,10 @@ On a GPU this is the default backend (bf16 KV cache). On the CPU it runs under T
 (``TRITON_INTERPRET=1``, which ``kernels`` turns on for CUDA-less hosts) in float32 or float16; that is
 for tests that prove the kernels give the engine the same tokens as the ``torch`` backend, not for speed.
 
-CUDA graphs: pass ``decode_num_splits`` so the decode grid does not depend on ``max_seq_len``; the
-captured graph then serves every context length up to the pool's capacity.
+CUDA graphs: ``decode_num_splits`` fixes the decode split-K factor so the grid does not depend on
+``max_seq_len``; the runner sets it per padded batch size while capturing (then resets it to ``None``),
+so each captured graph serves every context length up to ``max_model_len``. Padding rows (slot ``-1``)
+store nothing, and their attention output is finite and discarded.
 """
 
 from __future__ import annotations
