@@ -47,8 +47,12 @@ class EngineUnavailable(ServiceUnavailableError):
 
     retryable = True
 
-    def __init__(self, message: str = "The model is temporarily unavailable. Please retry.") -> None:
+    def __init__(self, message: str = "The model is temporarily unavailable. Please retry.", *,
+                 refused: bool = False) -> None:
         super().__init__(message)
+        # True when nothing listens at the address (the replica is certainly down), as opposed to a
+        # slow or odd answer from a process that is alive.
+        self.refused = refused
 
 
 class EngineStreamError(UpstreamError):
@@ -113,7 +117,9 @@ class EngineClient:
         )
         try:
             response = await self._http.send(http_request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+        except httpx.ConnectError as exc:
+            raise EngineUnavailable(refused=True) from exc
+        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise EngineUnavailable() from exc
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"The engine did not answer: {type(exc).__name__}") from exc
@@ -149,6 +155,8 @@ class EngineClient:
         """Raises ``EngineUnavailable`` on any failure (probes decide health on it)."""
         try:
             response = await self._http.get(f"{base_url}{path}", timeout=self._probe_timeout)
+        except httpx.ConnectError as exc:
+            raise EngineUnavailable(f"{base_url}{path}: connection refused", refused=True) from exc
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"{base_url}{path}: {type(exc).__name__}") from exc
         if response.status_code != 200:

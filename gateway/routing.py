@@ -6,8 +6,10 @@ own). Every ``health_poll_interval_s`` the router asks each replica for ``/healt
 ``/info`` once it first answers).
 
 Invariants and policies:
-- Only healthy replicas are picked. A replica that fails a probe, or refuses a connection during a
-  request (``mark_failed``), is out until a later probe succeeds.
+- Only healthy replicas are picked. A replica that refuses connections (to a probe, or during a
+  request: ``mark_failed``) is out at once; one whose probes fail otherwise (time out, answer garbage)
+  is out after ``PROBE_FAILURES_TO_DOWN`` consecutive failures, so a replica that is merely busy
+  answering a probe slowly keeps serving. A later successful probe brings a replica back.
 - Prefix affinity: a request's leading full-block hashes (``engine.block_hash``, salted per tenant, so
   affinity never crosses tenants either) are looked up deepest-first in a bounded LRU map of
   block hash → replica that recently served it; a hit sends the request where its prefix is cached.
@@ -49,6 +51,7 @@ WATERMARK_WAITING = 8
 WATERMARK_KV_USAGE = 0.95
 # ... or this gateway has this many more requests in flight on it than on the least loaded replica.
 WATERMARK_INFLIGHT_GAP = 16
+PROBE_FAILURES_TO_DOWN = 3
 
 
 @dataclass(eq=False)
@@ -61,6 +64,7 @@ class Replica:
     inflight: int = 0
     last_error: str | None = None
     checked_at: float = 0.0
+    probe_failures: int = 0
 
     @property
     def load_score(self) -> float:
@@ -139,11 +143,14 @@ class Router:
                 replica.info = await self._client.info(replica.url)
             replica.load = await self._client.load(replica.url)
         except EngineUnavailable as exc:
-            if replica.healthy:
-                logger.warning("replica %s is down: %s", replica.url, exc.message)
-            replica.healthy = False
+            replica.probe_failures += 1
             replica.last_error = exc.message
+            if exc.refused or replica.probe_failures >= PROBE_FAILURES_TO_DOWN:
+                if replica.healthy:
+                    logger.warning("replica %s is down: %s", replica.url, exc.message)
+                replica.healthy = False
         else:
+            replica.probe_failures = 0
             if not replica.healthy:
                 logger.info("replica %s is up (%s, pool %s)", replica.url, replica.info.model, replica.pool)
             replica.healthy = True

@@ -114,7 +114,12 @@ async def create_chat_completion(runtime: GatewayRuntime, principal: Principal, 
     tier = resolve_tier(runtime, principal, body.service_tier)
     generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
                             prompts=[prompt], sampling=sampling, n=n, max_tokens=max_tokens, tier=tier)
-    await generation.start()
+    try:
+        await generation.start()
+    except InvalidRequestError as exc:
+        if exc.param in ("json_schema", "response_format"):  # the engine names its own field
+            exc.param = "tools" if forced else "response_format"
+        raise
     parallel = body.parallel_tool_calls is not False
     parsers = [ToolCallParser(forced=forced, parallel=parallel) if use_tools else None for _ in range(n)]
     response_id = completion_id("chatcmpl")

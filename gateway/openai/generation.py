@@ -177,15 +177,25 @@ class Generation:
                     block_hashes: Sequence[bytes]) -> tuple[EngineStream, Replica]:
         router = self.runtime.router
         tried: list[Replica] = []
+        last_error: EngineUnavailable | None = None
         while True:
-            replica = router.pick(self.route.name, block_hashes, exclude=tried)
+            try:
+                replica = router.pick(self.route.name, block_hashes, exclude=tried)
+            except ServiceUnavailableError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
             replica.inflight += 1
             try:
                 stream = await self.runtime.engine.generate(replica.url, request)
             except EngineUnavailable as exc:
+                # Nothing started there: try another replica. Only a refused connection means the
+                # replica is gone; a busy one (503, pool timeout) stays in.
                 replica.inflight -= 1
-                router.mark_failed(replica, exc.message)
+                if exc.refused:
+                    router.mark_failed(replica, exc.message)
                 tried.append(replica)
+                last_error = exc
                 continue
             except BaseException:
                 replica.inflight -= 1

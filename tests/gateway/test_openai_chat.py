@@ -3,6 +3,7 @@ published schema, usage is metered once, structured output and tool calls hold f
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -247,3 +248,13 @@ async def test_rate_limit_headers(gateway: GatewayUnderTest) -> None:
         assert r.status_code == 429
         assert_conforms(r.json(), "ErrorResponse")
         assert r.json()["error"]["code"] == "rate_limit_exceeded" and "retry-after" in r.headers
+
+
+async def test_concurrent_mixed_requests_all_succeed(client: httpx.AsyncClient) -> None:
+    async def one(i: int) -> httpx.Response:
+        return await client.post("/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": f"Hello number {i}"}], "max_tokens": 6,
+            "stream": i % 2 == 0})
+
+    responses = await asyncio.gather(*(one(i) for i in range(24)))
+    assert [r.status_code for r in responses] == [200] * 24

@@ -60,6 +60,11 @@ INVALID_CHAT = [
     ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ({**CHAT, "max_tokens": 5000}, "messages"),  # beyond the model's 2048-token context
+    # Refused by the engine's grammar compiler, passed on as a 400 naming the client's parameter.
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}}, "response_format"),
+    ({**CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nonsense"}}}]}, "tools"),
 ]
 
 INVALID_COMPLETION = [
