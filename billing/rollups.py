@@ -140,7 +140,7 @@ class Bucket:
         return {name: getattr(self, name) for name in _SUM_COLUMNS}
 
 
-def aggregate(rows: Iterable[Mapping[str, Any]], prices: PriceHistory) -> dict[Key, Bucket]:
+def aggregate(rows: Iterable[Mapping[Any, Any]], prices: PriceHistory) -> dict[Key, Bucket]:
     buckets: dict[Key, Bucket] = {}
     for row in rows:
         key = (row["tenant_id"], hour_of(row["created_at"]), row["model"], row["request_class"])

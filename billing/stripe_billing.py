@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 
 import stripe
 from sqlalchemy import select
@@ -31,7 +32,7 @@ from tollgate.settings import Settings
 METER_DISPLAY_NAME = "Tollgate usage (micro-USD)"
 PRODUCT_NAME = "Tollgate API usage"
 # One meter unit is one micro-USD = 0.0001 US cent.
-UNIT_AMOUNT_DECIMAL_CENTS = "0.0001"
+UNIT_AMOUNT_DECIMAL_CENTS = Decimal("0.0001")
 
 
 class StripeNotConfigured(RuntimeError):
@@ -128,7 +129,7 @@ async def attach_tenant(session: AsyncSession, client: stripe.StripeClient, tena
         created = True
     if await session.get(StripeExportState, tenant.id) is None:
         session.add(StripeExportState(tenant_id=tenant.id, since_hour=hour_of(now or datetime.now(UTC)),
-                                      covered_pico_usd=0, sent_micro_usd=0))
+                                      covered_pico_usd=Decimal(0), sent_micro_usd=Decimal(0)))
     await session.flush()
     return Attachment(tenant.id, tenant.stripe_customer_id, tenant.stripe_subscription_id or "", created)
 

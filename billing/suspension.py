@@ -50,7 +50,7 @@ async def enforce_payment_grace(session: AsyncSession, *, now: datetime, grace_s
         tenant.status, tenant.suspended_reason = "suspended", "billing"
         session.add(AuditLog(actor=ACTOR, action="tenant.suspend", tenant_id=tenant.id,
                              details={"reason": "billing",
-                                      "payment_failed_at": tenant.payment_failed_at.isoformat()}))
+                                      "payment_failed_at": str(tenant.payment_failed_at)}))
         suspended.append(tenant.id)
     await session.flush()
     return suspended

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
@@ -236,8 +237,9 @@ class StripeExportState(Base):
 
     tenant_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("tenants.id"), primary_key=True)
     since_hour: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-    covered_pico_usd: Mapped[int] = mapped_column(Numeric(38, 0), nullable=False, server_default=text("0"))
-    sent_micro_usd: Mapped[int] = mapped_column(Numeric(38, 0), nullable=False, server_default=text("0"))
+    covered_pico_usd: Mapped[Decimal] = mapped_column(Numeric(38, 0), nullable=False,
+                                                      server_default=text("0"))
+    sent_micro_usd: Mapped[Decimal] = mapped_column(Numeric(38, 0), nullable=False, server_default=text("0"))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                  server_default=func.now())
 

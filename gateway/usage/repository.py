@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -33,7 +34,7 @@ class UsageRow:
     output_cost_pico_usd: int = 0
 
 
-def _n(column: object) -> object:
+def _n(column: Any) -> Any:
     return func.sum(cast(column, Numeric))
 
 
