@@ -63,9 +63,10 @@ def test_decode_rows_agree_with_decode_kernel(device, rng, paged_kv):
     torch.testing.assert_close(extend, decode, **TOL[torch.float32])
 
 
-def test_non_power_of_two_group_and_strided_query(device, rng, paged_kv):
+def test_non_power_of_two_group_strided_query_32_token_blocks(device, rng, paged_kv):
     seq_lens, q_lens = [20, 45], [20, 9]
-    kv = paged_kv(seq_lens, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device, gen=rng)
+    kv = paged_kv(seq_lens, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device, gen=rng,
+                  block_size=32)  # fmt: skip
     qkv = torch.randn((sum(q_lens), 14 + 2 + 2, 64), generator=rng).to(device)
     q = qkv[:, :14]  # group of 7, heads strided inside a fused qkv buffer
     qsl = _query_start_loc(q_lens, device).long()

@@ -37,11 +37,13 @@ def test_matches_reference(dtype, group, head_dim, num_splits, device, rng, page
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("group", [3, 7])
-def test_non_power_of_two_group_and_default_splits(group, device, rng, paged_kv):
-    """Qwen2-7B has 28 query heads over 4 KV heads: groups need not be powers of two."""
+@pytest.mark.parametrize(("group", "block_size"), [(3, 8), (7, 32)])
+def test_non_power_of_two_group_other_block_sizes_default_splits(group, block_size, device, rng, paged_kv):
+    """Qwen2-7B has 28 query heads over 4 KV heads: groups need not be powers of two; neither are the
+    engine's 16-token blocks the only page size."""
     seq_lens = [5, 300, 33]
-    kv = paged_kv(seq_lens, num_kv_heads=1, head_dim=64, dtype=torch.float32, device=device, gen=rng)
+    kv = paged_kv(seq_lens, num_kv_heads=1, head_dim=64, dtype=torch.float32, device=device, gen=rng,
+                  block_size=block_size)  # fmt: skip
     q = torch.randn((len(seq_lens), group, 64), generator=rng).to(device)
     out = paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale=0.3)
     expected = paged_decode_attention_reference(
