@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything Tollgate needs on a fresh Debian machine, idempotently:
-#   - Debian packages: postgresql (server binaries), redis-server, chromium (dashboard browser tests)
+#   - Debian packages: postgresql (server binaries), redis-server, acl (setfacl), chromium (dashboard
+#     browser tests)
 #   - a virtualenv at .venv with the project and its test extras
 # On a machine without an NVIDIA GPU torch is pinned to the CPU build through constraints/cpu.txt.
 set -euo pipefail
@@ -9,6 +10,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+# setfacl lets `tollgate up` (as root) open only the postgres user's way to its data dir.
+command -v setfacl >/dev/null 2>&1 || need_apt+=(acl)
 if [ "${TOLLGATE_SKIP_BROWSER:-0}" != "1" ]; then
   command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 fi

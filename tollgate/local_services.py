@@ -9,9 +9,10 @@ Invariants:
   Redis ``requirepass``.
 - As root, Postgres runs as the ``postgres`` system user: its directory is owned by that user (0700)
   and every parent folder is made traversable for it, by an ACL entry (``setfacl -m u:postgres:x``)
-  where ``setfacl`` exists, otherwise by adding the search bit for others (``chmod o+x``; no read
-  permission is added, so the folders still cannot be listed). ``grant_traversal`` returns what it
-  changed so the caller can say so.
+  where ``setfacl`` exists and the file system supports it, otherwise by adding the search bit for
+  others (``chmod o+x``; no read permission is added, so the folders still cannot be listed). Access is
+  checked as that user, so ACLs count. ``grant_traversal`` returns what it changed so the caller can
+  say so.
 - Redis runs with ``appendonly yes`` and ``maxmemory-policy noeviction``.
 - ``durable=False`` (tests only) turns off fsync in both servers: faster, unsafe on a crash.
 """
@@ -19,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import glob
-import grp
 import os
 import pwd
 import shutil
@@ -137,32 +137,29 @@ def service_user() -> str | None:
     return POSTGRES_SYSTEM_USER
 
 
-def _can_traverse(path: Path, user: pwd.struct_passwd, groups: set[int]) -> bool:
-    st = path.stat()
-    if user.pw_uid == 0:
-        return True
-    if st.st_uid == user.pw_uid:
-        return bool(st.st_mode & stat.S_IXUSR)
-    if st.st_gid in groups:
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
+def _can_search(directory: Path, username: str) -> bool:
+    """Whether ``username`` may pass through ``directory`` (mode bits and ACLs, as the kernel decides)."""
+    entry = pwd.getpwnam(username)
+    return subprocess.run(["test", "-x", str(directory)], user=entry.pw_uid, group=entry.pw_gid,
+                          extra_groups=[], capture_output=True).returncode == 0
+
+
+def _set_acl(setfacl: str, directory: Path, username: str) -> bool:
+    result = subprocess.run([setfacl, "-m", f"u:{username}:x", str(directory)], capture_output=True)
+    return result.returncode == 0
 
 
 def grant_traversal(path: Path, username: str) -> list[str]:
-    """Make every ancestor of ``path`` searchable by ``username``; returns one line per change made.
-
-    ACL entries are tried first; ``_can_traverse`` reads only mode bits, so a folder already opened by
-    an ACL is granted again (idempotent) rather than missed.
-    """
-    user = pwd.getpwnam(username)
-    groups = {user.pw_gid} | {g.gr_gid for g in grp.getgrall() if username in g.gr_mem}
+    """Make every ancestor of ``path`` searchable by ``username`` (root only); one line per change made."""
+    resolved = path.resolve()
+    if _can_search(resolved.parent, username):  # reaching the parent proves every ancestor is searchable
+        return []
     setfacl = shutil.which("setfacl")
     changes = []
-    for ancestor in reversed(path.resolve().parents):
-        if _can_traverse(ancestor, user, groups):
+    for ancestor in reversed(resolved.parents):
+        if _can_search(ancestor, username):
             continue
-        if setfacl and subprocess.run([setfacl, "-m", f"u:{username}:x", str(ancestor)],
-                                      capture_output=True).returncode == 0:
+        if setfacl and _set_acl(setfacl, ancestor, username) and _can_search(ancestor, username):
             changes.append(f"granted {username} search permission on {ancestor} (ACL u:{username}:x)")
             continue
         os.chmod(ancestor, ancestor.stat().st_mode | stat.S_IXOTH)

@@ -76,7 +76,7 @@ def test_grant_traversal_opens_a_private_parent_for_postgres(tmp_path):
     changes = grant_traversal(target, "postgres")
     assert any(str(home) in change for change in changes)
     assert postgres_can_reach()
-    assert not os.stat(home).st_mode & 0o004  # search only: the folder still cannot be listed
+    assert not os.stat(home).st_mode & 0o004  # search only (ACL or o+x): the folder still cannot be listed
     assert grant_traversal(target, "postgres") == []
 
 

@@ -25,11 +25,16 @@ import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
 from tollgate.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from redis import Redis
+
+    from tollgate.supervisor import Supervisor
 
 DEMO_TENANT = "demo"
 TINY_MODEL_NAME = "tiny"
@@ -119,7 +124,7 @@ class LocalPlatform:
 
     # ------------------------------------------------------------------ steps
 
-    def _start_servers(self, sup: Any, state: dict[str, Any]) -> Endpoints:
+    def _start_servers(self, sup: Supervisor, state: dict[str, Any]) -> Endpoints:
         from tollgate.local_services import (
             POSTGRES_STOP_SIGNAL,
             REDIS_STOP_SIGNAL,
@@ -136,6 +141,7 @@ class LocalPlatform:
             return Endpoints(database_url, redis_url)
         binaries = find_server_binaries(self.settings)  # MissingServerBinaries says what to install
         names = []
+        pg: LocalPostgres | None = None
         if not database_url:
             saved = state.setdefault("postgres", {})
             if not saved.get("port") or not port_is_free(saved["port"]):
@@ -164,7 +170,6 @@ class LocalPlatform:
             )
             names.append("postgres")
             database_url = pg.url("postgres")
-            self._pg = pg
         if not redis_url:
             saved = state.setdefault("redis", {})
             if not saved.get("port") or not port_is_free(saved["port"]):
@@ -189,9 +194,9 @@ class LocalPlatform:
             names.append("redis")
             redis_url = rd.url(0)
         sup.wait_healthy(names, self.settings.startup_timeout_s)
-        if "postgres" in names:
-            self._pg.create_database("tollgate")
-            database_url = self._pg.url("tollgate")
+        if pg is not None:
+            pg.create_database("tollgate")
+            database_url = pg.url("tollgate")
         self.report(f"{' and '.join(names)} ready")
         return Endpoints(database_url, redis_url)
 
@@ -287,7 +292,7 @@ class LocalPlatform:
             )
         return env
 
-    def _start_platform(self, sup: Any, env: dict[str, str], heartbeat_client: Any) -> list[str]:
+    def _start_platform(self, sup: Supervisor, env: dict[str, str], heartbeat_client: Redis) -> list[str]:
         from tollgate.supervisor import ProcessSpec, http_probe
         from tollgate.worker import beat_name, read_heartbeat, worker_name
 
