@@ -188,6 +188,13 @@ class Router:
                 return preferred
         return least
 
+    def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks ``replica`` most likely still holds (it served them recently)."""
+        for depth in range(min(len(block_hashes), AFFINITY_BLOCKS), 0, -1):
+            if self._affinity.get(block_hashes[depth - 1]) is replica:
+                return depth
+        return 0
+
     def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
         """Record that ``replica`` now holds these leading blocks (called when it accepted the request)."""
         affinity = self._affinity

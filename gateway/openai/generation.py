@@ -144,11 +144,14 @@ class Generation:
         salt = cache_salt(settings.key_hash_secret.get_secret_value(), self.principal.tenant_id)
         block_size = (self.route.info().block_size if self.route.info() else 16)
         hashes = [prefix_block_hashes(p, block_size, salt) for p in self.prompts]
-        # Overload shedding on the replica the first prompt would go to (before any tokens are reserved).
+        # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
+        # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).
         async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class):
             first = rt.router.pick(self.route.name, hashes[0])
             if first.load is not None:
-                decision = should_shed(first.load, self.prompt_tokens, self.tier, settings.tiers)
+                cached = min(rt.router.cached_prefix_blocks(first, hashes[0]) * block_size,
+                             max(0, len(self.prompts[0]) - 1))
+                decision = should_shed(first.load, self.prompt_tokens, self.tier, settings.tiers, cached)
                 if decision is not None:
                     raise decision.error()
             self.admission = await rt.admission.admit(

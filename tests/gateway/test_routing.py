@@ -51,6 +51,15 @@ def test_learned_affinity_follows_the_deepest_known_block(router: Router) -> Non
     assert router.pick("m", h) is chosen
 
 
+def test_cached_prefix_estimate(router: Router) -> None:
+    h = hashes(4, blocks=5)
+    replica = router.replicas[1]
+    assert router.cached_prefix_blocks(replica, h) == 0
+    router.remember(replica, h[:3])
+    assert router.cached_prefix_blocks(replica, h) == 3
+    assert router.cached_prefix_blocks(router.replicas[2], h) == 0
+
+
 def test_watermark_overrides_affinity(router: Router) -> None:
     h = hashes(2)
     preferred = router.pick("m", h)
