@@ -117,6 +117,15 @@ async def check_budgets(session: AsyncSession, redis: Redis | None, *,
     return created
 
 
+async def alerts_for_month(session: AsyncSession, month: str | None = None, *,
+                           tenant_id: int | None = None) -> list[BudgetAlert]:
+    """The dashboard's flags: alerts of ``month`` (this one by default), newest first."""
+    stmt = select(BudgetAlert).where(BudgetAlert.month == (month or month_field(datetime.now(UTC))))
+    if tenant_id is not None:
+        stmt = stmt.where(BudgetAlert.tenant_id == tenant_id)
+    return list((await session.scalars(stmt.order_by(BudgetAlert.created_at.desc(), BudgetAlert.id))).all())
+
+
 def alert_body(alert: BudgetAlert) -> bytes:
     return orjson.dumps({
         "id": f"budget_alert_{alert.id}", "object": "event", "type": "budget.threshold_reached",

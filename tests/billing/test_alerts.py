@@ -14,7 +14,14 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from billing.alerts import SIGNATURE_HEADER, check_budgets, deliver_alert_webhooks, set_alert_webhook, verify
+from billing.alerts import (
+    SIGNATURE_HEADER,
+    alerts_for_month,
+    check_budgets,
+    deliver_alert_webhooks,
+    set_alert_webhook,
+    verify,
+)
 from billing.spend import record_spend
 from gateway.admission import AdmissionController
 from gateway.admission.controller import AdmissionRejected
@@ -122,6 +129,8 @@ async def test_alerts_at_80_and_100_percent_once_with_signed_retried_webhooks(
 
     await record_spend(redis_client, tenant.id, BUDGET // 5)  # 100 %: requests are refused from now on
     assert [a.threshold_percent for a in await check_budgets(db_session, redis_client)] == [100]
+    flags = await alerts_for_month(db_session, tenant_id=tenant.id)
+    assert sorted(a.threshold_percent for a in flags) == [80, 100]
 
 
 async def test_a_spent_budget_refuses_requests_until_it_is_raised(settings, redis_client) -> None:

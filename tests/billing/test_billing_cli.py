@@ -101,3 +101,9 @@ def test_billing_commands_and_statements(new_database, service_settings, fake_st
     assert f"exact total: {expected} pico-USD" in table
     assert runner.invoke(cli, ["statements", "nobody", "--month", month]).exit_code == 1
     assert runner.invoke(cli, ["statements", "acme-cli", "--month", "2026-13"]).exit_code == 1
+
+    result = runner.invoke(cli, ["billing", "alert-webhook", "acme-cli", "https://hooks.example.com/budget"])
+    assert result.exit_code == 0 and "signing secret: tgwhsec_" in result.output, result.output
+    assert runner.invoke(cli, ["billing", "alert-webhook", "acme-cli", "ftp://nope"]).exit_code == 1
+    assert runner.invoke(cli, ["billing", "alert-webhook", "acme-cli", "--clear"]).output.startswith(
+        "alert webhook cleared")

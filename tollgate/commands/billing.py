@@ -4,6 +4,7 @@
   a metered monthly price on that meter; a rerun prints what exists.
 - ``attach TENANT`` creates the tenant's Stripe customer and subscription (once) and starts exporting
   its usage from the current hour. Tenants never attached are never exported.
+- ``alert-webhook TENANT URL|--clear`` sets where budget alerts are POSTed and prints the signing secret.
 - ``export-stripe [--until now|ISO]`` plans and sends what the ledger holds before ``--until`` (by default
   what the beat would: whole hours that ended ``stripe_export_lag_s`` ago; ``now`` includes the running
   hour). Running it twice, or next to the beat, sends nothing twice.
@@ -21,6 +22,7 @@ import click
 
 if TYPE_CHECKING:
     import stripe
+    from sqlalchemy.ext.asyncio import AsyncSession
 
     from billing.stripe_billing import Attachment, Provisioning
     from billing.stripe_export import ExportResult
@@ -104,6 +106,31 @@ def attach(tenant: str) -> None:
     state = "attached" if done.created else "already attached"
     click.echo(f"tenant {done.tenant_id} {state}: customer {done.customer_id}, "
                f"subscription {done.subscription_id}")
+
+
+@billing.command("alert-webhook")
+@click.argument("tenant")
+@click.argument("url", required=False)
+@click.option("--clear", is_flag=True, help="Stop sending budget alerts to a URL (the dashboard flag stays).")
+def alert_webhook(tenant: str, url: str | None, clear: bool) -> None:
+    """Send TENANT's budget alerts (80 % and 100 % of its monthly budget) to URL, signed; prints the
+    signing secret for the tenant's receiver (header Tollgate-Signature: t=...,v1=HMAC-SHA256)."""
+    from billing.alerts import set_alert_webhook
+    from billing.statements import StatementTenantNotFound, find_tenant_id
+    from tollgate.commands._async import run_in_session
+    from tollgate.settings import get_settings
+
+    if clear == (url is not None):
+        raise click.UsageError("give either URL or --clear")
+
+    async def work(session: AsyncSession) -> str | None:
+        try:
+            return await set_alert_webhook(session, await find_tenant_id(session, tenant), url)
+        except (StatementTenantNotFound, ValueError) as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    secret = run_in_session(get_settings(), work)
+    click.echo(f"alerts go to {url}; signing secret: {secret}" if url else "alert webhook cleared")
 
 
 @billing.command("export-stripe")
