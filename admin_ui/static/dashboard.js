@@ -57,7 +57,7 @@
         { label: unit + " p95 (ms)", data: tiers.map((t) => t[metric + "_p95"]), backgroundColor: COLORS[2] },
         { label: unit + " SLO (ms)", data: tiers.map((t) => t[metric + "_slo_ms"]), type: "line",
           borderColor: COLORS[4], pointStyle: "line", showLine: false, pointRadius: 18, borderWidth: 3 },
-      ] }, options: { scales: { y: { beginAtZero: true } } } });
+      ] }, options: { scales: { y: { type: "logarithmic", title: { display: true, text: "ms (log scale)" } } } } });
     }
   }
 

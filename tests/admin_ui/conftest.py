@@ -123,7 +123,11 @@ async def page(browser: Any, dashboard: Dashboard) -> AsyncIterator[Any]:
     page = await context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    # Script errors, and any dashboard asset that fails to load (deliberate 401/404 pages are not assets).
+    page.on("console", lambda msg: errors.append(msg.text)
+            if msg.type == "error" and not msg.text.startswith("Failed to load resource") else None)
+    page.on("response", lambda response: errors.append(f"{response.status} {response.url}")
+            if "/admin/static/" in response.url and response.status >= 400 else None)
     yield page
     await context.close()
     assert not errors, f"browser errors: {errors}"
