@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("tollgate.commands.model", "engine"),
     "gateway": ("tollgate.commands.gateway", "gateway"),
     "prices": ("tollgate.commands.prices", "prices"),
+    "batches": ("tollgate.commands.batches", "batches"),
     "billing": ("tollgate.commands.billing", "billing"),
     "statements": ("tollgate.commands.statements", "statements"),
     "admins": ("tollgate.commands.admins", "admins"),

@@ -346,6 +346,10 @@ async def test_a_worker_killed_mid_batch_resumes_without_duplicates(batch_platfo
     uploaded = await client.files.create(file=("crash.jsonl", jsonl(lines)), purpose="batch")
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                         completion_window="24h")
+    # An operator watches it with `tollgate batches watch` (a progress bar until the batch is final).
+    watch = [sys.executable, "-m", "tollgate", "batches", "watch", batch.id, "--interval", "0.2"]
+    watcher = subprocess.Popen(watch, env=batch_platform.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     await wait_for_batch(client.batches.retrieve, batch.id, until=lambda b: b.request_counts.completed >= 20)
     (victim,) = batch_platform.workers
     batch_platform.kill_worker(victim)
@@ -363,6 +367,11 @@ async def test_a_worker_killed_mid_batch_resumes_without_duplicates(batch_platfo
     output = read_jsonl((await client.files.content(done.output_file_id)).content)
     assert [o["custom_id"] for o in output] == custom_ids
     assert done.error_file_id is None
+    out, err = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0, err
+    assert f"batch {batch.id}: completed, 200 completed, 0 failed, of 200" in out
+    bars = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(bars) >= 2 and bars[-1].startswith("[" + "#" * 40 + "] 200/200 100% completed")
 
     request_ids = {line_request_id(batch.id, cid) for cid in custom_ids}
     rows = await ledger_rows(batch_platform.db, request_ids)
