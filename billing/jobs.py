@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from billing.alerts import check_budgets, deliver_alert_webhooks
 from billing.partitions import ensure_usage_partitions
 from billing.rollups import hour_of, reconcile_rollups
-from billing.stripe_billing import StripeNotConfigured, make_client
+from billing.stripe_billing import open_stripe
 from billing.stripe_export import ExportResult, export_to_stripe
 from billing.suspension import enforce_payment_grace, publish_tenant_changed
 from tollgate.db import Database
@@ -43,12 +43,11 @@ def export_horizon(settings: Settings, now: datetime | None = None) -> datetime:
 async def export_stripe(db: Database, settings: Settings, *,
                         until: datetime | None = None) -> ExportResult | None:
     """None when Stripe is not configured (no API key): nothing is planned, nothing is lost."""
-    try:
-        client = make_client(settings)
-    except StripeNotConfigured:
+    if settings.stripe_api_key is None:
         logger.debug("stripe export skipped: TOLLGATE_STRIPE_API_KEY is not set")
         return None
-    result = await export_to_stripe(db.session, client, until=until or export_horizon(settings))
+    async with open_stripe(settings) as client:
+        result = await export_to_stripe(db.session, client, until=until or export_horizon(settings))
     if result.failed:
         logger.warning("stripe export: %d sent, %d left pending: %s", result.sent, result.failed,
                        "; ".join(result.errors[:5]))

@@ -17,6 +17,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -43,14 +45,26 @@ class TenantNotFound(LookupError):
     pass
 
 
-def make_client(settings: Settings) -> stripe.StripeClient:
+def make_client(settings: Settings, http_client: stripe.HTTPXClient | None = None) -> stripe.StripeClient:
     if settings.stripe_api_key is None:
         raise StripeNotConfigured("TOLLGATE_STRIPE_API_KEY is not set")
     base = settings.stripe_api_base
     return stripe.StripeClient(settings.stripe_api_key.get_secret_value(),
                                base_addresses={"api": base.rstrip("/")} if base else {},
-                               http_client=stripe.HTTPXClient(),
+                               http_client=http_client or stripe.HTTPXClient(),
                                max_network_retries=settings.stripe_max_network_retries)
+
+
+@asynccontextmanager
+async def open_stripe(settings: Settings) -> AsyncIterator[stripe.StripeClient]:
+    """A client whose HTTP connections are closed when the block ends (CLI runs, beat tasks)."""
+    http = stripe.HTTPXClient()
+    client = make_client(settings, http)
+    try:
+        yield client
+    finally:
+        await http.close_async()
+        http.close()
 
 
 @dataclass(frozen=True)

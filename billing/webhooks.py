@@ -54,8 +54,9 @@ class WebhookOutcome:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": None}}, status_code=status)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status)
 
 
 async def _tenant_for_customer(session: AsyncSession, customer: Any) -> Tenant | None:

@@ -50,19 +50,19 @@ def _run(work: Work[T]) -> T:
     """Run ``work(db, settings, client)`` and turn configuration and Stripe errors into CLI errors."""
     import stripe
 
-    from billing.stripe_billing import StripeNotConfigured, TenantNotFound, make_client
+    from billing.stripe_billing import StripeNotConfigured, TenantNotFound, open_stripe
     from tollgate.db import Database
     from tollgate.settings import get_settings
 
     settings = get_settings()
 
     async def main() -> T:
-        client = make_client(settings)
-        db = Database.from_settings(settings)
-        try:
-            return await work(db, settings, client)
-        finally:
-            await db.dispose()
+        async with open_stripe(settings) as client:
+            db = Database.from_settings(settings)
+            try:
+                return await work(db, settings, client)
+            finally:
+                await db.dispose()
 
     try:
         return asyncio.run(main())
