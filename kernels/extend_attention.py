@@ -19,8 +19,8 @@ Design:
   of those tokens into the rows of one tile (row = token * GROUP_PAD + head), so each K/V tile is read
   once for the whole group and feeds a single ``tl.dot`` of BLOCK_M * GROUP_PAD rows.
 - The KV loop stops at the last position this tile's tokens can see, so causal tiles above the
-  diagonal are never loaded; the causal mask is applied per element on every tile (a compare and a
-  select, cheap next to the two dots).
+  diagonal are never loaded; tiles wholly before the tile's first query (the cached prefix, earlier
+  parts of the chunk) run without any mask, and only the tiles crossing the diagonal are masked.
 - Online softmax in base 2, fp32 accumulation, finite initial max (fully masked padding rows give 0).
 - The grid covers ``cdiv(max_query_len, BLOCK_M)`` query tiles per sequence; tiles past a sequence's
   own length exit at once, so ``max_query_len`` (host metadata) is the only host-side number needed.
@@ -49,6 +49,56 @@ from kernels.paged_decode_attention import gather_paged_kv
 _ROWS = 64
 _BLOCK_N = 64
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_attention_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_base,
+    v_base,
+    block_table_row,
+    q_pos,
+    dims,
+    dim_mask,
+    tile_start,
+    kv_end,
+    sm_scale_log2,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_vc_block,
+    stride_vc_slot,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One K/V tile of the online softmax; ``MASKED`` applies the length and causal masks."""
+    offs_n = tile_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
+    in_block = (offs_n % PAGE_SIZE).to(tl.int64)
+    if MASKED:
+        block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & dim_mask[None, :]
+    else:
+        block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE).to(tl.int64)
+        kv_mask = dim_mask[None, :]
+    k_rows = k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot
+    k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+    if MASKED:
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_rows = v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot
+    v = tl.load(v_rows + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -113,25 +163,22 @@ def _extend_attention_kernel(
     # The last token of this tile sees up to its own position; nothing after it is loaded.
     kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
 
-    for tile_start in range(0, kv_end, BLOCK_N):
-        offs_n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_block = (offs_n % PAGE_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k_rows = k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot
-        k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot
-        v = tl.load(v_rows + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Keys before the first query of this tile are visible to every row: those tiles (the cached prefix
+    # and the part of the chunk already behind the tile) need neither the causal nor the length mask.
+    # Only the tiles that cross the diagonal pay for masking.
+    unmasked_end = tl.minimum(prefix_len + q_tile * BLOCK_M + 1, kv_end) // BLOCK_N * BLOCK_N
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _extend_attention_tile(
+            q, m_i, l_i, acc, k_base, v_base, block_table_row, q_pos, dims, dim_mask, tile_start, kv_end,
+            sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+            PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )  # fmt: skip
+    for tile_start in range(unmasked_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _extend_attention_tile(
+            q, m_i, l_i, acc, k_base, v_base, block_table_row, q_pos, dims, dim_mask, tile_start, kv_end,
+            sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )  # fmt: skip
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_offsets = (q_start + token.to(tl.int64))[:, None] * stride_ot + q_heads[:, None] * stride_oh

@@ -32,7 +32,7 @@ def _silu_and_mul_kernel(
     mask = cols < INTERMEDIATE
     gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x_row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
-    # silu(g) = g * sigmoid(g), written out so no library helper is needed.
+    # silu(g) = g * sigmoid(g), in fp32 so large |g| neither overflows nor loses the product's precision.
     act = gate / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + row * stride_out_row + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -17,8 +17,9 @@ from kernels import (
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 # (context length incl. new tokens, new tokens): a fresh prefill, a later chunk of a chunked prefill
 # over 21 cached tokens, a prefix-cache hit recomputing only the last prompt token, a decode step, and
-# a chunk starting mid-block whose queries span several query tiles. No length is a multiple of 16.
-CASES = [(37, 37), (71, 50), (33, 1), (77, 1), (99, 86)]
+# a chunk starting mid-block whose queries span several query tiles, and a short chunk after a long
+# prefix (its first K/V tiles take the kernel's unmasked path). No length is a multiple of 16.
+CASES = [(37, 37), (71, 50), (33, 1), (77, 1), (99, 86), (201, 10)]
 
 
 def _query_start_loc(q_lens: list[int], device: torch.device) -> torch.Tensor:
