@@ -47,7 +47,7 @@ SECURITY_HEADERS = {
                                 "form-action 'self'; base-uri 'none'"),
 }
 NAV = (("Tenants", "/admin/tenants"), ("Usage", "/admin/usage"), ("SLOs & engines", "/admin/engines"),
-       ("Batches", "/admin/batches"), ("Prices", "/admin/prices"))
+       ("Batches", "/admin/batches"), ("Prices", "/admin/prices"), ("Records", "/admin/db/"))
 
 
 def _fmt_int(value: int | None) -> str:

@@ -12,7 +12,8 @@ from tests.factories import create_api_key, create_tenant
 from tollgate.models import Admin, Tenant
 
 PAGES = ["/admin", "/admin/", "/admin/tenants", "/admin/tenants/1", "/admin/usage", "/admin/usage.csv",
-         "/admin/engines", "/admin/engines/live", "/admin/batches", "/admin/prices", "/admin/no-such-page"]
+         "/admin/engines", "/admin/engines/live", "/admin/batches", "/admin/prices", "/admin/no-such-page",
+         "/admin/db/", "/admin/db/login", "/admin/db/usage-event/list", "/admin/db/audit-log/export/csv"]
 ACTIONS = ["/admin/tenants", "/admin/tenants/1/limits", "/admin/tenants/1/suspend", "/admin/tenants/1/keys",
            "/admin/tenants/1/keys/1/revoke", "/admin/prices", "/admin/batches/batch_x/cancel"]
 

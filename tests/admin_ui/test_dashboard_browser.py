@@ -206,9 +206,17 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     assert {"tenant.create", "api_key.create", "tenant.update", "tenant.suspend", "tenant.reactivate",
             "api_key.revoke", "batch.cancel"} <= actions
 
+    # The read-only record browser (sqladmin) lists the ledger row behind the chart.
+    await page.goto("/admin/db/usage-event/list")
+    await expect(page.locator("table")).to_contain_text(first.headers["x-request-id"])
+    await screenshot(page, "12-records-ledger")
+    await page.goto("/admin/db/audit-log/list")
+    await expect(page.locator("table")).to_contain_text("tenant.reactivate")
+    assert await page.locator("a:has-text('New'), a:has-text('Delete')").count() == 0
+
     await page.goto("/admin/no-such-page")
     await expect(page.locator("h2")).to_have_text("Not found")
-    await screenshot(page, "12-not-found")
+    await screenshot(page, "13-not-found")
 
     # Logging out leaves only the login page.
     await page.click("#logout")
