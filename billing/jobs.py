@@ -5,7 +5,7 @@ functions over a ``Database`` and a Redis client, each one or more units of work
   The beat passes ``until`` = the start of the hour that ended ``stripe_export_lag_s`` ago; the CLI may
   pass now (the running hour, partial).
 - ``reconcile_rollups_job``: proves the last ``rollup_reconcile_window_h`` hours of rollups equal to the
-  ledger and repairs any difference.
+  ledger (one consistent snapshot, ingestion not blocked) and repairs any difference (under the lock).
 - ``maintain_partitions``: the ledger's monthly partitions, three months ahead.
 - ``check_budgets_job``: budget alerts, then their webhooks (after the commit).
 - ``enforce_payment_grace_job``: billing suspensions whose grace period ended; gateways are told after
@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from billing.alerts import check_budgets, deliver_alert_webhooks
 from billing.partitions import ensure_usage_partitions
-from billing.rollups import hour_of, reconcile_rollups
+from billing.rollups import find_rollup_mismatches, hour_of, reconcile_rollups
 from billing.stripe_billing import open_stripe
 from billing.stripe_export import ExportResult, export_to_stripe
 from billing.suspension import enforce_payment_grace, publish_tenant_changed
@@ -56,15 +56,23 @@ async def export_stripe(db: Database, settings: Settings, *,
 
 async def reconcile_rollups_job(db: Database, settings: Settings, *,
                                 now: datetime | None = None) -> dict[str, int]:
+    """Check without blocking ingestion; only if something differs, repair those tenants' hours under
+    the exclusive lock (which re-checks them against the ledger as committed by then)."""
     now = now or datetime.now(UTC)
     start = now - timedelta(hours=settings.rollup_reconcile_window_h)
     async with db.session() as session:
-        result = await reconcile_rollups(session, start, now)
+        await session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+        mismatches = await find_rollup_mismatches(session, start, now)
+    if not mismatches:
+        return {"mismatched": 0, "repaired": 0, "removed": 0}
+    hours = [key[1] for key in mismatches]
+    async with db.session() as session:
+        result = await reconcile_rollups(session, min(hours), max(hours) + timedelta(hours=1),
+                                         tenant_ids=sorted({key[0] for key in mismatches}))
     if result.repaired or result.removed:
         logger.warning("rollups repaired: %d bucket(s) rewritten, %d removed", len(result.repaired),
                        len(result.removed))
-    return {"checked": result.buckets_checked, "repaired": len(result.repaired),
-            "removed": len(result.removed)}
+    return {"mismatched": len(mismatches), "repaired": len(result.repaired), "removed": len(result.removed)}
 
 
 async def maintain_partitions(db: Database) -> list[str]:

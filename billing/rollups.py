@@ -192,12 +192,14 @@ def _ledger_sums(start: datetime, end: datetime, tenant_ids: Sequence[int] | Non
     return stmt
 
 
-async def reconcile_rollups(session: AsyncSession, start: datetime, end: datetime, *,
-                            tenant_ids: Sequence[int] | None = None,
-                            admission_window: timedelta = DEFAULT_ADMISSION_WINDOW) -> ReconcileResult:
-    """Make the rollups of the whole hours in ``[start, end)`` equal to the ledger; returns what it fixed."""
-    start, end = hour_of(start), hour_of(end + timedelta(hours=1) - timedelta(microseconds=1))
-    await session.execute(select(func.pg_advisory_xact_lock(ROLLUP_LOCK)))
+def _hour_range(start: datetime, end: datetime) -> tuple[datetime, datetime]:
+    """The whole hours covering ``[start, end)``."""
+    return hour_of(start), hour_of(end + timedelta(hours=1) - timedelta(microseconds=1))
+
+
+async def _compare(session: AsyncSession, start: datetime, end: datetime,
+                   tenant_ids: Sequence[int] | None) -> tuple[int, list[Key], list[Key]]:
+    """(buckets seen, buckets the rollups lack or have wrong, rollup buckets the ledger has no rows for)."""
     ledger: dict[Key, tuple[int, ...]] = {}
     for tenant_id, hour, model, klass, *sums in (await session.execute(
             _ledger_sums(start, end, tenant_ids))).all():
@@ -209,9 +211,32 @@ async def reconcile_rollups(session: AsyncSession, start: datetime, end: datetim
     for r in (await session.scalars(stmt)).all():
         rolled[(r.tenant_id, hour_of(r.hour), r.model, r.request_class)] = (
             r.requests, r.input_tokens, r.cached_input_tokens, r.output_tokens, r.cost_pico_usd)
-    result = ReconcileResult(buckets_checked=len(ledger.keys() | rolled.keys()))
-    stale = sorted(k for k in rolled if k not in ledger)
     wrong = sorted(k for k, sums in ledger.items() if rolled.get(k) != sums)
+    stale = sorted(k for k in rolled if k not in ledger)
+    return len(ledger.keys() | rolled.keys()), wrong, stale
+
+
+async def find_rollup_mismatches(session: AsyncSession, start: datetime, end: datetime, *,
+                                 tenant_ids: Sequence[int] | None = None) -> list[Key]:
+    """Buckets of ``[start, end)`` where rollups and ledger differ, without blocking ledger writers.
+
+    Run it in a ``REPEATABLE READ`` transaction: both reads then see one snapshot, and since a writer
+    commits its ledger rows and their rollup change together, a snapshot never shows half of one; so
+    an empty answer proves equality and a non-empty one names buckets for ``reconcile_rollups``."""
+    start, end = _hour_range(start, end)
+    _, wrong, stale = await _compare(session, start, end, tenant_ids)
+    return sorted(wrong + stale)
+
+
+async def reconcile_rollups(session: AsyncSession, start: datetime, end: datetime, *,
+                            tenant_ids: Sequence[int] | None = None,
+                            admission_window: timedelta = DEFAULT_ADMISSION_WINDOW) -> ReconcileResult:
+    """Make the rollups of the whole hours in ``[start, end)`` equal to the ledger; returns what it fixed.
+    Holds ``ROLLUP_LOCK`` exclusively until the caller's transaction ends (ledger writers wait)."""
+    start, end = _hour_range(start, end)
+    await session.execute(select(func.pg_advisory_xact_lock(ROLLUP_LOCK)))
+    checked, wrong, stale = await _compare(session, start, end, tenant_ids)
+    result = ReconcileResult(buckets_checked=checked)
     if stale:
         await session.execute(delete(UsageHourly).where(
             tuple_(UsageHourly.tenant_id, UsageHourly.hour, UsageHourly.model, UsageHourly.request_class)

@@ -16,7 +16,7 @@ from billing.ledger import UsageFlusher
 from billing.outbox import UsageRecord, append_usage
 from billing.partitions import ensure_usage_partitions
 from billing.prices import Price, cost_pico_usd
-from billing.rollups import PriceHistory, hour_of, reconcile_rollups
+from billing.rollups import PriceHistory, find_rollup_mismatches, hour_of, reconcile_rollups
 from billing.statements import build_statement, carry_rounding
 from tests.factories import create_price, create_tenant, create_usage_event
 from tollgate.db import Database
@@ -84,9 +84,15 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
         flushers = [UsageFlusher(redis_client, db.session, consumer=f"w{i}", batch_size=25) for i in range(4)]
         done = asyncio.Event()
 
+        seen_mismatches: list = []
+
         async def reconcile_meanwhile() -> int:
             runs = 0
             while not done.is_set() or runs == 0:
+                async with db.session() as session:  # the lock-free check never sees half a write
+                    await session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+                    seen_mismatches.extend(await find_rollup_mismatches(
+                        session, MONTH_START, MONTH_START + timedelta(days=32)))
                 async with db.session() as session:
                     await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32))
                 runs += 1
@@ -96,7 +102,7 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
         reconciler = asyncio.create_task(reconcile_meanwhile())
         results = await asyncio.gather(*(f.flush() for f in flushers))
         done.set()
-        assert await reconciler >= 1
+        assert await reconciler >= 1 and seen_mismatches == []
         assert sum(r.inserted for r in results) == 600
         async with db.session() as session:
             ledger = await ledger_buckets(session, tenants)
@@ -123,6 +129,9 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
                                     request_class="batch", requests=1, input_tokens=1, cached_input_tokens=0,
                                     output_tokens=0, input_cost_pico_usd=5, cached_input_cost_pico_usd=0,
                                     output_cost_pico_usd=0, cost_pico_usd=5))
+        async with db.session() as session:
+            found = await find_rollup_mismatches(session, MONTH_START, MONTH_START + timedelta(days=32))
+            assert len(found) == 3
         async with db.session() as session:
             fixed = await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32))
             assert sorted(fixed.repaired) == sorted([lost, wrong])
