@@ -152,8 +152,7 @@ def _is_duplicate_identifier(exc: stripe.StripeError) -> bool:
     return code == "resource_already_exists" or ("identifier" in message and "already exists" in message)
 
 
-async def _send_one(client: stripe.StripeClient, row: StripeExport, event_name: str,
-                    now: datetime) -> str | None:
+async def _send_one(client: stripe.StripeClient, row: StripeExport, event_name: str) -> str | None:
     options: stripe.RequestOptions = {"idempotency_key": idempotency_key_for(row.identifier)}
     if row.kind == "credit":
         cents = -row.value_micro_usd // MICRO_PER_CENT
@@ -163,8 +162,8 @@ async def _send_one(client: stripe.StripeClient, row: StripeExport, event_name: 
              "description": f"Tollgate usage correction {row.identifier}",
              "metadata": {"tollgate_identifier": row.identifier}}, options)
         return txn.id
-    stamp = row.hour if row.revision == 1 else row.created_at
-    stamp = max(stamp, now - MAX_EVENT_AGE)
+    # Derived from the row alone, so every retry sends the same parameters under its Idempotency-Key.
+    stamp = max(row.hour if row.revision == 1 else row.created_at, row.created_at - MAX_EVENT_AGE)
     await client.v1.billing.meter_events.create_async(
         {"event_name": event_name, "identifier": row.identifier, "timestamp": int(stamp.timestamp()),
          "payload": {"stripe_customer_id": row.stripe_customer_id, "value": str(row.value_micro_usd)}},
@@ -172,8 +171,8 @@ async def _send_one(client: stripe.StripeClient, row: StripeExport, event_name: 
     return row.identifier
 
 
-async def send_pending(sessions: SessionFactory, client: stripe.StripeClient, *, limit: int = 1000,
-                       now: datetime | None = None) -> SendResult:
+async def send_pending(sessions: SessionFactory, client: stripe.StripeClient, *,
+                       limit: int = 1000) -> SendResult:
     """Send pending rows (oldest first); each row's outcome is committed on its own."""
     result = SendResult()
     async with sessions() as session:
@@ -193,8 +192,7 @@ async def send_pending(sessions: SessionFactory, client: stripe.StripeClient, *,
                 continue  # sent meanwhile, or another run is sending it right now
             row.attempts += 1
             try:
-                object_id = await _send_one(client, row, provisioning.meter_event_name,
-                                            now or datetime.now(UTC))
+                object_id = await _send_one(client, row, provisioning.meter_event_name)
             except stripe.InvalidRequestError as exc:
                 if row.kind == "meter_event" and _is_duplicate_identifier(exc):
                     object_id = row.identifier  # Stripe already holds this very event
@@ -230,5 +228,5 @@ async def export_to_stripe(sessions: SessionFactory, client: stripe.StripeClient
     """Plan (committed) then send: the beat task and ``tollgate billing export-stripe``."""
     async with sessions() as session:
         plan = await plan_exports(session, until=until, now=now)
-    sent = await send_pending(sessions, client, now=now)
+    sent = await send_pending(sessions, client)
     return ExportResult(planned=len(plan.rows), sent=sent.sent, failed=sent.failed, errors=sent.errors)
