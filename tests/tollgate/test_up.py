@@ -7,6 +7,7 @@ SIGTERM leaving nothing behind, then a second start reusing the data and the key
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -301,3 +302,31 @@ def test_busy_gateway_port_is_refused_before_starting_anything(tmp_path):
     assert result.returncode == 1
     assert f"port {port} for the gateway is in use" in result.stderr
     assert not (tmp_path / "d" / "postgres").exists()
+
+
+def test_a_second_up_on_a_busy_data_dir_is_refused(tmp_path):
+    run_dir = tmp_path / "d" / "run"
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "up.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242")
+        held.flush()
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tollgate",
+                "up",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--port",
+                str(free_port()),
+            ],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            cwd=tmp_path,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert "another `tollgate up` (pid 4242) is running" in result.stderr
