@@ -19,11 +19,13 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from redis.asyncio import Redis
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin import service
 from gateway.admin.schemas import usd_string
 from gateway.admission.rejections import REASONS, RETENTION_S, rejection_counts
+from tollgate.models import Tenant
 from tollgate.settings import Settings
 
 MAX_RANGE_DAYS = 366
@@ -150,6 +152,35 @@ async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, 
             "rejections": total_rejections, "rejected": sum(total_rejections.values()),
         },
     }
+
+
+async def tenant_breakdown(session: AsyncSession, redis: Redis, settings: Settings, rng: UsageRange, *,
+                           limit: int = 50) -> list[dict[str, Any]]:
+    """The tenants with the highest cost over ``rng`` (then most rejected), with their totals."""
+    result = await service.usage(session, start=rng.start, end=rng.end, group_by=["tenant_id"],
+                                 settings=settings)
+    rejected: dict[int, int] = defaultdict(int)
+    for (_bucket, tenant), reasons in (await _rejections(redis, rng, None)).items():
+        rejected[tenant] += sum(reasons.values())
+    rows: dict[int, dict[str, Any]] = {}
+    for row in result.rows:
+        tenant = int(row.tenant_id or 0)
+        rows[tenant] = {"tenant_id": tenant, "requests": row.requests,
+                        "input_tokens": row.prompt_tokens - row.cached_tokens,
+                        "cached_tokens": row.cached_tokens, "output_tokens": row.completion_tokens,
+                        "cost_pico_usd": int(row.cost_pico_usd),
+                        "cache_hit_rate": _hit_rate(row.cached_tokens, row.prompt_tokens)}
+    for tenant in rejected:
+        rows.setdefault(tenant, {"tenant_id": tenant, "requests": 0, "input_tokens": 0, "cached_tokens": 0,
+                                 "output_tokens": 0, "cost_pico_usd": 0, "cache_hit_rate": None})
+    for tenant, entry in rows.items():
+        entry["rejected"] = rejected.get(tenant, 0)
+    top = sorted(rows.values(), key=lambda r: (-r["cost_pico_usd"], -r["rejected"], r["tenant_id"]))[:limit]
+    names = dict((await session.execute(
+        select(Tenant.id, Tenant.name).where(Tenant.id.in_([r["tenant_id"] for r in top])))).tuples().all())
+    for entry in top:
+        entry["name"] = names.get(entry["tenant_id"], f"tenant {entry['tenant_id']}")
+    return top
 
 
 CSV_COLUMNS = ("bucket_start", "tenant_id", "requests", "prompt_tokens", "input_tokens", "cached_tokens",

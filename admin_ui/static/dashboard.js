@@ -24,7 +24,8 @@
   }
 
   function stacked(extra) {
-    return Object.assign({ scales: { x: { stacked: true }, y: { stacked: true, beginAtZero: true } } }, extra);
+    return Object.assign({ scales: { x: { stacked: true },
+      y: { stacked: true, beginAtZero: true, ticks: { precision: 0 } } } }, extra);
   }
 
   function usageCharts(data) {

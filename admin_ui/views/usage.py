@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import Response
 
 from admin_ui.session import current_admin
-from admin_ui.usage_data import UsageRange, parse_range, usage_csv_rows, usage_series
+from admin_ui.usage_data import UsageRange, parse_range, tenant_breakdown, usage_csv_rows, usage_series
 from admin_ui.web import SECURITY_HEADERS, render
 from gateway.admin import service
 from gateway.admin.auth import AdminPrincipal
@@ -34,7 +34,7 @@ Granularity = Annotated[str | None, Query(max_length=4)]
 async def usage(request: Request, admin: CurrentAdmin, tenant_id: TenantFilter = None, start: Day = None,
                 end: Day = None, granularity: Granularity = None) -> Response:
     settings = request.app.state.settings
-    error, data, tenant = None, None, None
+    error, data, tenant, by_tenant = None, None, None, None
     try:
         rng: UsageRange = parse_range(start, end, granularity)
     except ValueError as exc:
@@ -44,12 +44,14 @@ async def usage(request: Request, admin: CurrentAdmin, tenant_id: TenantFilter =
             if tenant_id is not None:
                 tenant = await service.get_tenant(session, tenant_id, settings=settings)
             data = await usage_series(session, request.app.state.redis, settings, rng, tenant_id)
+            if tenant_id is None:
+                by_tenant = await tenant_breakdown(session, request.app.state.redis, settings, rng)
     except GatewayError as exc:
         return render(request, "error.html", {"title": "Usage", "message": exc.message},
                       status=exc.status, admin=admin)
     return render(request, "usage.html", {
         "title": f"Usage — {tenant.name}" if tenant else "Usage — all tenants", "tenant": tenant,
-        "range": rng, "data": data, "error": error,
+        "range": rng, "data": data, "error": error, "by_tenant": by_tenant,
         "csv_query": {**rng.query(), **({"tenant_id": str(tenant_id)} if tenant_id else {})},
     }, admin=admin, status=400 if error else 200)
 

@@ -51,6 +51,15 @@ async def test_without_admin_session_only_the_login_page(dashboard: Dashboard, w
         assert await session.scalar(select(Tenant).where(Tenant.name == "intruder")) is None
 
 
+async def test_session_cookie_is_secure_over_https(dashboard: Dashboard) -> None:
+    transport = httpx.ASGITransport(app=dashboard.app)
+    async with httpx.AsyncClient(transport=transport, base_url="https://dashboard.example") as client:
+        response = await client.get("/admin/login")
+    assert response.status_code == 200
+    cookie = response.headers["set-cookie"].lower()
+    assert "; secure" in cookie and "httponly" in cookie and "samesite=lax" in cookie
+
+
 async def test_admin_api_paths_stay_json(dashboard: Dashboard) -> None:
     async with httpx.AsyncClient(base_url=dashboard.url) as client:
         response = await client.get("/admin/v1/no-such-route")

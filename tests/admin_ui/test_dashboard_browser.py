@@ -156,6 +156,9 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     assert sum(int(r["rejected_rpm"]) for r in rows) == 1
     await page.goto("/admin/usage")
     await _chart_sums(page, "chart-tokens")
+    mine = page.locator(f'#by-tenant tr[data-tenant-id="{tenant_id}"]')
+    await expect(mine).to_contain_text(name)
+    await expect(mine.locator("td").nth(7)).to_have_text("1")
     await screenshot(page, "07-usage-all")
 
     # SLOs and live replica load from the router's registry.
