@@ -11,8 +11,10 @@ Tollgate's correctness depends on it:
 - Faults on demand: ``fail_next(n, path)`` answers 500 to the next ``n`` matching requests without
   processing them; ``drop_after_processing(n, path)`` processes the next ``n`` matching requests, then
   closes the connection without answering (a client crash or network loss between Stripe accepting a
-  request and the client recording it). ``forget_idempotency_keys()`` ages out stored keys (Stripe keeps
-  them 24 hours).
+  request and the client recording it); ``hold_after_processing(n, path)`` processes them and keeps the
+  client waiting for its answer until ``stop()`` (so a test can kill the client process while Stripe
+  has the request and the client does not know). ``forget_idempotency_keys()`` ages out stored keys
+  (Stripe keeps them 24 hours).
 
 State is inspectable from the test: ``meter_events`` (accepted, in order), ``balance_transactions``,
 ``customers``, ``subscriptions``, ``meters``, ``products``, ``prices``, ``requests``.
@@ -77,6 +79,7 @@ class FakeStripe:
     prices: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
     rejected_identifiers: list[str] = field(default_factory=list)
+    replays: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -85,6 +88,9 @@ class FakeStripe:
         self._identifiers: set[str] = set()
         self._failures: list[_Fault] = []
         self._drops: list[_Fault] = []
+        self._holds: list[_Fault] = []
+        self._released = threading.Event()
+        self.holding = threading.Event()  # set once a held request has been processed
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -116,6 +122,7 @@ class FakeStripe:
         return self
 
     def stop(self) -> None:
+        self._released.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -127,6 +134,10 @@ class FakeStripe:
     def drop_after_processing(self, n: int, path: str = "/v1/billing/meter_events") -> None:
         with self._lock:
             self._drops.append(_Fault(path, n))
+
+    def hold_after_processing(self, n: int, path: str = "/v1/billing/meter_events") -> None:
+        with self._lock:
+            self._holds.append(_Fault(path, n))
 
     def forget_idempotency_keys(self) -> None:
         with self._lock:
@@ -169,10 +180,18 @@ class FakeStripe:
             if self._take(self._drops, path):
                 handler.close_connection = True
                 return None
+            hold = self._take(self._holds, path)
+        if hold:
+            self.holding.set()
+            self._released.wait()
+            handler.close_connection = True
+            return None
         return self._send(handler, status, encoded)
 
     def _send(self, handler: BaseHTTPRequestHandler, status: int, payload: bytes | dict[str, Any],
               replayed: bool = False) -> None:
+        if replayed:
+            self.replays += 1
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         handler.send_response(status)
         handler.send_header("Content-Type", "application/json")

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -107,3 +110,35 @@ def test_billing_commands_and_statements(new_database, service_settings, fake_st
     assert runner.invoke(cli, ["billing", "alert-webhook", "acme-cli", "ftp://nope"]).exit_code == 1
     assert runner.invoke(cli, ["billing", "alert-webhook", "acme-cli", "--clear"]).output.startswith(
         "alert webhook cleared")
+
+
+def test_an_exporter_killed_after_stripe_accepted_is_retried_without_a_second_event(
+        new_database, service_settings, fake_stripe, monkeypatch) -> None:
+    monkeypatch.setenv("TOLLGATE_DATABASE_URL", new_database)
+    monkeypatch.setenv("TOLLGATE_STRIPE_API_KEY", "sk_test_crash")
+    monkeypatch.setenv("TOLLGATE_STRIPE_API_BASE", fake_stripe.url)
+    monkeypatch.setenv("TOLLGATE_STRIPE_MAX_NETWORK_RETRIES", "0")
+    get_settings.cache_clear()
+    asyncio.run(_seed(new_database, "acme-crash"))
+    runner = CliRunner()
+    assert runner.invoke(cli, ["billing", "setup-stripe"]).exit_code == 0
+    assert runner.invoke(cli, ["billing", "attach", "acme-crash"]).exit_code == 0
+
+    # Stripe accepts the event, and the exporter process dies before it hears back and records it.
+    fake_stripe.hold_after_processing(1)
+    proc = subprocess.Popen([sys.executable, "-c", "from tollgate.cli import main; main()", "billing",
+                             "export-stripe", "--until", "now"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        assert fake_stripe.holding.wait(timeout=60), "the exporter never reached Stripe"
+    finally:
+        proc.kill()
+        proc.wait()
+    [accepted] = fake_stripe.meter_events
+
+    result = runner.invoke(cli, ["billing", "export-stripe", "--until", "now"])  # the next run
+    assert result.exit_code == 0 and result.output.startswith("planned 0, sent 1"), result.output
+    assert fake_stripe.meter_events == [accepted]  # the retry was answered from the Idempotency-Key
+    assert fake_stripe.replays == 1
+    assert runner.invoke(cli, ["billing", "export-stripe", "--until", "now"]).output.startswith(
+        "planned 0, sent 0")
