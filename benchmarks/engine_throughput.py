@@ -4,7 +4,8 @@ and the same workload, in one run.
 Workload (nano-vllm's ``bench.py`` setup): ``--num-seqs`` requests of random token ids with prompt and
 output lengths drawn uniformly from ``--prompt-len`` and ``--output-len``, ``ignore_eos`` so every
 request produces exactly its output length, temperature 0.6. Throughput = requested output tokens /
-wall time of the whole workload (prefill included), after one warm-up request on each side. The
+wall time of the whole workload (prefill included), after one warm-up request on each side; with
+``--repeat N`` both sides run N times, interleaved, and the best time of each is kept. The
 process CPU time is reported too: on a shared machine it is far less sensitive to other load than the
 wall time (with ``--threads 1`` it is exactly the core-seconds spent).
 
@@ -17,13 +18,13 @@ with EOS disabled (``min_new_tokens`` = ``max_new_tokens``); only the requested 
 - ``--device cuda``: nano-vllm's exact setup: Qwen3-0.6B-shaped random weights, bfloat16, 256
   requests, prompt and output lengths in [100, 1024].
 
-    python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput_cpu.json
+    python benchmarks/engine_throughput.py --threads 1 --repeat 3 \\
+        --out benchmarks/out/engine_throughput_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import sys
@@ -55,62 +56,100 @@ def make_workload(num_seqs: int, prompt_len: tuple[int, int], output_len: tuple[
     return prompts, outputs
 
 
-def run_engine(model_dir: Path, prompts: list[list[int]], outputs: list[int], args: argparse.Namespace
-               ) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+class EngineRunner:
+    """Tollgate's offline API; each repetition uses its own cache salt, so no run reuses another's
+    prefix cache (the workload's prompts are random, so a run never hits its own)."""
 
-    llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-              enable_prefix_caching=True)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in outputs]
-    _sync(args.device)
-    started, cpu_started = time.perf_counter(), time.process_time()
-    results = llm.generate(prompts, params)
-    _sync(args.device)
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    produced = sum(len(r.token_ids) for r in results)
-    if produced != sum(outputs):
-        raise RuntimeError(f"the engine produced {produced} tokens, {sum(outputs)} were requested")
-    stats = llm.stats
-    del llm
-    gc.collect()
-    return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": produced,
-            "tokens_per_s": produced / elapsed, "tokens_per_cpu_s": produced / cpu,
-            "steps": stats.num_steps, "preemptions": stats.num_preemptions,
-            "partial_prefill_chunks": stats.num_partial_prefill_chunks}
+    name = "tollgate engine"
+
+    def __init__(self, model_dir: Path, args: argparse.Namespace) -> None:
+        from engine import LLM, SamplingParams
+
+        self.llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                       enable_prefix_caching=True)
+        self.params_type = SamplingParams
+        self.runs = 0
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        self.llm.generate([prompts[0][:16]], self.params_type(max_tokens=4, ignore_eos=True))
+
+    def run(self, prompts: list[list[int]], outputs: list[int]) -> None:
+        params = [self.params_type(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in outputs]
+        self.runs += 1
+        results = self.llm.generate(prompts, params, cache_salt=f"run-{self.runs}")
+        produced = sum(len(r.token_ids) for r in results)
+        if produced != sum(outputs):
+            raise RuntimeError(f"the engine produced {produced} tokens, {sum(outputs)} were requested")
+
+    def details(self) -> dict[str, Any]:
+        stats = self.llm.stats
+        return {"steps": stats.num_steps, "preemptions": stats.num_preemptions,
+                "partial_prefill_chunks": stats.num_partial_prefill_chunks}
 
 
-def run_transformers(model_dir: Path, prompts: list[list[int]], outputs: list[int], args: argparse.Namespace
-                     ) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
+class TransformersRunner:
+    """``generate`` over left-padded batches of ``--hf-batch-size`` prompts, in input order."""
 
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    pad = model.generation_config.pad_token_id or 0
+    def __init__(self, model_dir: Path, args: argparse.Namespace) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    def generate(batch: list[list[int]], new_tokens: int) -> None:
+        self.torch = torch
+        self.device = args.device
+        self.batch_size = args.hf_batch_size
+        self.name = f"transformers generate (batch {self.batch_size})"
+        dtype = getattr(torch, args.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+        self.pad = self.model.generation_config.pad_token_id or 0
+
+    def _generate(self, batch: list[list[int]], new_tokens: int) -> None:
+        torch, pad = self.torch, self.pad
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=args.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=True, temperature=TEMPERATURE, top_p=1.0, top_k=0, pad_token_id=pad)
+            self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=True, temperature=TEMPERATURE, top_p=1.0,
+                                top_k=0, pad_token_id=pad)
 
-    generate([prompts[0][:16]], 4)  # warm-up
-    _sync(args.device)
-    started, cpu_started = time.perf_counter(), time.process_time()
-    size = args.hf_batch_size
-    for i in range(0, len(prompts), size):
-        generate(prompts[i : i + size], max(outputs[i : i + size]))
-    _sync(args.device)
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    model = None
-    gc.collect()
-    return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": sum(outputs),
-            "tokens_per_s": sum(outputs) / elapsed, "tokens_per_cpu_s": sum(outputs) / cpu,
-            "batch_size": size}
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        self._generate([prompts[0][:16]], 4)
+
+    def run(self, prompts: list[list[int]], outputs: list[int]) -> None:
+        size = self.batch_size
+        for i in range(0, len(prompts), size):
+            self._generate(prompts[i : i + size], max(outputs[i : i + size]))
+
+    def details(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size}
+
+
+def measure(runners: list[Any], prompts: list[list[int]], outputs: list[int], repeat: int, device: str
+            ) -> dict[str, dict[str, Any]]:
+    """Run the workload ``repeat`` times on each runner, interleaved so that both see the same machine
+    conditions; keep the best (smallest) wall and CPU time of each, as ``timeit`` does."""
+    for runner in runners:
+        runner.warm_up(prompts)
+    walls: dict[str, list[float]] = {r.name: [] for r in runners}
+    cpus: dict[str, list[float]] = {r.name: [] for r in runners}
+    for _ in range(repeat):
+        for runner in runners:
+            _sync(device)
+            started, cpu_started = time.perf_counter(), time.process_time()
+            runner.run(prompts, outputs)
+            _sync(device)
+            walls[runner.name].append(time.perf_counter() - started)
+            cpus[runner.name].append(time.process_time() - cpu_started)
+    tokens = sum(outputs)
+    results = {}
+    for runner in runners:
+        wall, cpu = min(walls[runner.name]), min(cpus[runner.name])
+        results[runner.name] = {"seconds": wall, "cpu_seconds": cpu, "output_tokens": tokens,
+                                "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
+                                "all_seconds": walls[runner.name], "all_cpu_seconds": cpus[runner.name],
+                                **runner.details()}
+    return results
 
 
 def _sync(device: str) -> None:
@@ -138,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Override model dimensions (JSON), e.g. {\"hidden_size\": 256}.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="Run the workload this many times on each side (interleaved); keep the best.")
     parser.add_argument("--out", type=Path, default=None, help="Write the results as JSON here.")
     args = parser.parse_args(argv)
 
@@ -162,8 +203,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab = min(dims.get("vocab_size", 10**9), _tokenizer_size(model_dir))
     prompts, outputs = make_workload(args.num_seqs, args.prompt_len, args.output_len, vocab, args.seed)
 
-    ours = run_engine(model_dir, prompts, outputs, args)
-    theirs = None if args.skip_transformers else run_transformers(model_dir, prompts, outputs, args)
+    runners: list[Any] = [EngineRunner(model_dir, args)]
+    if not args.skip_transformers:
+        runners.append(TransformersRunner(model_dir, args))
+    measured = measure(runners, prompts, outputs, args.repeat, args.device)
+    ours = measured[runners[0].name]
+    theirs = measured[runners[1].name] if len(runners) > 1 else None
     ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None
     cpu_ratio = ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"] if theirs else None
 
@@ -172,11 +217,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "-" if wall is None else f"{wall:.2f}x", f"{r['cpu_seconds']:.1f}",
                 f"{r['tokens_per_cpu_s']:.0f}", "-" if cpu is None else f"{cpu:.2f}x"]
 
-    rows = [row("tollgate engine", ours, ratio, cpu_ratio)]
+    rows = [row(runners[0].name, ours, ratio, cpu_ratio)]
     if theirs:
-        rows.append(row(f"transformers generate (batch {theirs['batch_size']})", theirs, 1.0, 1.0))
+        rows.append(row(runners[1].name, theirs, 1.0, 1.0))
     print(f"{args.num_seqs} requests, prompt {args.prompt_len}, output {args.output_len}, ignore_eos, "
-          f"{args.dtype} on {machine_description(args.device)}, torch threads {torch.get_num_threads()}")
+          f"{args.dtype} on {machine_description(args.device)}, torch threads {torch.get_num_threads()}, "
+          f"best of {args.repeat}")
     print(format_table(["system", "output tokens", "wall s", "output tok/s", "vs transformers", "CPU s",
                         "tok/CPU-s", "vs transformers (CPU)"], rows))
     result = {
@@ -192,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           "max_num_batched_tokens": args.max_num_batched_tokens,
                           "num_kv_blocks": args.num_kv_blocks},
         "torch_threads": torch.get_num_threads(),
+        "repeat": args.repeat,
         "tollgate": ours,
         "transformers": theirs,
         "speedup": ratio,

@@ -218,15 +218,15 @@ class AsyncEngine:
                                        cache_salt=add.cache_salt, priority=add.priority)
                 except Exception as exc:  # validated already; a late failure ends that request only
                     self._fail(add.request_id, exc)
-            for request_id in aborts:
-                engine.abort(request_id)
             try:
+                for request_id in aborts:
+                    engine.abort(request_id)
                 deltas = engine.step()
+                self._stats = engine.stats()
+                self._deliver(deltas)
             except Exception:
                 logger.exception("engine step failed; failing every in-flight request")
-                deltas = self._fail_all()
-            self._stats = engine.stats()
-            self._deliver(deltas)
+                self._fail_all()
         self._fail_all_streams(EngineError("the engine shut down"))
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
@@ -247,13 +247,13 @@ class AsyncEngine:
             error = exc if isinstance(exc, RequestValidationError) else EngineError(str(exc))
             stream.put_threadsafe(error)
 
-    def _fail_all(self) -> list[RequestDelta]:
+    def _fail_all(self) -> None:
         try:
             self.engine.abort_all()
+            self._stats = self.engine.stats()
         except Exception:
             logger.exception("could not abort the in-flight requests after a failed step")
         self._fail_all_streams(EngineError("the engine failed while running this request"))
-        return []
 
     def _fail_all_streams(self, error: EngineError) -> None:
         with self._cond:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineError
 from engine.config import EngineConfig
 from engine.outputs import RequestDelta, RequestValidationError
 from engine.sampling_params import SamplingParams
@@ -86,3 +86,27 @@ async def test_validation_happens_in_the_caller(async_engine: AsyncEngine) -> No
         await async_engine.add_request("dup", [4, 5, 6], SamplingParams(max_tokens=1))
     deltas = [d async for d in running]
     assert deltas[-1].finish_reasons == ["length"]
+
+
+async def test_a_failed_step_fails_in_flight_requests_and_the_loop_goes_on(
+    async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = async_engine.engine.runner
+    original = runner.run
+    calls = 0
+
+    def fails_once(batch):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("device lost")
+        return original(batch)
+
+    monkeypatch.setattr(runner, "run", fails_once)
+    with pytest.raises(EngineError):
+        await _collect(async_engine, "doomed", [5, 6, 7], SamplingParams(max_tokens=5))
+    survivor = await _collect(async_engine, "survivor", [5, 6, 7], SamplingParams(max_tokens=2,
+                                                                                  ignore_eos=True))
+    assert survivor[-1].finish_reasons == ["length"]
+    stats = async_engine.stats()
+    assert stats.num_running == 0 and stats.num_free_kv_blocks == async_engine.info()["num_kv_blocks"]
