@@ -72,17 +72,17 @@ class EngineStream:
         self.closed = False
 
     async def __aiter__(self) -> AsyncIterator[Record]:
+        ended = False
         try:
             async for line in self._response.aiter_lines():
-                if not line:
-                    continue
+                if not line or ended:
+                    continue  # read to the end of the body, so the connection goes back to the pool
                 try:
                     record = parse_record(line)
                 except (ValueError, ValidationError) as exc:
                     raise EngineStreamError(f"The engine sent an unreadable record: {exc}") from exc
+                ended = not isinstance(record, DeltaRecord)
                 yield record
-                if not isinstance(record, DeltaRecord):
-                    return
         except httpx.HTTPError as exc:
             raise EngineStreamError(f"The connection to the engine broke: {type(exc).__name__}") from exc
         finally:
