@@ -191,3 +191,21 @@ def test_disconnect_aborts_and_frees_blocks_while_others_are_served(model_server
         short = client.post("/generate", json={"request_id": "after", "prompt_token_ids": [5, 6, 7],
                                                 "max_tokens": 3, "ignore_eos": True})
         assert [orjson.loads(x)["type"] for x in short.text.splitlines()][-1] == "final"
+
+
+def test_generate_request_maps_onto_sampling_params() -> None:
+    from engine.protocol import GenerateRequest
+    from engine.sampling_params import SamplingParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], n=2, temperature=0.5, top_k=0,
+                              stop="END", logprobs=True, top_logprobs=3, seed=7,
+                              response_format={"type": "json_schema", "json_schema": schema})
+    params = SamplingParams(**request.sampling_kwargs())
+    assert (params.n, params.temperature, params.top_k, params.seed) == (2, 0.5, -1, 7)
+    assert params.stop == ["END"] and params.logprobs == 3 and params.json_schema == schema
+    assert params.max_tokens == SamplingParams().max_tokens  # omitted: the server fills in the context
+    plain = GenerateRequest(request_id="r", prompt_token_ids=[1], max_tokens=9).sampling_kwargs()
+    assert SamplingParams(**plain).logprobs is None and plain["max_tokens"] == 9
+    assert SamplingParams(**GenerateRequest(request_id="r", prompt_token_ids=[1], response_format={
+        "type": "json_object"}).sampling_kwargs()).json_object
