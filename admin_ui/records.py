@@ -19,14 +19,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from sqladmin import Admin, ModelView
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from admin_ui.session import LoginRequired, current_admin
-from admin_ui.web import redirect, safe_next
+from admin_ui.web import SECURITY_HEADERS, redirect, safe_next
 from tollgate.models import AuditLog, Batch, BudgetAlert, StripeExport, UsageEvent, UsageHourly
 
 BASE_URL = "/admin/db"
+# The dashboard's headers minus its CSP (sqladmin's templates use inline scripts).
+RECORD_HEADERS = {name: value for name, value in SECURITY_HEADERS.items()
+                  if name != "content-security-policy"}
 
 
 class _ReadOnly(ModelView):
@@ -118,7 +122,14 @@ class DashboardGuard:
             response = redirect(request, "/admin/login", next=safe_next(request.url.path))
             await response(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in RECORD_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def install_records(app: FastAPI) -> async_sessionmaker[AsyncSession]:

@@ -210,7 +210,8 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
             "api_key.revoke", "batch.cancel"} <= actions
 
     # The read-only record browser (sqladmin) lists the ledger row behind the chart.
-    await page.goto("/admin/db/usage-event/list")
+    records = await page.goto("/admin/db/usage-event/list")
+    assert records.headers["cache-control"] == "no-store" and records.headers["x-frame-options"] == "DENY"
     await expect(page.locator("table")).to_contain_text(first.headers["x-request-id"])
     await screenshot(page, "12-records-ledger")
     await page.goto("/admin/db/audit-log/list")
