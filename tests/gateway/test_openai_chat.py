@@ -92,6 +92,19 @@ async def test_stream_with_usage_follows_openai(client: httpx.AsyncClient, gatew
     assert records[0]["status"] == "completed"
 
 
+async def test_stream_with_several_choices(client: httpx.AsyncClient) -> None:
+    r = await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 4,
+                                                     "n": 2, "stream": True, "seed": 3})
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    for chunk in chunks:
+        assert_conforms(chunk, "CreateChatCompletionStreamResponse")
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert mine[-1]["finish_reason"] in ("stop", "length")
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+
+
 async def test_stream_without_usage_has_no_usage_field(client: httpx.AsyncClient) -> None:
     r = await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 3,
                                                      "stream": True})
