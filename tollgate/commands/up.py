@@ -245,6 +245,28 @@ class LocalPlatform:
         self.report(f"created the demo tenant {DEMO_TENANT!r} and its API key")
         return created
 
+    def _ensure_model_price(self, endpoints: Endpoints) -> None:
+        """Give the served model its first price (the gateway refuses unpriced models); an operator's
+        prices are never touched."""
+        import asyncio
+
+        from billing.service import DEMO_PRICE, ensure_price
+        from tollgate.db import Database
+
+        name, _ = self._model_dir()
+        settings = self.settings.model_copy(update={"database_url": endpoints.database_url})
+
+        async def main() -> bool:
+            db = Database.from_settings(settings)
+            try:
+                async with db.session() as session:
+                    return await ensure_price(session, name, DEMO_PRICE)
+            finally:
+                await db.dispose()
+
+        if asyncio.run(main()):
+            self.report(f"priced model {name!r} at the demo price (change it with `tollgate prices set`)")
+
     def _model_dir(self) -> tuple[str, Path]:
         if self.model is not None:
             return self.model.resolve().name, self.model.resolve()
@@ -446,6 +468,7 @@ class LocalPlatform:
                 schema.upgrade(endpoints.database_url)
                 self.report("database schema at head")
                 api_key = self._ensure_demo_key(endpoints, state)
+                self._ensure_model_price(endpoints)
                 env = self._child_env(endpoints)
                 if self.with_engine:
                     self._ensure_model(env)
