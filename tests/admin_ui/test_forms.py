@@ -1,0 +1,117 @@
+"""Dashboard forms against the admin services: invalid input is re-rendered with the reason and changes
+nothing; edits record only what changed; billing suspensions need an explicit override; every refusal
+is a page, never a stack trace."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from tests.admin_ui.conftest import Dashboard, login_client
+from tests.factories import create_tenant
+from tollgate.models import AuditLog, Tenant
+
+
+@pytest.fixture
+async def admin_client(dashboard: Dashboard) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
+    async with httpx.AsyncClient(base_url=dashboard.url) as client:
+        token = await login_client(dashboard, client)
+        yield client, token
+
+
+async def _tenant(dashboard: Dashboard, **columns: Any) -> Tenant:
+    async with dashboard.db.session() as session:
+        return await create_tenant(session, **columns)
+
+
+async def _audit(dashboard: Dashboard, tenant_id: int) -> list[tuple[str, dict[str, Any]]]:
+    async with dashboard.db.session() as session:
+        rows = await session.scalars(select(AuditLog).where(AuditLog.tenant_id == tenant_id)
+                                     .order_by(AuditLog.id))
+        return [(row.action, row.details) for row in rows]
+
+
+async def test_invalid_tenant_input_is_explained(dashboard: Dashboard,
+                                                 admin_client: tuple[httpx.AsyncClient, str]) -> None:
+    client, token = admin_client
+    existing = await _tenant(dashboard)
+    cases = [
+        ({"name": "neg-limit", "rpm_limit": "-1"}, 400, "rpm limit"),
+        ({"name": "sub-pico", "monthly_budget_usd": "0.0000000000001"}, 400, "pico"),
+        ({"name": "bad tier", "tier": "platinum"}, 400, "unknown tier"),
+        ({"name": "-starts-with-dash"}, 400, "name: String should match pattern"),
+        ({"name": existing.name}, 409, "already exists"),
+    ]
+    for form, status, message in cases:
+        response = await client.post("/admin/tenants", data={**form, "csrf_token": token})
+        assert response.status_code == status, form
+        assert message in response.text, (form, response.text[-2000:])
+    async with dashboard.db.session() as session:
+        names = set(await session.scalars(select(Tenant.name)))
+    assert not names & {"neg-limit", "sub-pico", "bad tier"}
+
+
+async def test_edits_record_only_what_changed(dashboard: Dashboard,
+                                              admin_client: tuple[httpx.AsyncClient, str]) -> None:
+    client, token = admin_client
+    tenant = await _tenant(dashboard, tpm_limit=5000, rpm_limit=60, monthly_budget_pico_usd=10 * 10**12)
+    form = {"csrf_token": token, "tier": "default", "tpm_limit": "5000", "rpm_limit": "60",
+            "max_concurrency": "", "batch_tpd_limit": "", "monthly_budget_usd": "10.00"}
+    same = await client.post(f"/admin/tenants/{tenant.id}/limits", data=form)
+    assert same.status_code == 303 and same.headers["location"].endswith("done=unchanged")
+    changed = await client.post(f"/admin/tenants/{tenant.id}/limits",
+                                data={**form, "rpm_limit": "", "max_concurrency": "4", "tier": "flex"})
+    assert changed.status_code == 303
+    page = await client.get(changed.headers["location"])
+    assert "Limits saved" in page.text
+    assert await _audit(dashboard, tenant.id) == [
+        ("tenant.update", {"tier": "flex", "rpm_limit": None, "max_concurrency": 4})]
+    async with dashboard.db.session() as session:
+        row = await session.get(Tenant, tenant.id)
+    assert row is not None and (row.tier, row.rpm_limit, row.max_concurrency, row.tpm_limit) == (
+        "flex", None, 4, 5000)
+    bad = await client.post(f"/admin/tenants/{tenant.id}/limits", data={**form, "tpm_limit": "lots"})
+    assert bad.status_code == 400 and "tpm limit" in bad.text
+
+
+async def test_billing_suspension_needs_the_override(dashboard: Dashboard,
+                                                     admin_client: tuple[httpx.AsyncClient, str]) -> None:
+    client, token = admin_client
+    tenant = await _tenant(dashboard, status="suspended", suspended_reason="billing")
+    page = await client.get(f"/admin/tenants/{tenant.id}")
+    assert 'id="suspend-form"' not in page.text and 'name="force"' in page.text
+    refused = await client.post(f"/admin/tenants/{tenant.id}/reactivate", data={"csrf_token": token})
+    assert refused.status_code == 409 and "force" in refused.text
+    lifted = await client.post(f"/admin/tenants/{tenant.id}/reactivate",
+                               data={"csrf_token": token, "force": "on", "note": "paid by wire"})
+    assert lifted.status_code == 303
+    assert await _audit(dashboard, tenant.id) == [("tenant.reactivate", {
+        "lifted_reason": "billing", "forced": True, "note": "paid by wire"})]
+
+
+async def test_refusals_render_pages(dashboard: Dashboard,
+                                     admin_client: tuple[httpx.AsyncClient, str]) -> None:
+    client, token = admin_client
+    tenant = await _tenant(dashboard)
+    past_key = await client.post(f"/admin/tenants/{tenant.id}/keys",
+                                 data={"csrf_token": token, "name": "old", "expires_at": "2001-01-01T00:00"})
+    assert past_key.status_code == 400 and "in the future" in past_key.text
+    missing = await client.get("/admin/tenants/999999999")
+    assert missing.status_code == 404 and "no tenant" in missing.text
+    bad_range = await client.get("/admin/usage?start=2026-02-01&end=2026-01-01")
+    assert bad_range.status_code == 400 and "must not be after" in bad_range.text
+    bad_csv = await client.get("/admin/usage.csv?start=someday")
+    assert bad_csv.status_code == 400 and "dates must look like" in bad_csv.text
+    unknown_batch = await client.post("/admin/batches/batch_nope/cancel", data={"csrf_token": token})
+    assert unknown_batch.status_code == 404 and "batch_nope" in unknown_batch.text
+    past_price = await client.post("/admin/prices", data={"csrf_token": token, "model": "m",
+                                                          "effective_from": "2001-01-01T00:00",
+                                                          "input": "1", "output": "2"})
+    assert past_price.status_code == 400 and "must not be in the past" in past_price.text
+    no_price = await client.post("/admin/prices", data={"csrf_token": token, "model": "m", "input": "x",
+                                                        "output": "2"})
+    assert no_price.status_code == 400
