@@ -70,6 +70,14 @@ class BatchDispatcher:
     async def validate(self, batch_id: str) -> None:
         await self._send(VALIDATE_TASK, [batch_id])
 
+    async def revalidate(self, batch_id: str) -> bool:
+        """Re-send a validation whose message may have been lost, at most once per five lease periods
+        (a long validation is still running meanwhile; a second one would only repeat its work)."""
+        if not await self.redis.set(f"tollgate:batch:revalidate:{batch_id}", 1, nx=True, px=5 * self._ttl_ms):
+            return False
+        await self.validate(batch_id)
+        return True
+
     async def finalize(self, batch_id: str) -> None:
         await self._send(FINALIZE_TASK, [batch_id])
 

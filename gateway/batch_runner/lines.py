@@ -141,12 +141,16 @@ def _body_param(param: str | None) -> str:
     return f"body.{param}" if param else "body"
 
 
+DEFER_LIMITS = "limits"  # the tenant's batch quota, budget or status: retry much later (beat's sweep)
+DEFER_CAPACITY = "capacity"  # no replica can take batch work now: retry soon
+
+
 @dataclass
 class LineResult:
-    """How a line ended. ``deferred``: it never started (put it back). ``status_code`` None with
-    ``error``: stopped by the runner (cancel/expiry) before an answer."""
+    """How a line ended. ``deferred`` (a ``DEFER_*`` reason): it never started (put it back).
+    ``status_code`` None otherwise: stopped by the runner (cancel, expiry, lost lease) before an answer."""
 
-    deferred: bool = False
+    deferred: str | None = None
     status_code: int | None = None
     body: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
@@ -187,10 +191,12 @@ async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: st
             response = await handler(runtime, principal, request_id, request_body,
                                      Request(scope, _receive_until(stop)))
         except BatchDeferred:
-            return LineResult(deferred=True, context=context)
-        except GatewayError as exc:
-            if exc.status in (429, 503):  # nothing started: capacity or limits, retry later
-                return LineResult(deferred=True, context=context)
+            return LineResult(deferred=DEFER_LIMITS, context=context)
+        except GatewayError as exc:  # raised before the engine accepted anything
+            if exc.status == 429:
+                return LineResult(deferred=DEFER_LIMITS, context=context)
+            if exc.status == 503:
+                return LineResult(deferred=DEFER_CAPACITY, context=context)
             return LineResult(status_code=exc.status, body=exc.body(), context=context)
         if response.status_code == 499 or stop.is_set():
             return LineResult(context=context)

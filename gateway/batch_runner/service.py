@@ -11,8 +11,10 @@ idempotent, so a redelivered or duplicated task is harmless.
   ``batch_line_concurrency`` at once through the interactive pipeline (``execute_line``) and records
   each result as it finishes. A watcher renews the leases and the chain slot and polls the batch every
   ``batch_status_poll_interval_s``: on cancel or expiry it stops the lines (engine aborts) and releases
-  the ones not started. A line the limits refuse (``deferred``: TPD quota, budget, no capacity) goes
-  back unchanged and ends the chain; beat's sweep kicks it again later.
+  the ones not started. A line that cannot start goes back unchanged (attempt refunded): over the
+  tenant's limits (TPD quota, budget, suspension) the chain ends and beat's sweep kicks it again
+  later; with no capacity (interactive replicas over the soak watermark) the chain backs off for one
+  poll interval and goes on.
 - ``finalize``: once no line is pending or running (or, when cancelling/expiring, after the pending
   ones are marked cancelled/expired), writes the output file (completed lines) and the error file
   (the others) in line order, records them as ``batch_output`` files, and sets the final status.
@@ -39,6 +41,7 @@ from gateway.auth import Principal
 from gateway.batch_runner import repository as repo
 from gateway.batch_runner.dispatch import BatchDispatcher
 from gateway.batch_runner.lines import (
+    DEFER_CAPACITY,
     LineResult,
     LineValidator,
     ParsedLine,
@@ -168,6 +171,7 @@ class BatchRunner:
             if stopped:
                 await self.finalize(batch_id)
             return 0
+        runtime = await self._runtime()  # before claiming: a runtime that cannot start holds no lease
         owner = owner_name()
         async with self.db.session() as session:
             claimed = await repo.claim_lines(session, batch_id, owner, self.settings.batch_chunk_size,
@@ -176,12 +180,14 @@ class BatchRunner:
             await self.dispatch.end_chain(batch_id, slot, token)
             await self.finalize(batch_id)
             return 0
-        runtime = await self._runtime()
         finished, deferred = await _Chunk(self, runtime, batch_id, endpoint, principal, owner, claimed,
                                           slot, token).run()
-        if deferred:
+        if deferred == DEFER_CAPACITY:  # replicas busy with interactive work: back off a little, go on
+            await asyncio.sleep(self.settings.batch_status_poll_interval_s)
+        elif deferred is not None:  # over the tenant's limits: beat's sweep retries later
             await self.dispatch.end_chain(batch_id, slot, token)
-        elif not await self.dispatch.continue_chain(batch_id, slot, token):
+            return finished
+        if not await self.dispatch.continue_chain(batch_id, slot, token):
             await self.finalize(batch_id)
         return finished
 
@@ -267,7 +273,7 @@ class BatchRunner:
             try:
                 if batch.status == "validating" and batch.expired_at is None:
                     if batch.created_at < stale:
-                        await self.dispatch.validate(batch.id)
+                        await self.dispatch.revalidate(batch.id)
                 elif batch.status == "in_progress" and batch.expired_at is None:
                     kicked += await self.dispatch.kick(batch.id)
                 elif await self.finalize(batch.id) in FINAL_STATUSES:
@@ -307,10 +313,10 @@ class _Chunk:
         self.held = {c.id for c in claimed}
         self.stops = {c.id: asyncio.Event() for c in claimed}
         self.stopping = False
-        self.deferred = False
+        self.deferred: str | None = None
         self.finished = 0
 
-    async def run(self) -> tuple[int, bool]:
+    async def run(self) -> tuple[int, str | None]:
         semaphore = asyncio.Semaphore(self.runner.settings.batch_line_concurrency)
         watcher = asyncio.create_task(self._watch(), name=f"tollgate-batch-watch-{self.batch_id}")
         try:
@@ -323,7 +329,7 @@ class _Chunk:
     async def _line(self, line: repo.ClaimedLine, semaphore: asyncio.Semaphore) -> None:
         db = self.runner.db
         async with semaphore:
-            if self.stopping or self.deferred or line.id not in self.held:
+            if self.stopping or self.deferred is not None or line.id not in self.held:
                 async with db.session() as session:
                     await repo.release_line(session, line.id, self.owner, refund_attempt=True)
                 return
@@ -340,8 +346,8 @@ class _Chunk:
     async def _record(self, line: repo.ClaimedLine, result: LineResult) -> None:
         settings = self.runner.settings
         async with self.runner.db.session() as session:
-            if result.deferred:
-                self.deferred = True
+            if result.deferred is not None:
+                self.deferred = self.deferred or result.deferred
                 await repo.release_line(session, line.id, self.owner, refund_attempt=True)
                 return
             if result.status_code is None:  # stopped by cancel/expiry/lost lease: finalize decides

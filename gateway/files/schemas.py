@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from tollgate.models import File
+
 UPLOAD_PURPOSES = ("batch",)
 # OpenAI's bounds for ``expires_after.seconds``.
 MIN_EXPIRES_AFTER_S = 3600
@@ -34,10 +36,9 @@ class FileObject(BaseModel):
     status_details: str | None = None
 
     @classmethod
-    def of(cls, row: object) -> FileObject:
-        return cls(id=row.id, bytes=row.bytes, created_at=unix(row.created_at) or 0,  # type: ignore[attr-defined]
-                   expires_at=unix(row.expires_at), filename=row.filename,  # type: ignore[attr-defined]
-                   purpose=row.purpose)  # type: ignore[attr-defined]
+    def of(cls, row: File) -> FileObject:
+        return cls(id=row.id, bytes=row.bytes, created_at=unix(row.created_at) or 0,
+                   expires_at=unix(row.expires_at), filename=row.filename, purpose=row.purpose)
 
 
 class FileList(BaseModel):
