@@ -23,6 +23,9 @@ from gateway.errors import install_exception_handlers
 from gateway.middleware import RequestContextMiddleware, RequestIdLogFilter
 from gateway.models.endpoints import router as models_router
 
+# OpenAI accepts batch input files of up to 200 MB; every other body is an API call.
+FILE_UPLOAD_MAX_BYTES = 200 * 1024 * 1024
+
 router = APIRouter(prefix="/v1", tags=["openai"])
 router.include_router(chat_router)
 router.include_router(completions_router)
@@ -30,7 +33,8 @@ router.include_router(models_router)
 
 
 def install(app: FastAPI) -> None:
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=app.state.settings.max_request_body_bytes)
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=app.state.settings.max_request_body_bytes,
+                       path_limits={"/v1/files": FILE_UPLOAD_MAX_BYTES})
     install_exception_handlers(app)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RequestIdLogFilter) for f in handler.filters):

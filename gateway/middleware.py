@@ -7,7 +7,8 @@ One pure-ASGI layer (no ``BaseHTTPMiddleware``: it would buffer streams and cost
   ``RequestIdLogFilter`` adds to every log record, so a client's report can be found in the logs.
 - Request bodies larger than ``max_body_bytes`` are refused with 413 in OpenAI's error body. The limit
   is enforced on the bytes actually received (chunked uploads and lying ``content-length`` included);
-  a declared ``content-length`` over the limit is refused before reading anything.
+  a declared ``content-length`` over the limit is refused before reading anything. ``path_limits``
+  gives some path prefixes their own limit (file uploads are far larger than API calls).
 - An exception that escapes the app before the response started becomes a logged 500 with OpenAI's
   body; after it started (a stream) it is logged and the connection is closed.
 """
@@ -58,9 +59,11 @@ _SERVER_ERROR_BODY = orjson.dumps(error_body(
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int,
+                 path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.path_limits = sorted((path_limits or {}).items(), key=lambda item: -len(item[0]))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,6 +74,11 @@ class RequestContextMiddleware:
         token = request_id_var.set(request_id)
         rid_header = (b"x-request-id", request_id.encode())
         limit = self.max_body_bytes
+        path = scope.get("path", "")
+        for prefix, prefix_limit in self.path_limits:
+            if path.startswith(prefix):
+                limit = prefix_limit
+                break
         state: dict[str, Any] = {"started": False, "too_large": False, "received": 0}
 
         async def send_json(status: int, body: bytes) -> None:

@@ -14,12 +14,16 @@ from tests.openai_schema import assert_conforms
 @pytest.fixture
 def app() -> FastAPI:
     app = FastAPI()
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=1000)
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=1000, path_limits={"/echo/big": 5000})
     install_exception_handlers(app)
 
     @app.post("/echo")
     async def echo(request: Request) -> dict:
         return {"size": len(await request.body()), "request_id": request.state.request_id}
+
+    @app.post("/echo/big")
+    async def echo_big(request: Request) -> dict:
+        return {"size": len(await request.body())}
 
     @app.get("/boom")
     async def boom() -> dict:
@@ -57,6 +61,8 @@ async def test_body_limit_on_declared_and_streamed_bodies(client: httpx.AsyncCli
 
     r = await client.post("/echo", content=body())
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert (await client.post("/echo/big", content=b"z" * 4000)).json()["size"] == 4000
+    assert (await client.post("/echo/big", content=b"z" * 5001)).status_code == 413
 
 
 async def test_unexpected_exception_is_a_logged_500(client: httpx.AsyncClient,
