@@ -9,11 +9,14 @@ the engine's ``GET /load`` (KV usage, queue, prefix hit rate, throughput), refre
   same state requests are routed on, polled every ``health_poll_interval_s``. ``/admin/engines/live``
   returns it as JSON; the page polls it (``static/dashboard.js``). Without the public API extension the
   gateway has no router and the page says so.
+- Replicas of other configured pools (the batch pool), which this gateway does not route to, are probed
+  directly (``GET /load`` through the runtime's engine client, concurrently, with its probe timeout)
+  on each refresh, so the page shows every engine.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
@@ -23,7 +26,9 @@ from starlette.responses import JSONResponse, Response
 
 from admin_ui.session import current_admin
 from admin_ui.web import SECURITY_HEADERS, render
+from engine.protocol import LoadReport
 from gateway.admin.auth import AdminPrincipal
+from gateway.engine_client import EngineUnavailable
 from tollgate.models import UsageEvent
 from tollgate.settings import Settings
 
@@ -60,29 +65,42 @@ async def tier_slos(session: Any, settings: Settings, window_s: int) -> list[dic
     return rows
 
 
-def replica_snapshot(request: Request) -> dict[str, Any]:
-    """The router's replicas with their last polled load (JSON-serialisable)."""
+def _row(url: str, model: str, pool: str, healthy: bool, load: LoadReport | None, *,
+         inflight: int | None = None, last_error: str | None = None) -> dict[str, Any]:
+    return {
+        "url": url, "model": model, "pool": pool, "healthy": healthy, "inflight": inflight,
+        "last_error": last_error, "waiting": load.waiting if load else None,
+        "running": load.running if load else None, "kv_usage": load.kv_usage if load else None,
+        "prefix_hit_rate": load.prefix_hit_rate if load else None,
+        "tokens_per_s": load.tokens_per_s if load else None,
+        "pending_prefill_tokens": load.pending_prefill_tokens if load else None,
+        "num_preemptions": load.num_preemptions if load else None,
+    }
+
+
+async def _probe(runtime: Any, url: str, pool: str) -> dict[str, Any]:
+    try:
+        load = await runtime.engine.load(url)
+    except EngineUnavailable as exc:
+        return _row(url, "", pool, False, None, last_error=exc.message)
+    return _row(url, load.model, pool, True, load)
+
+
+async def replica_snapshot(request: Request) -> dict[str, Any]:
+    """Every engine replica with its load: the router's (as last polled), then other pools' (probed)."""
     runtime = getattr(request.app.state, "gateway", None)
     if runtime is None:
         return {"available": False, "replicas": []}
-    now = time.monotonic()
-    replicas = []
+    replicas, routed = [], set()
     for route in runtime.router.models.values():
         for replica in route.replicas:
-            load = replica.load
-            replicas.append({
-                "url": replica.url, "model": route.name, "pool": replica.pool, "healthy": replica.healthy,
-                "inflight": replica.inflight, "last_error": replica.last_error,
-                "checked_s_ago": round(now - replica.checked_at, 1) if replica.checked_at else None,
-                "waiting": load.waiting if load else None, "running": load.running if load else None,
-                "kv_usage": load.kv_usage if load else None,
-                "prefix_hit_rate": load.prefix_hit_rate if load else None,
-                "tokens_per_s": load.tokens_per_s if load else None,
-                "pending_prefill_tokens": load.pending_prefill_tokens if load else None,
-                "num_preemptions": load.num_preemptions if load else None,
-            })
-    return {"available": True, "replicas": replicas,
-            "poll_interval_s": request.app.state.settings.health_poll_interval_s}
+            routed.add(replica.url)
+            replicas.append(_row(replica.url, route.name, replica.pool, replica.healthy, replica.load,
+                                 inflight=replica.inflight, last_error=replica.last_error))
+    others = [(url.rstrip("/"), pool) for pool, cfg in request.app.state.settings.pools.items()
+              for url in cfg.replicas if url.rstrip("/") not in routed]
+    replicas += await asyncio.gather(*(_probe(runtime, url, pool) for url, pool in others))
+    return {"available": True, "replicas": replicas}
 
 
 @router.get("", include_in_schema=False)
@@ -92,10 +110,10 @@ async def engines(request: Request, admin: CurrentAdmin,
         tiers = await tier_slos(session, request.app.state.settings, WINDOWS[window])
     return render(request, "engines.html", {
         "title": "SLOs & engines", "tiers": tiers, "window": window, "windows": list(WINDOWS),
-        "live": replica_snapshot(request), "refresh_ms": LIVE_REFRESH_MS,
+        "live": await replica_snapshot(request), "refresh_ms": LIVE_REFRESH_MS,
     }, admin=admin)
 
 
 @router.get("/live", include_in_schema=False)
 async def live(request: Request, admin: CurrentAdmin) -> Response:
-    return JSONResponse(replica_snapshot(request), headers=SECURITY_HEADERS)
+    return JSONResponse(await replica_snapshot(request), headers=SECURITY_HEADERS)

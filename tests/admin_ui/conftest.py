@@ -7,6 +7,7 @@ Started once per test session (per xdist worker) and shared:
   subprocess (``run_engine``), with a database of its own (the app commits) and a Redis database index of
   its own (``REDIS_INDEX_BASE`` - worker index), so no other test's outbox entries or ``flushdb`` meet it.
   One admin with a password exists: ``dashboard.admin_email`` / ``ADMIN_PASSWORD``.
+  Its settings also list a ``batch`` pool with one replica that is down.
 - ``browser``: headless chromium (``/usr/bin/chromium``; never ``playwright install``).
 - ``page``: a fresh browser context and page per test (no shared cookies).
 Screenshots go to ``test-artifacts/screenshots/`` (gitignored) through ``screenshot(page, name)``.
@@ -29,9 +30,12 @@ from redis.asyncio import Redis
 from tests.factories import create_price
 from tests.gateway.conftest import MODEL, gateway_settings, run_engine, run_gateway
 from tollgate.db import Database
+from tollgate.local_services import free_port
+from tollgate.settings import PoolConfig
 
 ADMIN_PASSWORD = "correct horse battery staple"
 REDIS_INDEX_BASE = 63
+BATCH_REPLICA = "http://127.0.0.1:{port}"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -94,6 +98,8 @@ async def dashboard(dashboard_engine: str, dashboard_tiny_model: Path, dashboard
     await redis.flushdb()
     settings = gateway_settings([dashboard_engine], dashboard_tiny_model, dashboard_database,
                                 dashboard_redis_url)
+    # A batch pool whose only replica is down: the engines page probes pools the router does not own.
+    settings.pools["batch"] = PoolConfig(replicas=[BATCH_REPLICA.format(port=free_port())])
     email = f"ops-{uuid.uuid4().hex[:6]}@example.com"
     db = Database(dashboard_database, pool_size=1)
     async with db.session() as session:

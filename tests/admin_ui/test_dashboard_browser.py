@@ -165,6 +165,9 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     await page.goto("/admin/engines?window=1h")
     replica = page.locator("#replicas tbody tr").first
     await expect(replica).to_contain_text("healthy")
+    batch_replica = page.locator("#replicas tbody tr").nth(1)
+    await expect(batch_replica).to_contain_text("batch")
+    await expect(batch_replica.locator("td").nth(3)).to_contain_text("down")
     await expect(page.locator("#live-status")).to_contain_text("updated")
     await expect(page.locator('#tiers tr[data-tier="default"] td').nth(1)).not_to_have_text("0")
     await _chart_sums(page, "chart-kv")
