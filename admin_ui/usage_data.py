@@ -135,14 +135,14 @@ async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, 
         series["cost_pico_usd"].append(str(cost))
         series["cost_usd"].append(cost / PICO_PER_USD)
         series["cache_hit_rate"].append(_hit_rate(cached, prompt))
-    reasons = [r for r in REASONS if any(rejected[at].get(r) for at in buckets)]
+    present = [r for r in REASONS if any(rejected[at].get(r) for at in buckets)]
     totals = result.totals
-    total_rejections = {r: sum(rejected[at].get(r, 0) for at in buckets) for r in reasons}
+    total_rejections = {r: sum(rejected[at].get(r, 0) for at in buckets) for r in present}
     return {
         "granularity": rng.granularity,
         "labels": [_label(at, rng.granularity) for at in buckets],
         **series,
-        "rejections": {r: [rejected[at].get(r, 0) for at in buckets] for r in reasons},
+        "rejections": {r: [rejected[at].get(r, 0) for at in buckets] for r in present},
         "totals": {
             "requests": totals.requests, "prompt_tokens": totals.prompt_tokens,
             "input_tokens": totals.prompt_tokens - totals.cached_tokens,
