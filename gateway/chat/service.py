@@ -30,17 +30,22 @@ from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
 from gateway.chat.tools import ToolCallParser, forced_call_schema
 from gateway.deps import GatewayRuntime
-from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.errors import InvalidRequestError
 from gateway.openai.chat_schemas import (
     ChatCompletionRequest,
     NamedToolChoice,
     to_template_dict,
 )
 from gateway.openai.encoding import chat_token_logprobs, completion_id, system_fingerprint
-from gateway.openai.generation import Generation, check_context_length, resolve_tier
+from gateway.openai.generation import (
+    Generation,
+    check_context_length,
+    lookup_model,
+    resolve_tier,
+    sampling_fields,
+)
 from gateway.openai.schemas import ResponseFormatJsonObject, ResponseFormatJsonSchema
 from gateway.openai.streaming import DONE_FRAME, EventStreamResponse, collect_unless_disconnected, json_frame
-from gateway.routing import ModelRoute
 
 # Prompts longer than this (characters) are rendered and tokenized in a worker thread.
 OFFLOAD_CHARS = 32_000
@@ -50,26 +55,6 @@ def _finish_reason(engine_reason: str | None, has_calls: bool) -> str:
     if has_calls:
         return "tool_calls"
     return "length" if engine_reason == "length" else "stop"
-
-
-def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> ModelRoute:
-    route = runtime.router.models.get(model)
-    if route is None or not principal.may_use(model):
-        raise ModelNotFoundError(model)
-    return route
-
-
-def sampling_fields(body: Any) -> dict[str, Any]:
-    """Engine sampling arguments common to both endpoints (OpenAI defaults: temperature 1, top_p 1)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if top_p == 0.0:  # OpenAI accepts 0: only the most likely token remains, i.e. greedy decoding
-        temperature, top_p = 0.0, 1.0
-    return {
-        "temperature": temperature, "top_p": top_p,
-        "presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
-        "seed": body.seed, "stop": body.stop_list,
-    }
 
 
 async def _render(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:

@@ -22,12 +22,17 @@ from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
-from gateway.chat.service import lookup_model, sampling_fields
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError
 from gateway.openai.completion_schemas import CompletionRequest
 from gateway.openai.encoding import CompletionLogprobs, completion_id, system_fingerprint
-from gateway.openai.generation import Generation, check_context_length, resolve_tier
+from gateway.openai.generation import (
+    Generation,
+    check_context_length,
+    lookup_model,
+    resolve_tier,
+    sampling_fields,
+)
 from gateway.openai.streaming import DONE_FRAME, EventStreamResponse, collect_unless_disconnected, json_frame
 
 

@@ -46,7 +46,8 @@ from gateway.admission.shedding import should_shed
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
-from gateway.errors import GatewayError, InvalidRequestError, ServiceUnavailableError
+from gateway.errors import GatewayError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
+from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
 
 logger = logging.getLogger("tollgate.gateway.generation")
@@ -69,6 +70,26 @@ def resolve_tier(runtime: GatewayRuntime, principal: Principal, requested: str |
     if requested is None or requested == "auto" or requested not in tiers:
         return own
     return requested if tiers[requested].rank <= tiers[own].rank else own
+
+
+def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> ModelRoute:
+    route = runtime.router.models.get(model)
+    if route is None or not principal.may_use(model):
+        raise ModelNotFoundError(model)
+    return route
+
+
+def sampling_fields(body: Any) -> dict[str, Any]:
+    """Engine sampling arguments common to both endpoints (OpenAI defaults: temperature 1, top_p 1)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0.0:  # OpenAI accepts 0: only the most likely token remains, i.e. greedy decoding
+        temperature, top_p = 0.0, 1.0
+    return {
+        "temperature": temperature, "top_p": top_p,
+        "presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
+        "seed": body.seed, "stop": body.stop_list,
+    }
 
 
 @dataclass
@@ -146,7 +167,7 @@ class Generation:
         hashes = [prefix_block_hashes(p, block_size, salt) for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
         # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).
-        async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class):
+        async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class, tier=self.tier):
             first = rt.router.pick(self.route.name, hashes[0])
             if first.load is not None:
                 cached = min(rt.router.cached_prefix_blocks(first, hashes[0]) * block_size,
@@ -332,6 +353,11 @@ class Generation:
             completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
             ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at,
         )
+        observe_generation(model=record.model, tier=self.tier, status=self.status,
+                           prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens,
+                           completion_tokens=record.completion_tokens, tpot_s=(self._tpot_ms or 0) / 1000,
+                           ttft_s=(None if self._first_token_at is None
+                                   else self._first_token_at - self._started_at))
         try:
             await append_usage(rt.redis, record)
         except Exception:
