@@ -225,7 +225,9 @@ async def create_key(request: Request, admin: CurrentAdmin, tenant_id: TenantId)
     expires = fields.get("expires_at", "").strip()
     try:
         expires_at = datetime.fromisoformat(expires).replace(tzinfo=UTC) if expires else None
-        body = KeyCreateRequest.model_validate({"name": fields.get("name", ""), "expires_at": expires_at})
+        models = [m.strip() for m in fields.get("allowed_models", "").split(",") if m.strip()]
+        body = KeyCreateRequest.model_validate({"name": fields.get("name", ""), "expires_at": expires_at,
+                                                "allowed_models": models or None})
         async with unit_of_work(request) as session:
             created = await service.create_key(session, tenant_id, body, settings=_settings(request),
                                                actor=admin.actor)

@@ -219,11 +219,12 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     await screenshot(page, "12-records-ledger")
     await page.goto("/admin/db/audit-log/list")
     await expect(page.locator("table")).to_contain_text("tenant.reactivate")
+    await screenshot(page, "13-records-audit")
     assert await page.locator("a:has-text('New'), a:has-text('Delete')").count() == 0
 
     await page.goto("/admin/no-such-page")
     await expect(page.locator("h2")).to_have_text("Not found")
-    await screenshot(page, "13-not-found")
+    await screenshot(page, "14-not-found")
 
     # Logging out leaves only the login page.
     await page.click("#logout")

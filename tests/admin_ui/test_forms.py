@@ -100,6 +100,9 @@ async def test_refusals_render_pages(dashboard: Dashboard,
     past_key = await client.post(f"/admin/tenants/{tenant.id}/keys",
                                  data={"csrf_token": token, "name": "old", "expires_at": "2001-01-01T00:00"})
     assert past_key.status_code == 400 and "in the future" in past_key.text
+    scoped = await client.post(f"/admin/tenants/{tenant.id}/keys",
+                               data={"csrf_token": token, "name": "scoped", "allowed_models": "tiny, other "})
+    assert scoped.status_code == 200 and "tiny, other" in scoped.text and 'id="new-key-secret"' in scoped.text
     missing = await client.get("/admin/tenants/999999999")
     assert missing.status_code == 404 and "no tenant" in missing.text
     bad_range = await client.get("/admin/usage?start=2026-02-01&end=2026-01-01")
