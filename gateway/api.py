@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 
@@ -22,6 +23,7 @@ from gateway.deps import GatewayRuntime
 from gateway.errors import install_exception_handlers
 from gateway.middleware import RequestContextMiddleware, RequestIdLogFilter
 from gateway.models.endpoints import router as models_router
+from gateway.openai.schemas import OPENAPI_SCHEMAS
 
 # OpenAI accepts batch input files of up to 200 MB; every other body is an API call.
 FILE_UPLOAD_MAX_BYTES = 200 * 1024 * 1024
@@ -33,12 +35,27 @@ router.include_router(models_router)
 
 
 def install(app: FastAPI) -> None:
+    _document_request_bodies(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=app.state.settings.max_request_body_bytes,
                        path_limits={"/v1/files": FILE_UPLOAD_MAX_BYTES})
     install_exception_handlers(app)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RequestIdLogFilter) for f in handler.filters):
             handler.addFilter(RequestIdLogFilter())
+
+
+def _document_request_bodies(app: FastAPI) -> None:
+    """Add the request-body schemas the endpoints reference to the OpenAPI document's components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = build()
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(OPENAPI_SCHEMAS)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 @asynccontextmanager

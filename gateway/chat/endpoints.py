@@ -15,13 +15,13 @@ from gateway.chat.service import create_chat_completion
 from gateway.deps import CurrentPrincipal, RequestId, Runtime
 from gateway.errors import from_pydantic
 from gateway.openai.chat_schemas import ChatCompletionRequest
+from gateway.openai.schemas import openapi_request_body
 
 router = APIRouter()
 
 
 @router.post("/chat/completions", summary="Create a chat completion",
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": ChatCompletionRequest.model_json_schema(ref_template="#/$defs/{model}")}}}})
+             openapi_extra=openapi_request_body(ChatCompletionRequest))
 async def chat_completions(request: Request, runtime: Runtime, principal: CurrentPrincipal,
                            request_id: RequestId) -> Any:
     try:

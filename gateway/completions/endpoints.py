@@ -11,13 +11,13 @@ from gateway.completions.service import create_completion
 from gateway.deps import CurrentPrincipal, RequestId, Runtime
 from gateway.errors import from_pydantic
 from gateway.openai.completion_schemas import CompletionRequest
+from gateway.openai.schemas import openapi_request_body
 
 router = APIRouter()
 
 
 @router.post("/completions", summary="Create a completion (legacy)",
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": CompletionRequest.model_json_schema(ref_template="#/$defs/{model}")}}}})
+             openapi_extra=openapi_request_body(CompletionRequest))
 async def completions(request: Request, runtime: Runtime, principal: CurrentPrincipal,
                       request_id: RequestId) -> Any:
     try:

@@ -29,6 +29,20 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+# JSON schemas of the request bodies, for the app's OpenAPI document (``gateway.api`` merges them into
+# ``components.schemas``); the endpoints validate bodies themselves, straight from bytes.
+OPENAPI_SCHEMAS: dict[str, Any] = {}
+
+
+def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for an endpoint whose JSON body is ``model``."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    OPENAPI_SCHEMAS.update(schema.pop("$defs", {}))
+    OPENAPI_SCHEMAS[model.__name__] = schema
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 class StreamOptions(RequestModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None

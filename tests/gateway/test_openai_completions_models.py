@@ -113,3 +113,14 @@ async def test_key_restricted_to_other_models_sees_none(gateway: GatewayUnderTes
         r = await c.post("/chat/completions",
                          json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_openapi_document_describes_the_request_bodies(gateway: GatewayUnderTest) -> None:
+    import re
+
+    async with httpx.AsyncClient(base_url=gateway.url) as c:
+        spec = (await c.get("/openapi.json")).json()
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/ChatCompletionRequest"
+    refs = set(re.findall(r"#/components/schemas/([A-Za-z0-9_]+)", json.dumps(spec)))
+    assert refs <= set(spec["components"]["schemas"])
