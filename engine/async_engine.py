@@ -64,7 +64,11 @@ class RequestStream:
         self.queue.put_nowait(item)
 
     def put_threadsafe(self, item: RequestDelta | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """Deliver from another thread (a closed event loop means nobody listens: dropped)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            logger.debug("dropping an item for request %s: its event loop is closed", self.request_id)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -230,6 +234,8 @@ class AsyncEngine:
         self._fail_all_streams(EngineError("the engine shut down"))
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
+        """Hand a step's deltas to their streams: one wake-up per event loop, not one per request."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestDelta]]] = {}
         with self._cond:
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
@@ -238,7 +244,12 @@ class AsyncEngine:
                     if delta.timings is not None and delta.usage is not None:
                         self.metrics.observe_finished(delta.timings, delta.usage.completion_tokens)
                 if stream is not None:
-                    stream.put_threadsafe(delta)
+                    batches.setdefault(stream.loop, []).append((stream, delta))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                logger.debug("dropping %d deltas for a closed event loop", len(items))
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._cond:
@@ -260,3 +271,8 @@ class AsyncEngine:
             streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put_threadsafe(error)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestDelta]]) -> None:
+    for stream, delta in items:
+        stream.put_nowait(delta)

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as SchemaError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,19 +31,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.async_engine import EngineError, RequestStream
 from engine.config import EngineConfig
 from engine.metrics import CONTENT_TYPE
-from engine.outputs import EngineStats, RequestValidationError
+from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.protocol import (
     AbortRequest,
-    DeltaRecord,
     ErrorInfo,
     ErrorRecord,
-    FinalRecord,
     GenerateRequest,
     HealthResponse,
     InfoResponse,
     LoadReport,
-    TokenLogprob,
-    TopLogprob,
     encode_record,
 )
 from engine.sampling_params import SamplingParams
@@ -87,37 +84,30 @@ def _param_of(message: str) -> str | None:
     return head if head in SamplingParams.__dataclass_fields__ else None
 
 
-def _logprob_records(records: list[Any] | None) -> list[TokenLogprob] | None:
-    if records is None:
-        return None
-    return [
-        TokenLogprob(
-            token_id=r.token_id,
-            logprob=r.logprob,
-            top_logprobs=[TopLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
-        )
-        for r in records
-    ]
+def _delta_line(request_id: str, completion: CompletionDelta) -> bytes:
+    """One ``DeltaRecord`` line, dumped straight from the engine's objects (the hot path: one per
+    token per stream; the pydantic models are the schema, and the tests parse the stream with them)."""
+    record: dict[str, Any] = {"type": "delta", "request_id": request_id, "index": completion.index,
+                              "token_ids": completion.token_ids, "text": completion.text}
+    if completion.logprobs is not None:
+        record["logprobs"] = [
+            {"token_id": r.token_id, "logprob": r.logprob,
+             "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in r.top_logprobs]}
+            for r in completion.logprobs
+        ]
+    return orjson.dumps(record) + b"\n"
 
 
 async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
     request_id = stream.request_id
     try:
         async for delta in stream:
-            lines = [
-                encode_record(DeltaRecord(request_id=request_id, index=c.index, token_ids=c.token_ids,
-                                          text=c.text, logprobs=_logprob_records(c.logprobs)))
-                for c in delta.completions
-                if c.token_ids or c.text
-            ]
+            lines = [_delta_line(request_id, c) for c in delta.completions if c.token_ids or c.text]
             if delta.finished and delta.usage is not None and delta.timings is not None:
-                final = FinalRecord(
-                    request_id=request_id,
-                    finish_reasons=delta.finish_reasons or [],
-                    usage=asdict(delta.usage),
-                    timings=asdict(delta.timings),
-                )
-                lines.append(encode_record(final))
+                final = {"type": "final", "request_id": request_id,
+                         "finish_reasons": delta.finish_reasons or [],
+                         "usage": asdict(delta.usage), "timings": asdict(delta.timings)}
+                lines.append(orjson.dumps(final) + b"\n")
             if lines:
                 yield b"".join(lines)
     except (EngineError, RequestValidationError) as exc:
