@@ -3,7 +3,8 @@
 Cookie ``tollgate_admin`` (path ``/admin``): an ``itsdangerous`` timed signature (key:
 ``settings.session_secret``) over ``{"c": csrf token, "a": admin id, "p": password fingerprint}``;
 ``a``/``p`` only once logged in. It is HttpOnly, SameSite=Lax, and Secure whenever the request came over
-https (behind a proxy, run uvicorn with ``--proxy-headers`` so the scheme is the client's).
+https (behind a proxy, run uvicorn with ``--proxy-headers`` so the scheme is the client's). A session
+lasts ``SESSION_MAX_AGE_S`` from login (the signature's timestamp; it is not extended by activity).
 
 Invariants:
 - Every dashboard page and action needs a logged-in admin; without one (no cookie, a bad or expired

@@ -103,6 +103,11 @@ async def test_refusals_render_pages(dashboard: Dashboard,
     scoped = await client.post(f"/admin/tenants/{tenant.id}/keys",
                                data={"csrf_token": token, "name": "scoped", "allowed_models": "tiny, other "})
     assert scoped.status_code == 200 and "tiny, other" in scoped.text and 'id="new-key-secret"' in scoped.text
+    note = "<script>alert(1)</script>"
+    suspended = await client.post(f"/admin/tenants/{tenant.id}/suspend",
+                                  data={"csrf_token": token, "note": note})
+    page = await client.get(suspended.headers["location"])
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text and note not in page.text
     missing = await client.get("/admin/tenants/999999999")
     assert missing.status_code == 404 and "no tenant" in missing.text
     bad_range = await client.get("/admin/usage?start=2026-02-01&end=2026-01-01")
