@@ -26,6 +26,7 @@ from tollgate.settings import Settings, get_settings
 EXTENSIONS: tuple[str, ...] = (
     "gateway.health",
     "gateway.api",
+    "gateway.metrics",
     "gateway.files.endpoints",
     "gateway.batches.endpoints",
     "gateway.admin",

@@ -33,6 +33,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.errors import GatewayError
+from gateway.metrics import observe_rejection
 
 logger = logging.getLogger("tollgate.gateway.rejections")
 
@@ -75,13 +76,16 @@ async def record_rejection(redis: Redis, tenant_id: int, reason: str, *, now: fl
 
 
 @asynccontextmanager
-async def count_rejections(redis: Redis, tenant_id: int, request_class: str) -> AsyncIterator[None]:
-    """Count a refusal raised inside the block (interactive requests only), then re-raise it."""
+async def count_rejections(redis: Redis, tenant_id: int, request_class: str,
+                           tier: str = "unknown") -> AsyncIterator[None]:
+    """Count a refusal raised inside the block (interactive requests only), then re-raise it. The
+    Prometheus counter (``gateway.metrics``, by reason and tier) is bumped as well."""
     try:
         yield
     except GatewayError as exc:
         reason = rejection_reason(exc) if request_class == "interactive" else None
         if reason is not None:
+            observe_rejection(reason, tier)
             try:
                 await record_rejection(redis, tenant_id, reason)
             except (RedisError, OSError) as count_error:

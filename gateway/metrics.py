@@ -1,0 +1,264 @@
+"""Gateway observability and graceful drain, as a ``gateway.app`` extension module.
+
+Metrics (Prometheus text at ``GET /metrics``, not in the OpenAPI schema):
+
+- ``tollgate_gateway_requests_total{route, method, status}`` and
+  ``tollgate_gateway_request_duration_seconds{route}``: every HTTP request, labelled with the matched
+  route *template* (``/v1/files/{file_id}``; ``unmatched`` for 404s on unknown paths), so the label set
+  stays bounded whatever clients send. A stream's duration is the whole stream.
+- ``tollgate_gateway_requests_in_flight``: requests whose response has not ended.
+- ``tollgate_gateway_rejections_total{reason, tier}``: refusals before any engine work (the reasons of
+  ``gateway.admission.rejections``: ``rpm``, ``tpm``, ``concurrency``, ``budget``, ``suspended``,
+  ``overloaded``, ``unavailable``).
+- ``tollgate_gateway_tokens_total{kind, model, tier}``: metered tokens, ``kind`` one of ``prompt``,
+  ``cached`` (the part of ``prompt`` served from the prefix cache) and ``completion``: exactly the numbers
+  of the usage record each generation appends to the billing outbox.
+- ``tollgate_gateway_generations_total{model, tier, status}``: generations by how they ended.
+- ``tollgate_gateway_ttft_seconds{model, tier}``: time to first token as the gateway sees it (request
+  accepted → first token from the engine: admission, routing and queueing included);
+  ``tollgate_gateway_tpot_seconds{model, tier}``: the engine's time per output token of the request.
+
+No label carries a tenant id, key or request id: per-tenant figures belong to the ledger, and metrics
+cardinality must not grow with the number of customers.
+
+Several worker processes: ``tollgate gateway`` sets ``PROMETHEUS_MULTIPROC_DIR`` (a fresh directory per
+run) before uvicorn starts its workers; ``prometheus_client`` then keeps every value in per-process
+memory-mapped files there, and a scrape of any worker merges all of them
+(``MultiProcessCollector``), so ``/metrics`` is the same whole-gateway view whichever worker answers.
+A worker that stops removes its live gauge file (``mark_process_dead``). Without the variable (tests,
+embedding the app), metrics live in this process's own registry.
+
+Drain: uvicorn's ``timeout_graceful_shutdown`` (``settings.drain_timeout_s``) stops accepting on SIGTERM,
+lets open responses (streams included) finish, then *cancels* the request tasks that are still running
+and starts the lifespan shutdown at once, without waiting for the cancelled tasks. A cancelled generation
+settles and meters in a shielded ``finally`` (``gateway.openai.streaming``) that needs Redis and the engine
+client, which the lifespan shutdown closes. So this extension's lifespan, exited before ``gateway.api``'s
+(it is listed after it), waits until every request tracked by its middleware has ended (bounded by
+``drain_timeout_s`` again; normally milliseconds): each cut stream is then billed exactly once, as
+``cancelled`` with the tokens it had produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+logger = logging.getLogger("tollgate.gateway.metrics")
+
+_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                     60.0, 120.0, 300.0, 600.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                 0.2, 0.3, 0.5, 1.0)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+class GatewayMetrics:
+    """The gateway's metric families (one instance per process: ``gateway_metrics()``)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+
+        if multiprocess_dir() and values.ValueClass.__name__ != "MmapedValue":
+            # prometheus_client chose its value class when first imported, before the variable was set
+            # (an embedding process): choose again so these metrics are shared between workers.
+            values.ValueClass = values.get_value_class()
+        self.multiprocess = multiprocess_dir() is not None
+        # In multiprocess mode the values live in files; the registry only names the families.
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter("tollgate_gateway_requests", "HTTP requests by route template, method and "
+                                "status.", ["route", "method", "status"], registry=reg)
+        self.duration = Histogram("tollgate_gateway_request_duration_seconds", "HTTP request duration "
+                                  "(a stream: until its end).", ["route"], buckets=_DURATION_BUCKETS,
+                                  registry=reg)
+        self.in_flight = Gauge("tollgate_gateway_requests_in_flight", "Requests whose response has not "
+                               "ended.", registry=reg, multiprocess_mode="livesum")
+        self.rejections = Counter("tollgate_gateway_rejections", "Requests refused before any engine work, "
+                                  "by reason and tier.", ["reason", "tier"], registry=reg)
+        self.tokens = Counter("tollgate_gateway_tokens", "Metered tokens by kind (prompt, cached, "
+                              "completion).", ["kind", "model", "tier"], registry=reg)
+        self.generations = Counter("tollgate_gateway_generations", "Generations by how they ended.",
+                                   ["model", "tier", "status"], registry=reg)
+        self.ttft = Histogram("tollgate_gateway_ttft_seconds", "Time to first token seen by the gateway.",
+                              ["model", "tier"], buckets=_TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("tollgate_gateway_tpot_seconds", "Time per output token (engine-measured).",
+                              ["model", "tier"], buckets=_TPOT_BUCKETS, registry=reg)
+        # Label lookups cost a lock and a few dict probes; the hot path reuses bound children.
+        self._request_children: dict[tuple[str, str, int], Any] = {}
+        self._duration_children: dict[str, Any] = {}
+
+    def render(self) -> bytes:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged)
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        key = (route, method, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(route, method, str(status))
+        child.inc()
+        duration = self._duration_children.get(route)
+        if duration is None:
+            duration = self._duration_children[route] = self.duration.labels(route)
+        duration.observe(seconds)
+
+    def process_stopping(self) -> None:
+        if self.multiprocess:
+            from prometheus_client.multiprocess import mark_process_dead
+
+            mark_process_dead(os.getpid())
+
+
+@lru_cache(maxsize=1)
+def gateway_metrics() -> GatewayMetrics:
+    return GatewayMetrics()
+
+
+def observe_rejection(reason: str, tier: str) -> None:
+    """A request was refused before any engine work (``gateway.admission.rejections`` reasons)."""
+    gateway_metrics().rejections.labels(reason, tier).inc()
+
+
+def observe_generation(*, model: str, tier: str, status: str, prompt_tokens: int, cached_tokens: int,
+                       completion_tokens: int, ttft_s: float | None, tpot_s: float | None) -> None:
+    """A generation was settled and metered (called once per usage record). Never raises."""
+    try:
+        m = gateway_metrics()
+        if prompt_tokens:
+            m.tokens.labels("prompt", model, tier).inc(prompt_tokens)
+        if cached_tokens:
+            m.tokens.labels("cached", model, tier).inc(cached_tokens)
+        if completion_tokens:
+            m.tokens.labels("completion", model, tier).inc(completion_tokens)
+        m.generations.labels(model, tier, status).inc()
+        if ttft_s is not None:
+            m.ttft.labels(model, tier).observe(ttft_s)
+        if tpot_s:
+            m.tpot.labels(model, tier).observe(tpot_s)
+    except Exception:  # observability must never break metering
+        logger.exception("recording generation metrics failed")
+
+
+class InFlight:
+    """Requests whose ASGI call has not returned yet (their cleanup included)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def exit(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+def route_template(scope: Scope) -> str:
+    """The matched route's template (``/v1/files/{file_id}``), rebuilt from the request path and the
+    path parameters routing extracted (nested and included routers only know their own part of it);
+    ``unmatched`` when no route matched, so unknown paths cannot grow the label set."""
+    if scope.get("route") is None:
+        return "unmatched"
+    path: str = scope.get("path", "")
+    end = len(path)
+    # Parameters in path order; replace from the right so a value equal to a literal segment earlier in
+    # the path (``/v1/models/v1``) is not mistaken for it.
+    for name, value in reversed(list((scope.get("path_params") or {}).items())):
+        at = path.rfind(f"/{value}", 0, end) if value != "" else -1
+        if at >= 0:
+            path = f"{path[:at]}/{{{name}}}{path[at + 1 + len(str(value)):]}"
+            end = at
+    return path
+
+
+class MetricsMiddleware:
+    """Outermost pure-ASGI layer: counts and times every HTTP request and tracks the ones in flight."""
+
+    def __init__(self, app: ASGIApp, in_flight: InFlight) -> None:
+        self.app = app
+        self.in_flight = in_flight
+        self.metrics = gateway_metrics()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # what the client gets if the app fails before answering
+        metrics = self.metrics
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.in_flight.enter()
+        metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.in_flight.exit()
+            metrics.in_flight.dec()
+            metrics.observe_request(route_template(scope), scope.get("method", ""), status,
+                                    time.perf_counter() - started)
+
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(gateway_metrics().render(), media_type=CONTENT_TYPE)
+
+
+def install(app: FastAPI) -> None:
+    app.state.in_flight = InFlight()
+    app.add_middleware(MetricsMiddleware, in_flight=app.state.in_flight)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        in_flight: InFlight = app.state.in_flight
+        if in_flight.count:
+            logger.info("waiting for %d request(s) to settle before shutting down", in_flight.count)
+            if not await in_flight.wait_idle(app.state.settings.drain_timeout_s):
+                logger.error("%d request(s) still running at shutdown", in_flight.count)
+        gateway_metrics().process_stopping()
