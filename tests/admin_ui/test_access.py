@@ -11,6 +11,9 @@ from tests.admin_ui.conftest import ADMIN_PASSWORD, CSRF_RE, Dashboard, login_cl
 from tests.factories import create_api_key, create_tenant
 from tollgate.models import Admin, Tenant
 
+# One worker runs every test on the shared gateway + engine + browser (pytest -n --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("admin_ui")
+
 PAGES = ["/admin", "/admin/", "/admin/tenants", "/admin/tenants/1", "/admin/usage", "/admin/usage.csv",
          "/admin/engines", "/admin/engines/live", "/admin/batches", "/admin/prices", "/admin/no-such-page",
          "/admin/db/", "/admin/db/login", "/admin/db/usage-event/list", "/admin/db/audit-log/export/csv"]

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import httpx
+import pytest
 from playwright.async_api import expect
 from sqlalchemy import func, select
 
@@ -22,6 +23,9 @@ from billing.ledger import UsageFlusher
 from tests.admin_ui.conftest import ADMIN_PASSWORD, Dashboard, screenshot
 from tests.gateway.conftest import MODEL
 from tollgate.models import AuditLog, UsageEvent
+
+# One worker runs every test on the shared gateway + engine + browser (pytest -n --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("admin_ui")
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there, dashboard!"}], "max_tokens": 8}
 LEDGER_TIMEOUT_S = 30.0

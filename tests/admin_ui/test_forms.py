@@ -15,6 +15,9 @@ from tests.admin_ui.conftest import Dashboard, login_client
 from tests.factories import create_tenant
 from tollgate.models import AuditLog, Tenant
 
+# One worker runs every test on the shared gateway + engine + browser (pytest -n --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("admin_ui")
+
 
 @pytest.fixture
 async def admin_client(dashboard: Dashboard) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
