@@ -110,3 +110,16 @@ async def test_a_failed_step_fails_in_flight_requests_and_the_loop_goes_on(
     assert survivor[-1].finish_reasons == ["length"]
     stats = async_engine.stats()
     assert stats.num_running == 0 and stats.num_free_kv_blocks == async_engine.info()["num_kv_blocks"]
+
+
+async def test_explicit_abort_ends_the_stream_with_abort(async_engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    stream = await async_engine.add_request("aborted", list(range(5, 30)), params)
+    first = await stream.__anext__()
+    assert not first.finished
+    assert async_engine.abort("aborted")
+    rest = [d async for d in stream]
+    final = rest[-1]
+    assert final.finished and final.finish_reasons == ["abort"]
+    assert final.usage is not None and 1 <= final.usage.completion_tokens < 500
+    assert not async_engine.abort("aborted")
