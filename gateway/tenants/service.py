@@ -111,13 +111,6 @@ class TenantService:
         await self.audit.record(actor, "tenant.suspend", tenant_id=tenant.id, details={"reason": reason})
         return tenant
 
-    async def resume(self, tenant_id: int, *, actor: str) -> Tenant:
-        tenant = await self.get_tenant(tenant_id)
-        tenant.status, tenant.suspended_reason = "active", None
-        await self.tenants.flush(tenant)
-        await self.audit.record(actor, "tenant.resume", tenant_id=tenant.id)
-        return tenant
-
 
 class ApiKeyService:
     def __init__(self, session: AsyncSession, settings: Settings) -> None:

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import select
 
+from gateway.admin.service import AdminConflict, reactivate_tenant
 from gateway.tenants.keys import parse_key
 from gateway.tenants.schemas import ApiKeyCreate, TenantCreate, TenantUpdate, pico_usd_from_usd
 from gateway.tenants.service import (
@@ -82,7 +83,9 @@ async def test_suspend_and_resume_keep_status_and_reason_consistent(db_session, 
         await service.suspend(tenant.id, "bored", actor="t")
     suspended = await service.suspend(tenant.id, "billing", actor="t")
     assert (suspended.status, suspended.suspended_reason) == ("suspended", "billing")
-    resumed = await service.resume(tenant.id, actor="t")
+    with pytest.raises(AdminConflict):
+        await reactivate_tenant(db_session, tenant.id, actor="t")
+    resumed = await reactivate_tenant(db_session, tenant.id, actor="t", force=True)
     assert (resumed.status, resumed.suspended_reason) == ("active", None)
 
 

@@ -102,7 +102,9 @@ def test_suspend_and_resume(cli):
     cli("tenants", "create", "sleepy")
     suspended = cli("tenants", "suspend", "sleepy", "--reason", "billing")
     assert suspended.exit_code == 0 and "suspended (billing)" in suspended.output
-    resumed = cli("tenants", "resume", "sleepy")
+    refused = cli("tenants", "resume", "sleepy")
+    assert refused.exit_code == 1 and "suspended for billing" in refused.output
+    resumed = cli("tenants", "resume", "sleepy", "--force")
     assert resumed.exit_code == 0 and "status=active" in resumed.output
     assert "sleepy" in cli("tenants", "list").output
 

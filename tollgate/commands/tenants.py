@@ -138,15 +138,20 @@ def suspend_tenant(tenant: str, reason: str) -> None:
 
 @tenants.command("resume")
 @click.argument("tenant")
-def resume_tenant(tenant: str) -> None:
-    """Lift the suspension of TENANT (name or id)."""
+@click.option("--force", is_flag=True, help="Also lift a billing suspension (recorded in the audit log).")
+def resume_tenant(tenant: str, force: bool) -> None:
+    """Lift the admin suspension of TENANT (name or id); a billing suspension needs --force."""
+    from gateway.admin.service import AdminError, reactivate_tenant
     from gateway.tenants.service import TenantService
 
     settings = get_settings()
 
     async def work(session: AsyncSession) -> Tenant:
-        service = TenantService(session, settings)
-        return await service.resume((await service.get_tenant(tenant)).id, actor=_actor())
+        tenant_id = (await TenantService(session, settings).get_tenant(tenant)).id
+        try:
+            return await reactivate_tenant(session, tenant_id, actor=_actor(), force=force)
+        except AdminError as e:
+            raise click.ClickException(e.message) from e
 
     row = run_in_session(settings, work)
     _announce(settings, tenant_id=row.id)
