@@ -28,8 +28,8 @@ def cli(service_settings, new_database, monkeypatch):
     get_settings.cache_clear()
     runner = CliRunner()
 
-    def invoke(*args: str) -> Any:
-        return runner.invoke(main, list(args), catch_exceptions=False)
+    def invoke(*args: str, input: str | None = None) -> Any:
+        return runner.invoke(main, list(args), input=input, catch_exceptions=False)
 
     yield invoke
     get_settings.cache_clear()
@@ -83,6 +83,15 @@ def test_password_from_the_environment_is_stored_as_argon2(cli, monkeypatch) -> 
     assert PasswordHasher().verify(admin.password_hash, "correct horse battery staple")
     assert "correct horse" not in result.output
     assert "password" in cli("admins", "list").output
+
+
+def test_password_is_prompted_for_when_the_environment_has_none(cli) -> None:
+    result = cli("admins", "create", "prompted@example.com", "--prompt-password",
+                 input="s3cret pass\ns3cret pass\n")
+    assert result.exit_code == 0, result.output
+    [admin] = rows(select(Admin).where(Admin.email == "prompted@example.com"))
+    assert PasswordHasher().verify(admin.password_hash, "s3cret pass")
+    assert result.output.strip().splitlines()[-1].startswith("tg-admin-")
 
 
 def test_duplicate_and_malformed_emails_are_clean_errors(cli) -> None:

@@ -2,8 +2,9 @@
 
 ``create EMAIL`` adds a row to ``admins`` and prints its admin API token as the LAST line of its output
 (scripts take ``| tail -n 1``); the token is stored only as an HMAC-SHA256 hash and shown only once.
-If ``TOLLGATE_ADMIN_PASSWORD`` is set, an argon2 hash of it is stored too, for the dashboard's password
-login (read from the environment only: a password on the command line would land in shell history).
+The dashboard password comes from ``TOLLGATE_ADMIN_PASSWORD``, else from a hidden prompt (on a terminal,
+or with ``--prompt-password``); only its argon2 hash is stored. It is never taken as an argument: a
+password on the command line would land in shell history.
 ``rotate-token EMAIL`` replaces a lost or leaked token the same way. Each change is recorded in
 ``audit_log`` with the actor ``cli:<user>``, in the same unit of work.
 """
@@ -62,13 +63,29 @@ def admins() -> None:
     """Admins of the admin API and the dashboard."""
 
 
+def _dashboard_password(prompt: bool | None) -> str | None:
+    """The password from ``TOLLGATE_ADMIN_PASSWORD``, else asked for (twice, hidden) when ``prompt`` is
+    set or, left unset, when standard input is a terminal; ``None`` makes a token-only admin."""
+    password = os.environ.get(PASSWORD_ENV)
+    if password:
+        return password
+    if prompt is None:
+        prompt = click.get_text_stream("stdin").isatty()
+    if not prompt:
+        return None
+    return click.prompt("Dashboard password", hide_input=True, confirmation_prompt=True, err=True)
+
+
 @admins.command("create")
 @click.argument("email")
-def create_admin(email: str) -> None:
+@click.option("--prompt-password/--no-prompt-password", "prompt", default=None,
+              help=f"Ask for the dashboard password when {PASSWORD_ENV} is unset "
+                   "(default: only on a terminal).")
+def create_admin(email: str, prompt: bool | None) -> None:
     """Create admin EMAIL; its admin API token is the last line printed (shown only once)."""
     from gateway.admin import service
 
-    password = os.environ.get(PASSWORD_ENV)
+    password = _dashboard_password(prompt)
     settings = get_settings()
     admin, token = _run(lambda s: service.create_admin(s, email, settings=settings, actor=_actor(),
                                                        password=password or None))
