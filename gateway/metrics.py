@@ -35,7 +35,11 @@ settles and meters in a shielded ``finally`` (``gateway.openai.streaming``) that
 client, which the lifespan shutdown closes. So this extension's lifespan, exited before ``gateway.api``'s
 (it is listed after it), waits until every request tracked by its middleware has ended (bounded by
 ``drain_timeout_s`` again; normally milliseconds): each cut stream is then billed exactly once, as
-``cancelled`` with the tokens it had produced.
+``cancelled`` with the tokens it had produced. The middleware answers a request cut before its response
+started with 503 ``server_shutting_down`` + ``retry-after`` (SDKs retry it) instead of uvicorn's 500; a
+cut stream's connection is closed (clients see a broken stream, never a truncated answer that looks
+whole). ``tollgate gateway`` makes the uvicorn parent close its listening socket on SIGTERM, so new
+connections are refused at once with several workers too.
 """
 
 from __future__ import annotations
@@ -49,9 +53,12 @@ from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import error_body
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -162,6 +169,11 @@ def observe_generation(*, model: str, tier: str, status: str, prompt_tokens: int
         logger.exception("recording generation metrics failed")
 
 
+_SHUTTING_DOWN_BODY = orjson.dumps(error_body(
+    "The server is shutting down and could not finish your request in time. Please retry.",
+    "server_error", code="server_shutting_down"))
+
+
 class InFlight:
     """Requests whose ASGI call has not returned yet (their cleanup included)."""
 
@@ -219,18 +231,35 @@ class MetricsMiddleware:
             return
         started = time.perf_counter()
         status = 500  # what the client gets if the app fails before answering
+        responded = False
         metrics = self.metrics
 
         async def send_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, responded
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, responded = message["status"], True
             await send(message)
 
         self.in_flight.enter()
         metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send_status)
+        except asyncio.CancelledError:
+            # Only uvicorn cancels a request task: at shutdown, once the drain timeout has passed. The
+            # app's own cleanup (settle + meter) already ran, shielded. Answer what is still possible.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            logger.warning("%s %s cut at shutdown: still running when the drain timeout passed",
+                           scope.get("method"), scope.get("path"))
+            if not responded:
+                status = 503
+                await send({"type": "http.response.start", "status": 503, "headers": [
+                    (b"content-type", b"application/json"), (b"retry-after", b"1"),
+                    (b"content-length", str(len(_SHUTTING_DOWN_BODY)).encode())]})
+                await send({"type": "http.response.body", "body": _SHUTTING_DOWN_BODY})
+            # A started response (a stream) just ends: uvicorn closes the connection, which clients and
+            # SDKs report as a broken stream rather than mistaking the partial answer for a whole one.
         finally:
             self.in_flight.exit()
             metrics.in_flight.dec()

@@ -48,20 +48,44 @@ def gateway(host: str | None, port: int | None, workers: int | None) -> None:
     from tollgate.settings import get_settings
 
     settings = get_settings()
+    config = uvicorn.Config(
+        "gateway.app:create_app",
+        factory=True,
+        host=host or settings.host,
+        port=port or settings.port,
+        workers=workers or settings.gateway_workers,
+        timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+        proxy_headers=True,
+        forwarded_allow_ips="127.0.0.1",
+        log_level="info",
+        log_config=log_config("INFO"),
+        access_log=False,
+    )
     try:
-        uvicorn.run(
-            "gateway.app:create_app",
-            factory=True,
-            host=host or settings.host,
-            port=port or settings.port,
-            workers=workers or settings.gateway_workers,
-            timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
-            proxy_headers=True,
-            forwarded_allow_ips="127.0.0.1",
-            log_level="info",
-            log_config=log_config("INFO"),
-            access_log=False,
-        )
+        if config.workers > 1:
+            _draining_multiprocess()(config, sockets=[config.bind_socket()]).run()
+        else:
+            server = uvicorn.Server(config)
+            server.run()
+            if not server.started:
+                raise SystemExit(3)  # uvicorn's STARTUP_FAILURE
     finally:
         if created:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _draining_multiprocess() -> type:
+    from uvicorn.supervisors import Multiprocess
+
+    class DrainingMultiprocess(Multiprocess):
+        """uvicorn's worker supervisor, except that on SIGTERM/SIGINT the parent closes its copy of the
+        listening socket before signalling the workers. Otherwise the kernel keeps accepting connections
+        into the backlog of a socket no worker serves any more, and clients hang until the parent exits
+        instead of being refused (and retried elsewhere) at once."""
+
+        def terminate_all(self) -> None:  # called once, when the parent stops
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
+
+    return DrainingMultiprocess
