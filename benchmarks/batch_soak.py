@@ -175,7 +175,7 @@ async def run(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--rate", type=float, default=3.0, help="interactive requests per second")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--batch-lines", type=int, default=3000)

@@ -132,10 +132,12 @@ class Settings(BaseSettings):
     # None: one below the lowest interactive tier (max tier engine_priority + 1).
     batch_engine_priority: int | None = None
     # Soaking: batch lines may run on an interactive replica while its queue is at most this long, its
-    # KV cache at most this full, and this worker process has fewer than this many lines on it.
+    # KV cache at most this full, and this worker process has fewer than this many lines on it
+    # (benchmarks/batch_soak.py on a 2-core CPU: 1 per process keeps interactive TTFT unchanged, 4 per
+    # process raised its p95 up to 1.7x).
     batch_soak_max_waiting: int = 0
     batch_soak_max_kv_usage: float = 0.6
-    batch_soak_max_inflight: int = 4
+    batch_soak_max_inflight: int = 1
 
     # Stripe (billing issue).
     stripe_api_key: SecretStr | None = None
