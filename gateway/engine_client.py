@@ -39,6 +39,7 @@ from engine.protocol import (
 from gateway.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError
 
 Record = DeltaRecord | FinalRecord | ErrorRecord
+KEEPALIVE_EXPIRY_S = 4.0
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -99,8 +100,10 @@ class EngineClient:
                  max_connections: int = 1000, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            # Idle connections are dropped before the engine's uvicorn closes them (its keep-alive
+            # timeout is 5 s): reusing one the server is closing fails the request with ReadError.
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=60.0),
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
             transport=transport,
             http2=False,
         )

@@ -30,15 +30,24 @@ def redis_url(settings: Settings) -> str:
     return settings.redis_url
 
 
+# Connections one asyncio client (one gateway worker) may open. Beyond that, callers wait for a free one
+# (up to ``health_check_timeout_s``) instead of failing: redis-py's default pool raises
+# ``MaxConnectionsError`` past 100, which turned a burst of concurrent requests into 503s.
+MAX_ASYNC_CONNECTIONS = 100
+
+
 def create_redis(settings: Settings, *, decode_responses: bool = False) -> aioredis.Redis:
-    """An asyncio client for the configured Redis."""
+    """An asyncio client for the configured Redis (a blocking pool of ``MAX_ASYNC_CONNECTIONS``)."""
     timeout = settings.health_check_timeout_s
-    return aioredis.Redis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         redis_url(settings),
+        max_connections=MAX_ASYNC_CONNECTIONS,
+        timeout=timeout,
         decode_responses=decode_responses,
         socket_connect_timeout=timeout,
         health_check_interval=30,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def create_sync_redis(settings: Settings, *, decode_responses: bool = False) -> redis.Redis:
