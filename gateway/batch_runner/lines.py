@@ -195,7 +195,9 @@ async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: st
         except GatewayError as exc:  # raised before the engine accepted anything
             if exc.status == 429:
                 return LineResult(deferred=DEFER_LIMITS, context=context)
-            if exc.status == 503:
+            if exc.status == 503 or exc.param == "request_id":
+                # No replica can take it now; or the engine still runs an earlier attempt of this line
+                # (its worker died a moment ago) until it notices the dropped connection.
                 return LineResult(deferred=DEFER_CAPACITY, context=context)
             return LineResult(status_code=exc.status, body=exc.body(), context=context)
         if response.status_code == 499 or stop.is_set():

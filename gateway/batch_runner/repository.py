@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tollgate.models import ApiKey, Batch, BatchItem, Tenant
@@ -132,9 +133,9 @@ async def count_open_lines(session: AsyncSession, batch_id: str) -> tuple[int, i
 async def stop_pending_lines(session: AsyncSession, batch_id: str, status: str, error: dict[str, Any],
                              at: datetime) -> int:
     """Lines that never started end as ``cancelled``/``expired`` with ``error``."""
-    result = await session.execute(
+    result = cast(CursorResult[Any], await session.execute(
         update(BatchItem).where(BatchItem.batch_id == batch_id, BatchItem.status == "pending")
-        .values(status=status, error=error, finished_at=at))
+        .values(status=status, error=error, finished_at=at)))
     return result.rowcount or 0
 
 
@@ -186,5 +187,6 @@ async def delete_items_of_finished_batches(session: AsyncSession, finished_befor
     finished = select(Batch.id).where(
         func.coalesce(Batch.completed_at, Batch.failed_at, Batch.cancelled_at, Batch.expired_at)
         < finished_before, Batch.status.in_(("completed", "failed", "cancelled", "expired")))
-    result = await session.execute(delete(BatchItem).where(BatchItem.batch_id.in_(finished)))
+    result = cast(CursorResult[Any], await session.execute(
+        delete(BatchItem).where(BatchItem.batch_id.in_(finished))))
     return result.rowcount or 0
