@@ -33,8 +33,8 @@ from tollgate.settings import ModelConfig, PoolConfig, Settings, TierConfig
 
 pytestmark = pytest.mark.slow
 
-LINE = (b'{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", '
-        b'"body": {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}\n')
+LINE = (b'{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": '
+        b'{"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}\n')
 # Long enough for several full 16-token blocks, so a prefix cache hit would show in cached_tokens.
 SHARED_PROMPT = "The quarterly report of tenant B, strictly confidential. " * 12
 USAGE_DAY = datetime(2026, 10, 1, tzinfo=UTC)
