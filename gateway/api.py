@@ -25,8 +25,9 @@ from gateway.middleware import RequestContextMiddleware, RequestIdLogFilter
 from gateway.models.endpoints import router as models_router
 from gateway.openai.schemas import OPENAPI_SCHEMAS
 
-# OpenAI accepts batch input files of up to 200 MB; every other body is an API call.
-FILE_UPLOAD_MAX_BYTES = 200 * 1024 * 1024
+# Room for the multipart framing around an upload of ``settings.files_max_bytes`` (the files endpoint
+# enforces the exact file size); every other body is an API call.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 router.include_router(chat_router)
@@ -36,8 +37,9 @@ router.include_router(models_router)
 
 def install(app: FastAPI) -> None:
     _document_request_bodies(app)
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=app.state.settings.max_request_body_bytes,
-                       path_limits={"/v1/files": FILE_UPLOAD_MAX_BYTES})
+    settings = app.state.settings
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_body_bytes,
+                       path_limits={"/v1/files": settings.files_max_bytes + MULTIPART_OVERHEAD_BYTES})
     install_exception_handlers(app)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RequestIdLogFilter) for f in handler.filters):

@@ -24,6 +24,8 @@ from tests.openai_schema import assert_conforms
 from tollgate.settings import ModelConfig, Settings
 
 MAX_FILE_BYTES = 4096
+# Below MAX_FILE_BYTES, so an upload can be larger than any API call may be.
+MAX_API_BODY_BYTES = 2048
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\n'
 
 
@@ -38,7 +40,7 @@ async def _files_gateway(shared_servers: Any, redis_url: str,
     schema.upgrade(url)
     settings = Settings(environment="test", database_url=url, redis_url=redis_url,
                         models=[ModelConfig(name="tiny")], file_storage_dir=tmp_path_factory.mktemp("files"),
-                        files_max_bytes=MAX_FILE_BYTES, max_request_body_bytes=64 * 1024,
+                        files_max_bytes=MAX_FILE_BYTES, max_request_body_bytes=MAX_API_BODY_BYTES,
                         health_poll_interval_s=0.5, key_cache_ttl_s=0.5)
     async with run_gateway(settings) as gateway:
         yield gateway
@@ -143,6 +145,17 @@ async def test_bad_uploads_are_refused_and_store_nothing(
     tenant_dir = Path(files_gateway.settings.file_storage_dir) / str(files_tenant.tenant_id)
     assert not tenant_dir.exists() or list(tenant_dir.iterdir()) == []
     assert (await api.get("/files")).json()["data"] == []
+
+
+async def test_uploads_may_exceed_the_api_body_limit_up_to_the_file_limit(api: httpx.AsyncClient) -> None:
+    content = LINE * (MAX_FILE_BYTES // len(LINE))
+    assert MAX_API_BODY_BYTES < len(content) <= MAX_FILE_BYTES
+    response = await upload(api, content)
+    assert response.status_code == 200, response.text
+    assert response.json()["bytes"] == len(content)
+    too_big_call = await api.post("/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "x" * MAX_API_BODY_BYTES}]})
+    assert too_big_call.status_code == 413
 
 
 async def test_a_request_without_a_file_is_a_400(api: httpx.AsyncClient) -> None:
