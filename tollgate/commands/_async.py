@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -14,12 +15,21 @@ from tollgate.settings import Settings
 T = TypeVar("T")
 
 
+def cli_actor() -> str:
+    """The ``audit_log`` actor of a change made from the command line: ``cli:<user>``."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli"
+
+
 def run_in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
     """Run ``work(session)`` in a committed-on-success unit of work and return its result.
 
-    Domain errors (``gateway.tenants.service.TenantError``) and a missing database URL become
-    ``click.ClickException`` (message, exit status 1) instead of tracebacks.
+    Domain errors (``gateway.tenants.service.TenantError``, ``gateway.errors.GatewayError``) and a
+    missing database URL become ``click.ClickException`` (message, exit status 1) instead of tracebacks.
     """
+    from gateway.errors import GatewayError
     from gateway.tenants.service import TenantError
     from tollgate.db import Database
 
@@ -33,5 +43,5 @@ def run_in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[
 
     try:
         return asyncio.run(main())
-    except (TenantError, RuntimeError) as e:
+    except (TenantError, GatewayError, RuntimeError) as e:
         raise click.ClickException(str(e)) from e

@@ -11,51 +11,14 @@ password on the command line would land in shell history.
 
 from __future__ import annotations
 
-import asyncio
-import getpass
 import os
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
 
 import click
 
+from tollgate.commands._async import cli_actor, run_in_session
 from tollgate.settings import get_settings
 
-if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncSession
-
-T = TypeVar("T")
 PASSWORD_ENV = "TOLLGATE_ADMIN_PASSWORD"
-
-
-def _actor() -> str:
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):
-        return "cli"
-
-
-def _run(work: Callable[[AsyncSession], Awaitable[T]]) -> T:
-    """``work(session)`` in one committed-on-success unit of work; domain errors as CLI errors."""
-    from gateway.errors import GatewayError
-    from tollgate.db import Database
-
-    settings = get_settings()
-
-    async def main() -> T:
-        db = Database.from_settings(settings)
-        try:
-            async with db.session() as session:
-                return await work(session)
-        finally:
-            await db.dispose()
-
-    try:
-        return asyncio.run(main())
-    except GatewayError as e:
-        raise click.ClickException(e.message) from e
-    except RuntimeError as e:  # no database configured
-        raise click.ClickException(str(e)) from e
 
 
 @click.group()
@@ -87,8 +50,8 @@ def create_admin(email: str, prompt: bool | None) -> None:
 
     password = _dashboard_password(prompt)
     settings = get_settings()
-    admin, token = _run(lambda s: service.create_admin(s, email, settings=settings, actor=_actor(),
-                                                       password=password or None))
+    admin, token = run_in_session(settings, lambda s: service.create_admin(
+        s, email, settings=settings, actor=cli_actor(), password=password or None))
     login = " and dashboard password" if password else ""
     click.echo(f"created admin {admin.id} {admin.email!r}{login}; its admin API token is shown only once:")
     click.echo(token)
@@ -101,7 +64,8 @@ def rotate_token(email: str) -> None:
     from gateway.admin import service
 
     settings = get_settings()
-    admin, token = _run(lambda s: service.rotate_admin_token(s, email, settings=settings, actor=_actor()))
+    admin, token = run_in_session(
+        settings, lambda s: service.rotate_admin_token(s, email, settings=settings, actor=cli_actor()))
     click.echo(f"new admin API token for {admin.email!r}; it is shown only once:")
     click.echo(token)
 
@@ -111,6 +75,6 @@ def list_admins() -> None:
     """List admins (never their tokens or password hashes)."""
     from gateway.admin import service
 
-    for admin in _run(service.list_admins):
+    for admin in run_in_session(get_settings(), service.list_admins):
         login = "password" if admin.password_hash else "token only"
         click.echo(f"{admin.id}\t{admin.email}\t{login}\tcreated {admin.created_at.isoformat()}")

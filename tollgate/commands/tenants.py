@@ -10,27 +10,19 @@ running gateways drop cached keys at once.
 from __future__ import annotations
 
 import asyncio
-import getpass
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 import click
 
-from tollgate.commands._async import run_in_session
+from tollgate.commands._async import cli_actor, run_in_session
 from tollgate.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
     from tollgate.models import ApiKey, Tenant
-
-
-def _actor() -> str:
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):
-        return "cli"
 
 
 def _announce(settings: Settings, **what: int | str) -> None:
@@ -100,7 +92,7 @@ def create_tenant(name: str, tier: str, tpm: int | None, rpm: int | None, max_co
     except (ValidationError, ValueError) as e:
         raise click.BadParameter(str(e)) from e
     settings = get_settings()
-    actor = _actor()
+    actor = cli_actor()
     tenant = run_in_session(settings, lambda s: TenantService(s, settings).create_tenant(data, actor=actor))
     _echo_tenant(tenant)
 
@@ -129,7 +121,7 @@ def suspend_tenant(tenant: str, reason: str) -> None:
 
     async def work(session: AsyncSession) -> Tenant:
         service = TenantService(session, settings)
-        return await service.suspend((await service.get_tenant(tenant)).id, reason, actor=_actor())
+        return await service.suspend((await service.get_tenant(tenant)).id, reason, actor=cli_actor())
 
     row = run_in_session(settings, work)
     _announce(settings, tenant_id=row.id)
@@ -141,17 +133,14 @@ def suspend_tenant(tenant: str, reason: str) -> None:
 @click.option("--force", is_flag=True, help="Also lift a billing suspension (recorded in the audit log).")
 def resume_tenant(tenant: str, force: bool) -> None:
     """Lift the admin suspension of TENANT (name or id); a billing suspension needs --force."""
-    from gateway.admin.service import AdminError, reactivate_tenant
+    from gateway.admin.service import reactivate_tenant
     from gateway.tenants.service import TenantService
 
     settings = get_settings()
 
     async def work(session: AsyncSession) -> Tenant:
         tenant_id = (await TenantService(session, settings).get_tenant(tenant)).id
-        try:
-            return await reactivate_tenant(session, tenant_id, actor=_actor(), force=force)
-        except AdminError as e:
-            raise click.ClickException(e.message) from e
+        return await reactivate_tenant(session, tenant_id, actor=cli_actor(), force=force)
 
     row = run_in_session(settings, work)
     _announce(settings, tenant_id=row.id)
@@ -184,7 +173,7 @@ def create_key(tenant: str, name: str, expires_at: datetime | None, allowed_mode
 
     async def work(session: AsyncSession) -> tuple[str, int, str, str]:
         owner = await TenantService(session, settings).get_tenant(tenant)
-        key, full_key = await ApiKeyService(session, settings).create_key(owner.id, data, actor=_actor())
+        key, full_key = await ApiKeyService(session, settings).create_key(owner.id, data, actor=cli_actor())
         return owner.name, key.id, key.prefix, full_key
 
     tenant_name, key_id, prefix, full_key = run_in_session(settings, work)
@@ -222,7 +211,7 @@ def revoke_key(tenant: str, key_id: int) -> None:
 
     async def work(session: AsyncSession) -> ApiKey:
         owner = await TenantService(session, settings).get_tenant(tenant)
-        return await ApiKeyService(session, settings).revoke_key(owner.id, key_id, actor=_actor())
+        return await ApiKeyService(session, settings).revoke_key(owner.id, key_id, actor=cli_actor())
 
     key = run_in_session(settings, work)
     _announce(settings, key_id=key.prefix)
