@@ -13,13 +13,12 @@ in ``TASK_MODULES`` and merges the schedule):
   never doubles anything.
 
 Each worker process keeps one event loop, one database engine and one Redis client for its tasks
-(``_ProcessRuntime``), created lazily in the process that runs the task (never before Celery forks),
-so a flush every second does not open new Postgres and Redis connections every second.
+(``tollgate.process_runtime``), created lazily in the process that runs the task (never before Celery
+forks), so a flush every second does not open new Postgres and Redis connections every second.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -33,8 +32,9 @@ from billing import jobs
 from billing.ledger import LedgerUnavailable, SessionFactory, UsageFlusher
 from billing.service import reconcile_month_spend
 from tollgate.db import Database
+from tollgate.process_runtime import PerProcess, ProcessRuntime
 from tollgate.redis import create_redis
-from tollgate.settings import Settings, get_settings
+from tollgate.settings import Settings
 
 logger = logging.getLogger("tollgate.billing")
 
@@ -95,54 +95,32 @@ async def reconcile_spend_once(settings: Settings) -> int:
         await db.dispose()
 
 
-class _ProcessRuntime:
-    """The event loop and connections of one worker process."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.pid = os.getpid()
-        self.settings = settings
-        self.loop = asyncio.new_event_loop()
-        self.db = Database.from_settings(settings)
-        self.redis = create_redis(settings)
-
+class _ProcessRuntime(ProcessRuntime):
     def run(self, job: Callable[[_ProcessRuntime], Awaitable[T]]) -> T:
         return self.loop.run_until_complete(job(self))
 
 
-_runtime: _ProcessRuntime | None = None
-
-
-def _process_runtime() -> _ProcessRuntime:
-    global _runtime
-    if _runtime is None or _runtime.pid != os.getpid():  # first task, or a forked child
-        _runtime = _ProcessRuntime(get_settings())
-    return _runtime
+_runtime = PerProcess(_ProcessRuntime)
 
 
 def shutdown_process_runtime() -> None:
     """Close this process's connections and loop (worker shutdown, tests)."""
-    global _runtime
-    runtime, _runtime = _runtime, None
-    if runtime is None or runtime.pid != os.getpid():
-        return
-    runtime.loop.run_until_complete(runtime.redis.aclose())
-    runtime.loop.run_until_complete(runtime.db.dispose())
-    runtime.loop.close()
+    _runtime.shutdown()
 
 
 @shared_task(name="billing.flush_usage", ignore_result=True)
 def flush_usage_task() -> dict[str, int]:
-    return _process_runtime().run(lambda rt: flush_usage(rt.redis, rt.db.session, rt.settings))
+    return _runtime.get().run(lambda rt: flush_usage(rt.redis, rt.db.session, rt.settings))
 
 
 @shared_task(name="billing.reconcile_spend", ignore_result=True)
 def reconcile_spend_task() -> int:
-    return _process_runtime().run(lambda rt: reconcile_spend(rt.redis, rt.db))
+    return _runtime.get().run(lambda rt: reconcile_spend(rt.redis, rt.db))
 
 
 @shared_task(name="billing.export_stripe", ignore_result=True)
 def export_stripe_task() -> dict[str, int] | None:
-    result = _process_runtime().run(lambda rt: jobs.export_stripe(rt.db, rt.settings))
+    result = _runtime.get().run(lambda rt: jobs.export_stripe(rt.db, rt.settings))
     if result is None:
         return None
     return {"planned": result.planned, "sent": result.sent, "failed": result.failed}
@@ -150,22 +128,22 @@ def export_stripe_task() -> dict[str, int] | None:
 
 @shared_task(name="billing.reconcile_rollups", ignore_result=True)
 def reconcile_rollups_task() -> dict[str, int]:
-    return _process_runtime().run(lambda rt: jobs.reconcile_rollups_job(rt.db, rt.settings))
+    return _runtime.get().run(lambda rt: jobs.reconcile_rollups_job(rt.db, rt.settings))
 
 
 @shared_task(name="billing.maintain_partitions", ignore_result=True)
 def maintain_partitions_task() -> list[str]:
-    return _process_runtime().run(lambda rt: jobs.maintain_partitions(rt.db))
+    return _runtime.get().run(lambda rt: jobs.maintain_partitions(rt.db))
 
 
 @shared_task(name="billing.check_budgets", ignore_result=True)
 def check_budgets_task() -> dict[str, Any]:
-    return _process_runtime().run(lambda rt: jobs.check_budgets_job(rt.db, rt.redis, rt.settings))
+    return _runtime.get().run(lambda rt: jobs.check_budgets_job(rt.db, rt.redis, rt.settings))
 
 
 @shared_task(name="billing.enforce_payment_grace", ignore_result=True)
 def enforce_payment_grace_task() -> list[int]:
-    return _process_runtime().run(lambda rt: jobs.enforce_payment_grace_job(rt.db, rt.redis, rt.settings))
+    return _runtime.get().run(lambda rt: jobs.enforce_payment_grace_job(rt.db, rt.redis, rt.settings))
 
 
 def _every(task: str, seconds: float) -> dict[str, Any]:

@@ -11,15 +11,13 @@ progress, and the sweep — not the broker's hour-long visibility timeout — br
 ``batch_lease_ttl_s`` + ``batch_sweep_interval_s``. Every task is idempotent; its broker message expires
 after ``batch_lease_ttl_s`` where a newer one would supersede it (run chains, sweeps).
 
-Each worker process keeps one event loop, database engine, Redis client and ``BatchRuntime`` (engine
-connections, tokenizers, price book, replica polling), created lazily in the process that runs the
-task (never before Celery forks).
+Each worker process keeps one event loop, database engine, Redis client (``tollgate.process_runtime``)
+and ``BatchRuntime`` (engine connections, tokenizers, price book, replica polling), created lazily in
+the process that runs the task (never before Celery forks).
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -35,20 +33,15 @@ from gateway.batch_runner.dispatch import (
 from gateway.batch_runner.runtime import BatchRuntime
 from gateway.batch_runner.service import BatchRunner
 from gateway.files.storage import create_storage
-from tollgate.db import Database
-from tollgate.redis import create_redis
-from tollgate.settings import Settings, get_settings
+from tollgate.process_runtime import PerProcess, ProcessRuntime
+from tollgate.settings import Settings
 
 T = TypeVar("T")
 
 
-class _ProcessRuntime:
+class _ProcessRuntime(ProcessRuntime):
     def __init__(self, settings: Settings) -> None:
-        self.pid = os.getpid()
-        self.settings = settings
-        self.loop = asyncio.new_event_loop()
-        self.db = Database.from_settings(settings)
-        self.redis = create_redis(settings)
+        super().__init__(settings)
         self.runtime: BatchRuntime | None = None
         self.runner = BatchRunner(settings, self.db, create_storage(settings),
                                   BatchDispatcher(settings, self.redis, current_app), self._batch_runtime)
@@ -68,46 +61,34 @@ class _ProcessRuntime:
     def close(self) -> None:
         if self.runtime is not None:
             self.loop.run_until_complete(self.runtime.stop())
-        self.loop.run_until_complete(self.redis.aclose())
-        self.loop.run_until_complete(self.db.dispose())
-        self.loop.close()
+        super().close()
 
 
-_runtime: _ProcessRuntime | None = None
-
-
-def _process_runtime() -> _ProcessRuntime:
-    global _runtime
-    if _runtime is None or _runtime.pid != os.getpid():
-        _runtime = _ProcessRuntime(get_settings())
-    return _runtime
+_runtime = PerProcess(_ProcessRuntime)
 
 
 def shutdown_process_runtime() -> None:
-    global _runtime
-    runtime, _runtime = _runtime, None
-    if runtime is not None and runtime.pid == os.getpid():
-        runtime.close()
+    _runtime.shutdown()
 
 
 @shared_task(name=VALIDATE_TASK, ignore_result=True)
 def validate_task(batch_id: str) -> str | None:
-    return _process_runtime().run(lambda runner: runner.validate(batch_id))
+    return _runtime.get().run(lambda runner: runner.validate(batch_id))
 
 
 @shared_task(name=RUN_TASK, ignore_result=True)
 def run_task(batch_id: str, slot: int, token: str) -> int:
-    return _process_runtime().run(lambda runner: runner.run(batch_id, slot, token))
+    return _runtime.get().run(lambda runner: runner.run(batch_id, slot, token))
 
 
 @shared_task(name=FINALIZE_TASK, ignore_result=True)
 def finalize_task(batch_id: str) -> str | None:
-    return _process_runtime().run(lambda runner: runner.finalize(batch_id))
+    return _runtime.get().run(lambda runner: runner.finalize(batch_id))
 
 
 @shared_task(name=SWEEP_TASK, ignore_result=True)
 def sweep_task() -> dict[str, int]:
-    return _process_runtime().run(lambda runner: runner.sweep())
+    return _runtime.get().run(lambda runner: runner.sweep())
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
