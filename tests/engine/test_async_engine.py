@@ -8,21 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.async_engine import AsyncEngine, EngineError
 from engine.config import EngineConfig
 from engine.outputs import RequestDelta, RequestValidationError
 from engine.sampling_params import SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is fastest, and xdist workers must not oversubscribe the cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

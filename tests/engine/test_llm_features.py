@@ -4,24 +4,15 @@ structured output, aborts and bad input — on a tiny random-weight Llama."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine, RequestValidationError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is fastest, and xdist workers must not oversubscribe the cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ and our token is one of those two (a float near-tie); the outputs after it are t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is fastest, and xdist workers must not oversubscribe the cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MAX_NEW_TOKENS = 24
 TIE_GAP = 1e-3

@@ -13,21 +13,13 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-import torch
 import uvicorn
 
 from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, InfoResponse, LoadReport, parse_record
 from engine.server import build_engine, create_app
 from engine.synthetic import FIRST_WORD_ID
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is fastest, and xdist workers must not oversubscribe the cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class _Server:
