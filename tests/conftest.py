@@ -18,7 +18,8 @@ Fixtures:
 - ``db`` (session): a ``tollgate.db.Database`` on the worker's database.
 - ``db_session``: an ``AsyncSession`` inside a transaction that is rolled back after the test;
   ``commit()`` in code under test only releases a SAVEPOINT. ``db_sessionmaker`` makes sessions on the
-  same connection and transaction (use them one at a time).
+  same connection and transaction (use them one at a time); ``unit_of_work`` makes sessions there that
+  commit on exit, like ``Database.session`` (the commit releases a SAVEPOINT).
 - ``redis_client``: an asyncio Redis client on the worker's database, flushed before each test.
 - ``new_database``: a fresh migrated database for tests where other processes commit; dropped after.
 - ``private_redis``: a Redis server of the test's own, for tests that stop it (``.stop()``).
@@ -37,15 +38,17 @@ import signal
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+import tollgate.db
 from tollgate.db import Database
 from tollgate.local_services import (
     POSTGRES_STOP_SIGNAL,
@@ -304,6 +307,13 @@ async def _db_connection(db: Database) -> AsyncIterator[Any]:
 def db_sessionmaker(_db_connection: Any) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(bind=_db_connection, expire_on_commit=False,
                               join_transaction_mode="create_savepoint")
+
+
+@pytest.fixture
+def unit_of_work(
+    db_sessionmaker: async_sessionmaker[AsyncSession],
+) -> Callable[[], AbstractAsyncContextManager[AsyncSession]]:
+    return partial(tollgate.db.unit_of_work, db_sessionmaker)
 
 
 @pytest.fixture

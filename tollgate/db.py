@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -44,6 +44,19 @@ def database_url(settings: Settings) -> str:
     return to_psycopg_url(settings.database_url)
 
 
+@asynccontextmanager
+async def unit_of_work(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncIterator[AsyncSession]:
+    """A session from ``sessionmaker`` that commits when the block exits normally and rolls back when it
+    raises."""
+    async with sessionmaker() as session:
+        try:
+            yield session
+        except BaseException:
+            await session.rollback()
+            raise
+        await session.commit()
+
+
 class Database:
     """An async engine plus its session factory."""
 
@@ -61,16 +74,9 @@ class Database:
     def from_settings(cls, settings: Settings) -> Database:
         return cls(database_url(settings), pool_size=settings.database_pool_size)
 
-    @asynccontextmanager
-    async def session(self) -> AsyncIterator[AsyncSession]:
+    def session(self) -> AbstractAsyncContextManager[AsyncSession]:
         """Unit of work: commit on normal exit, roll back on error."""
-        async with self.sessionmaker() as session:
-            try:
-                yield session
-            except BaseException:
-                await session.rollback()
-                raise
-            await session.commit()
+        return unit_of_work(self.sessionmaker)
 
     async def ping(self) -> None:
         """Run ``SELECT 1``; raises when the database cannot be reached."""

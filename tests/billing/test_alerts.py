@@ -4,8 +4,7 @@ cap itself: admission answers 429 insufficient_quota once the month's budget is 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -65,21 +64,6 @@ def receiver() -> Iterator[Receiver]:
     server = Receiver()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def unit_of_work(db_sessionmaker):
-    @asynccontextmanager
-    async def factory() -> AsyncIterator:
-        async with db_sessionmaker() as session:
-            try:
-                yield session
-            except BaseException:
-                await session.rollback()
-                raise
-            await session.commit()
-
-    return factory
 
 
 async def alerts_of(db_session, tenant_id: int) -> list[BudgetAlert]:

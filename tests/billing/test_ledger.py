@@ -3,8 +3,6 @@ Postgres is unreachable, nothing doubled by redelivery or a dead consumer."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
 import orjson
@@ -32,24 +30,6 @@ def record(tenant_id: int, request_id: str, *, prompt: int = 1_000, cached: int 
         cost_pico_usd=cost_pico_usd(PRICE, prompt, cached, completion, "interactive"),
         status=status, ttft_ms=12.5, tpot_ms=3.0, created_at=datetime.now(UTC),
     )
-
-
-@pytest.fixture
-def unit_of_work(db_sessionmaker):
-    """Sessions that commit on exit, like ``Database.session`` (inside the test's rolled-back
-    transaction)."""
-
-    @asynccontextmanager
-    async def factory() -> AsyncIterator:
-        async with db_sessionmaker() as session:
-            try:
-                yield session
-            except BaseException:
-                await session.rollback()
-                raise
-            await session.commit()
-
-    return factory
 
 
 async def ledger_rows(db_session, tenant_id: int) -> list[UsageEvent]:

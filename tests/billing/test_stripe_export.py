@@ -6,8 +6,7 @@ as balance credits, and a second run that sends nothing."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -38,21 +37,6 @@ def fake_stripe() -> Iterator[FakeStripe]:
 def stripe_settings(fake_stripe: FakeStripe) -> Settings:
     return Settings(environment="test", stripe_api_key="sk_test_tollgate", stripe_api_base=fake_stripe.url,
                     stripe_max_network_retries=0)
-
-
-@pytest.fixture
-def unit_of_work(db_sessionmaker):
-    @asynccontextmanager
-    async def factory() -> AsyncIterator:
-        async with db_sessionmaker() as session:
-            try:
-                yield session
-            except BaseException:
-                await session.rollback()
-                raise
-            await session.commit()
-
-    return factory
 
 
 async def attached_tenant(db_session, client, *, since: datetime = BASE):
