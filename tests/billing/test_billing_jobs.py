@@ -8,7 +8,6 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 import orjson
-import pytest
 from sqlalchemy import select
 
 from billing import jobs, tasks
@@ -20,13 +19,6 @@ from tests.factories import create_tenant, create_usage_event
 from tollgate.db import Database
 from tollgate.models import BudgetAlert, Tenant
 from tollgate.settings import Settings, get_settings
-
-
-@pytest.fixture
-async def database(new_database: str):
-    db = Database(new_database, pool_size=2)
-    yield db
-    await db.dispose()
 
 
 async def test_beat_export_sends_whole_hours_that_ended_the_lag_ago(database, new_database) -> None:

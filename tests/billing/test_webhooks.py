@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 from sqlalchemy import func, select
 
 from billing.suspension import TENANT_INVALIDATION_CHANNEL, enforce_payment_grace
@@ -53,13 +52,6 @@ async def post(client: httpx.AsyncClient, event: dict[str, Any], *, secret: str 
     body = orjson.dumps(event)
     return await client.post("/webhooks/stripe", content=body, headers={
         "content-type": "application/json", "stripe-signature": sign_webhook(body, secret, timestamp)})
-
-
-@pytest.fixture
-async def database(new_database: str) -> AsyncIterator[Database]:
-    db = Database(new_database, pool_size=2)
-    yield db
-    await db.dispose()
 
 
 async def tenant_row(db: Database, tenant_id: int) -> Tenant:
