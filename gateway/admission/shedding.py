@@ -14,8 +14,14 @@ used; otherwise the whole ``pending_prefill_tokens`` counts as ahead for every t
 ``tokens_per_s`` is the engine's measured compute rate; with no measurement yet (idle replica) there is
 nothing to predict from and nothing is shed.
 
-Invariant (lowest tier first): a request of tier T is shed if *any* tier ranked at or above T would
-miss its SLO with the same prompt now, so whenever a tier is being shed every lower tier is too.
+Shedding protects SLOs from *queueing*: a request is shed when the wait before its own prefill can
+start (``prefill tokens ahead / tokens_per_s + step_time_s``) already exceeds the SLO. Its own prefill
+time is not held against it: on an idle replica a long document (whose prefill alone may take longer
+than any TTFT objective) is served, since refusing it would protect nobody and no retry could succeed.
+
+Invariant (lowest tier first): a request of tier T is shed if the wait *any* tier ranked at or above T
+sees exceeds that tier's SLO; the backlog ahead of T includes what is ahead of every better tier, so
+whenever a tier is being shed every lower tier is too.
 Shedding answers 503 with ``retry-after`` (the predicted excess, at least 1 s) and
 ``x-should-retry: false``: an immediate automatic retry would land in the same overload.
 """
@@ -79,8 +85,16 @@ def predict_ttft_ms(load: Any, prompt_tokens: int, tier: str, tiers: Mapping[str
     if rate <= 0:
         return 0.0
     own = max(1, prompt_tokens - cached_tokens)  # at least the last prompt token is always computed
-    work = prefill_tokens_ahead(load, tier, tiers) + own
-    return 1000.0 * (work / rate + max(0.0, float(load.step_time_s)))
+    return predict_wait_ms(load, tier, tiers) + 1000.0 * own / rate
+
+
+def predict_wait_ms(load: Any, tier: str, tiers: Mapping[str, TierConfig]) -> float:
+    """Predicted wait (ms) before a new request of ``tier`` starts its prefill on the replica of ``load``:
+    the backlog ahead of it at the measured rate, plus one step. ``0.0`` when the rate is unmeasured."""
+    rate = float(load.tokens_per_s)
+    if rate <= 0:
+        return 0.0
+    return 1000.0 * (prefill_tokens_ahead(load, tier, tiers) / rate + max(0.0, float(load.step_time_s)))
 
 
 def should_shed(load: Any, prompt_tokens: int, tier: str, tiers: Mapping[str, TierConfig],
@@ -88,12 +102,15 @@ def should_shed(load: Any, prompt_tokens: int, tier: str, tiers: Mapping[str, Ti
     """A ``ShedDecision`` if the request must be rejected now (raise ``decision.error()``), else None."""
     rank = _tier(tiers, tier).rank
     worst: ShedDecision | None = None
+    worst_excess = 0.0
     for name, cfg in tiers.items():
         if cfg.rank < rank:
             continue
-        predicted = predict_ttft_ms(load, prompt_tokens, name, tiers, cached_tokens)
-        excess = predicted - cfg.ttft_slo_ms
-        if excess > 0 and (worst is None or excess > worst.predicted_ttft_ms - worst.slo_ms):
-            worst = ShedDecision(tier=tier, limiting_tier=name, predicted_ttft_ms=predicted,
+        excess = predict_wait_ms(load, name, tiers) - cfg.ttft_slo_ms
+        if excess > worst_excess:
+            worst_excess = excess
+            worst = ShedDecision(tier=tier, limiting_tier=name,
+                                 predicted_ttft_ms=predict_ttft_ms(load, prompt_tokens, name, tiers,
+                                                                   cached_tokens),
                                  slo_ms=cfg.ttft_slo_ms, retry_after_ms=max(1000, int(excess) + 1))
     return worst

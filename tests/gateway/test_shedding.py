@@ -1,4 +1,5 @@
-"""Overload shedding: TTFT prediction from a replica's load report, lowest tier shed first."""
+"""Overload shedding: TTFT prediction from a replica's load report, shedding on the queue ahead of a
+request (never on its own prefill), lowest tier shed first."""
 
 from __future__ import annotations
 
@@ -51,6 +52,17 @@ def test_only_backlog_at_equal_or_better_tiers_is_ahead() -> None:
 def test_light_load_sheds_nobody() -> None:
     for tier in TIERS:
         assert should_shed(report(1_000), 500, tier, TIERS) is None
+
+
+def test_a_long_prompt_is_shed_only_for_the_queue_ahead_of_it() -> None:
+    # 20,000 own tokens at 10k tok/s: 2 s of prefill, over the priority and default SLOs on its own.
+    long_document = 20_000
+    assert predict_ttft_ms(report(0), long_document, "priority", TIERS) > TIERS["default"].ttft_slo_ms
+    for tier in TIERS:
+        assert should_shed(report(0), long_document, tier, TIERS) is None  # idle: nothing to protect
+        assert should_shed(report(1_000), long_document, tier, TIERS) is None  # a short queue fits
+    # A queue that alone breaks the SLO still sheds it, like any other request.
+    assert should_shed(report(8_000), long_document, "default", TIERS) is not None
 
 
 def test_lowest_tier_is_shed_first_as_load_grows() -> None:
