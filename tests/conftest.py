@@ -97,6 +97,21 @@ class SharedServers:
     postgres: LocalPostgres
     redis: LocalRedis
 
+    def create_migrated_database(self, name: str) -> str:
+        """Database ``name``, recreated empty and migrated to head; returns its URL."""
+        from tollgate import schema
+
+        self.postgres.create_database(name, recreate=True)
+        url = self.postgres.url(name)
+        schema.upgrade(url)
+        return url
+
+    @contextmanager
+    def migrated_database(self, name: str) -> Iterator[str]:
+        """``create_migrated_database(name)``, dropped when the block exits normally."""
+        yield self.create_migrated_database(name)
+        self.postgres.drop_database(name)
+
 
 class _ServerPool:
     """Coordinates one Postgres + Redis pair between the processes of a pytest session.
@@ -228,13 +243,7 @@ def shared_servers(_server_pool: _ServerPool) -> SharedServers:
 
 @pytest.fixture(scope="session")
 def database_url(shared_servers: SharedServers) -> str:
-    from tollgate import schema
-
-    name = f"tollgate_test_{worker_id()}"
-    shared_servers.postgres.create_database(name, recreate=True)
-    url = shared_servers.postgres.url(name)
-    schema.upgrade(url)
-    return url
+    return shared_servers.create_migrated_database(f"tollgate_test_{worker_id()}")
 
 
 @pytest.fixture(scope="session")
@@ -324,14 +333,8 @@ async def db_session(db_sessionmaker: async_sessionmaker[AsyncSession]) -> Async
 
 @pytest.fixture
 def new_database(shared_servers: SharedServers) -> Iterator[str]:
-    from tollgate import schema
-
-    name = f"tollgate_test_{worker_id()}_{uuid.uuid4().hex[:8]}"
-    shared_servers.postgres.create_database(name, recreate=True)
-    url = shared_servers.postgres.url(name)
-    schema.upgrade(url)
-    yield url
-    shared_servers.postgres.drop_database(name)
+    with shared_servers.migrated_database(f"tollgate_test_{worker_id()}_{uuid.uuid4().hex[:8]}") as url:
+        yield url
 
 
 # --------------------------------------------------------------------------- Redis

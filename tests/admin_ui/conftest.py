@@ -71,14 +71,9 @@ def dashboard_engine(dashboard_tiny_model: Path, tmp_path_factory: pytest.TempPa
 
 @pytest.fixture(scope="session")
 def dashboard_database(shared_servers: Any) -> Any:
-    from tollgate import schema
-
     name = f"tollgate_admin_ui_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{uuid.uuid4().hex[:6]}"
-    shared_servers.postgres.create_database(name, recreate=True)
-    url = shared_servers.postgres.url(name)
-    schema.upgrade(url)
-    yield url
-    shared_servers.postgres.drop_database(name)
+    with shared_servers.migrated_database(name) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -85,14 +85,9 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="session")
 def api_database_url(shared_servers: Any) -> Iterator[str]:
-    from tollgate import schema
-
     name = f"tollgate_api_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{uuid.uuid4().hex[:6]}"
-    shared_servers.postgres.create_database(name, recreate=True)
-    url = shared_servers.postgres.url(name)
-    schema.upgrade(url)
-    yield url
-    shared_servers.postgres.drop_database(name)
+    with shared_servers.migrated_database(name) as url:
+        yield url
 
 
 @dataclass

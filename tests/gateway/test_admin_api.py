@@ -52,14 +52,8 @@ class AdminApi:
 
 @pytest.fixture(scope="module")
 def admin_database_url(shared_servers: Any) -> Any:
-    from tollgate import schema
-
-    name = f"tollgate_admin_{uuid.uuid4().hex[:8]}"
-    shared_servers.postgres.create_database(name, recreate=True)
-    url = shared_servers.postgres.url(name)
-    schema.upgrade(url)
-    yield url
-    shared_servers.postgres.drop_database(name)
+    with shared_servers.migrated_database(f"tollgate_admin_{uuid.uuid4().hex[:8]}") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
