@@ -61,21 +61,6 @@ def platform() -> Iterator[dict[str, str]]:
                 pytest.fail(f"tollgate up did not start:\n{out.read_text(errors='replace')[-4000:]}")
             time.sleep(0.2)
         platform_env = _env_file(data_dir / "env")
-        # A price for the demo model (the gateway refuses to serve an unpriced model).
-        subprocess.run([sys.executable, "-m", "tollgate", "prices", "set", MODEL, "--input", "0.5",
-                        "--output", "1.5", "--effective-from", "2021-01-01T00:00:00Z"],
-                       env={**env, **platform_env}, check=True, capture_output=True, cwd=root)
-        client = openai.OpenAI(base_url=platform_env["OPENAI_BASE_URL"],
-                               api_key=platform_env["OPENAI_API_KEY"], max_retries=0)
-        while True:  # until the gateway's price book has refreshed (every few seconds)
-            try:
-                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                               max_tokens=1)
-                break
-            except openai.InternalServerError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.25)
         yield platform_env
     finally:
         if proc.poll() is None:
@@ -136,18 +121,81 @@ def test_tools_completions_models_and_errors(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
 
 
+def _ledger_row(platform: dict[str, str], request_id: str) -> tuple:
+    """The ledger row of ``request_id`` once the worker has flushed it from the outbox."""
+    deadline = time.monotonic() + 60
+    with psycopg.connect(platform["TOLLGATE_DATABASE_URL"], autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT status, prompt_tokens, cached_tokens, completion_tokens, cost_pico_usd, created_at"
+                " FROM usage_events WHERE request_id = %s", (request_id,)).fetchone()
+            if row is not None:
+                return row
+            time.sleep(0.2)
+    raise AssertionError(f"usage of {request_id} never reached the ledger")
+
+
+def _price_at(platform: dict[str, str], when: object) -> tuple[int, int, int]:
+    with psycopg.connect(platform["TOLLGATE_DATABASE_URL"], autocommit=True) as conn:
+        row = conn.execute("SELECT input, cached_input, output FROM prices WHERE model = %s"
+                           " AND effective_from <= %s ORDER BY effective_from DESC LIMIT 1",
+                           (MODEL, when)).fetchone()
+    assert row is not None
+    return row
+
+
+def _cli(platform: dict[str, str], *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "OPENAI_"))}
+    done = subprocess.run([sys.executable, "-m", "tollgate", *args], env={**env, **platform},
+                          check=True, capture_output=True, text=True)
+    return done.stdout
+
+
 def test_usage_reaches_the_ledger(client: openai.OpenAI, platform: dict[str, str]) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "ledger"}], max_tokens=3)
-    request_id = raw.headers["x-request-id"]
     usage = raw.parse().usage
-    deadline = time.monotonic() + 60
-    row = None
-    with psycopg.connect(platform["TOLLGATE_DATABASE_URL"], autocommit=True) as conn:
-        while row is None and time.monotonic() < deadline:
-            row = conn.execute("SELECT status, prompt_tokens, completion_tokens, cost_pico_usd"
-                               " FROM usage_events WHERE request_id = %s", (request_id,)).fetchone()
-            if row is None:
-                time.sleep(0.2)
-    assert row is not None, "usage never reached the ledger"
-    assert row[:3] == ("completed", usage.prompt_tokens, usage.completion_tokens) and row[3] > 0
+    row = _ledger_row(platform, raw.headers["x-request-id"])
+    assert (row[0], row[1], row[3]) == ("completed", usage.prompt_tokens, usage.completion_tokens)
+    assert row[4] > 0
+
+
+def test_repeated_long_prompt_is_billed_at_the_cached_price(client: openai.OpenAI,
+                                                            platform: dict[str, str]) -> None:
+    prompt = "An agent resends its long instructions every turn. " * 20
+    messages = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
+    usage = raw.parse().usage
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < usage.prompt_tokens
+
+    status, prompt_tokens, ledger_cached, completion_tokens, cost, created_at = _ledger_row(
+        platform, raw.headers["x-request-id"])
+    assert (status, prompt_tokens, ledger_cached, completion_tokens) == (
+        "completed", usage.prompt_tokens, cached, usage.completion_tokens)
+    input_price, cached_price, output_price = _price_at(platform, created_at)
+    assert cached_price < input_price
+    assert cost == ((prompt_tokens - cached) * input_price + cached * cached_price
+                    + completion_tokens * output_price)
+
+
+def test_rate_limited_tenant_gets_rate_limit_error_with_headers(platform: dict[str, str]) -> None:
+    _cli(platform, "tenants", "create", "one-rpm", "--rpm", "1")
+    key = _cli(platform, "keys", "create", "one-rpm").strip().splitlines()[-1]
+    limited = openai.OpenAI(base_url=platform["OPENAI_BASE_URL"], api_key=key, max_retries=0)
+    try:
+        first = limited.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        assert first.headers["x-ratelimit-limit-requests"] == "1"
+        assert first.headers["x-ratelimit-remaining-requests"] == "0"
+        with pytest.raises(openai.RateLimitError) as caught:
+            limited.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=1)
+    finally:
+        limited.close()
+    error = caught.value
+    assert error.code == "rate_limit_exceeded"
+    assert float(error.response.headers["retry-after"]) > 0
+    assert error.response.headers["x-ratelimit-limit-requests"] == "1"
+    assert error.response.headers["x-ratelimit-reset-requests"]
