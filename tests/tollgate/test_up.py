@@ -268,19 +268,25 @@ def test_up_runs_supervises_and_stops_the_platform(data_dir, subtests):
         check_second_up_reuses_the_data_and_the_key(data_dir)
 
 
+def run_refused_up(tmp_path: Path, *args: str, env: dict[str, str] | None = None
+                   ) -> subprocess.CompletedProcess[str]:
+    """``tollgate up --data-dir tmp_path/d ARGS`` in ``tmp_path``, for an up that must exit at once."""
+    return subprocess.run(
+        [sys.executable, "-m", "tollgate", "up", "--data-dir", str(tmp_path / "d"), *args],
+        capture_output=True,
+        text=True,
+        env=clean_env() if env is None else env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+
+
 def test_missing_server_binaries_give_an_install_command(tmp_path):
     env = clean_env(
         TOLLGATE_POSTGRES_BIN_DIR=str(tmp_path / "no-pg"),
         TOLLGATE_REDIS_SERVER_BIN=str(tmp_path / "no-redis-server"),
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "tollgate", "up", "--data-dir", str(tmp_path / "d")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
+    result = run_refused_up(tmp_path, env=env)
     assert result.returncode != 0
     assert "apt-get install postgresql redis-server" in result.stderr
     assert not (tmp_path / "d" / "postgres").exists()
@@ -291,14 +297,7 @@ def test_busy_gateway_port_is_refused_before_starting_anything(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "tollgate", "up", "--data-dir", str(tmp_path / "d"), "--port", str(port)],
-            capture_output=True,
-            text=True,
-            env=clean_env(),
-            cwd=tmp_path,
-            timeout=60,
-        )
+        result = run_refused_up(tmp_path, "--port", str(port))
     assert result.returncode == 1
     assert f"port {port} for the gateway is in use" in result.stderr
     assert not (tmp_path / "d" / "postgres").exists()
@@ -311,22 +310,6 @@ def test_a_second_up_on_a_busy_data_dir_is_refused(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("4242")
         held.flush()
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tollgate",
-                "up",
-                "--data-dir",
-                str(tmp_path / "d"),
-                "--port",
-                str(free_port()),
-            ],
-            capture_output=True,
-            text=True,
-            env=clean_env(),
-            cwd=tmp_path,
-            timeout=60,
-        )
+        result = run_refused_up(tmp_path, "--port", str(free_port()))
     assert result.returncode == 1
     assert "another `tollgate up` (pid 4242) is running" in result.stderr
