@@ -28,12 +28,12 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from fastapi import Request
+from fastapi import Depends, Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from redis.asyncio import Redis
 from starlette.responses import Response
@@ -148,6 +148,9 @@ async def current_admin(request: Request) -> AdminPrincipal:
         end_session(request)
         raise LoginRequired(request.url.path)
     return AdminPrincipal(id=admin.id, email=admin.email)
+
+
+CurrentAdmin = Annotated[AdminPrincipal, Depends(current_admin)]
 
 
 def _same_origin(request: Request) -> bool:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from admin_ui.session import (
+    CurrentAdmin,
     LoginFailed,
     LoginRequired,
     authenticate_password,
@@ -18,11 +19,9 @@ from admin_ui.session import (
     load_session,
 )
 from admin_ui.web import redirect, render, safe_next
-from gateway.admin.auth import AdminPrincipal
 from gateway.errors import NotFoundError
 
 router = APIRouter(prefix="/admin")
-CurrentAdmin = Annotated[AdminPrincipal, Depends(current_admin)]
 
 
 @router.get("", include_in_schema=False)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from sqlalchemy import select
 from starlette.responses import Response
 
-from admin_ui.session import check_csrf, current_admin
+from admin_ui.session import CurrentAdmin, check_csrf
 from admin_ui.web import redirect, render, unit_of_work
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.schemas import BIGINT_MAX
@@ -28,7 +28,6 @@ from tollgate.models import BATCH_STATUSES, Batch, Tenant
 logger = logging.getLogger("tollgate.admin_ui.batches")
 
 router = APIRouter(prefix="/admin/batches")
-CurrentAdmin = Annotated[AdminPrincipal, Depends(current_admin)]
 PAGE_SIZE = 100
 NOTICES = {"cancelling": "Cancellation requested: running lines finish, the rest are not started."}
 

@@ -20,20 +20,18 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from sqlalchemy import and_, func, or_, select
 from starlette.responses import JSONResponse, Response
 
-from admin_ui.session import current_admin
+from admin_ui.session import CurrentAdmin
 from admin_ui.web import SECURITY_HEADERS, render
 from engine.protocol import LoadReport
-from gateway.admin.auth import AdminPrincipal
 from gateway.engine_client import EngineUnavailable
 from tollgate.models import UsageEvent
 from tollgate.settings import Settings
 
 router = APIRouter(prefix="/admin/engines")
-CurrentAdmin = Annotated[AdminPrincipal, Depends(current_admin)]
 WINDOWS = {"1h": 3600, "24h": 24 * 3600, "7d": 7 * 24 * 3600}
 LIVE_REFRESH_MS = 2000
 

@@ -8,13 +8,13 @@ take the platform defaults (cached input 10% of input, batch half).
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from admin_ui.session import check_csrf, current_admin
+from admin_ui.session import CurrentAdmin, check_csrf
 from admin_ui.views.tenants import form_errors
 from admin_ui.web import redirect, render, unit_of_work
 from gateway.admin import service
@@ -23,7 +23,6 @@ from gateway.admin.schemas import PRICE_FIELDS, PriceCreateRequest
 from gateway.errors import GatewayError
 
 router = APIRouter(prefix="/admin/prices")
-CurrentAdmin = Annotated[AdminPrincipal, Depends(current_admin)]
 OPTIONAL = ("cached_input", "batch_input", "batch_cached_input", "batch_output")
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from admin_ui.session import check_csrf, current_admin
+from admin_ui.session import CurrentAdmin, check_csrf
 from admin_ui.web import redirect, render, unit_of_work
 from gateway.admin import service
 from gateway.admin.auth import AdminPrincipal
@@ -34,7 +34,6 @@ from tollgate.models import ApiKey
 from tollgate.settings import Settings
 
 router = APIRouter(prefix="/admin/tenants")
-CurrentAdmin = Annotated[AdminPrincipal, Depends(current_admin)]
 TenantId = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 PAGE_SIZE = 50
 AUDIT_PAGE = 50

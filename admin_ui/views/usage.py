@@ -12,19 +12,17 @@ import csv
 import io
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from admin_ui.session import current_admin
+from admin_ui.session import CurrentAdmin
 from admin_ui.usage_data import UsageRange, parse_range, tenant_breakdown, usage_csv_rows, usage_series
 from admin_ui.web import SECURITY_HEADERS, render
 from gateway.admin import service
-from gateway.admin.auth import AdminPrincipal
 from gateway.admin.schemas import BIGINT_MAX
 from gateway.errors import GatewayError
 
 router = APIRouter(prefix="/admin")
-CurrentAdmin = Annotated[AdminPrincipal, Depends(current_admin)]
 TenantFilter = Annotated[int | None, Query(ge=1, le=BIGINT_MAX)]
 Day = Annotated[str | None, Query(max_length=10)]
 Granularity = Annotated[str | None, Query(max_length=4)]
