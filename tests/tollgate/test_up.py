@@ -8,7 +8,6 @@ SIGTERM leaving nothing behind, then a second start reusing the data and the key
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import shlex
@@ -147,8 +146,6 @@ class UpProcess:
 
 @pytest.fixture
 def data_dir() -> Iterator[Path]:
-    if importlib.util.find_spec("engine.server") is None:
-        pytest.skip("the engine server (engine/server.py) is not built yet; `tollgate up` needs it")
     # Not under pytest's basetemp: every pytest session resets /tmp/pytest-of-<user> to 0700, which
     # would cut the postgres user off from a running cluster (see docs/operations.md).
     root = Path(tempfile.mkdtemp(prefix="tollgate-up-test-"))
@@ -248,8 +245,9 @@ def check_second_up_reuses_the_data_and_the_key(data_dir: Path) -> None:
 
 def test_up_runs_supervises_and_stops_the_platform(data_dir, subtests):
     # One platform for every step, in order, inside one test: each start costs tens of seconds, and no
-    # test distribution (xdist) can split the steps or reorder them.
-    up = UpProcess(data_dir, free_port(), free_port())
+    # test distribution (xdist) can split the steps or reorder them. Two gateway workers, as production
+    # runs it: every one of their processes must be stopped too.
+    up = UpProcess(data_dir, free_port(), free_port(), "--workers", "2")
     try:
         up.wait_ready()
         with subtests.test(msg="every process answers its health check"):

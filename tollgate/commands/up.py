@@ -530,7 +530,9 @@ class LocalPlatform:
     help="Start no local engine (the gateway uses the replicas configured in tollgate.toml).",
 )
 @click.option(
+    "--workers",
     "--gateway-workers",
+    "gateway_workers",
     type=click.IntRange(min=1),
     default=None,
     help="Gateway worker processes. Default: TOLLGATE_GATEWAY_WORKERS.",
