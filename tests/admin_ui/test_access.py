@@ -11,7 +11,8 @@ from tests.admin_ui.conftest import ADMIN_PASSWORD, CSRF_RE, Dashboard, login_cl
 from tests.factories import create_api_key, create_tenant
 from tollgate.models import Admin, Tenant
 
-# One worker runs every test on the shared gateway + engine + browser (pytest -n --dist loadgroup).
+# Meant for one worker sharing the gateway + engine + browser (pytest -n --dist loadgroup); with pytest 9
+# and xdist 3.8 the group is not honoured, so each worker builds its own (slower, still correct).
 pytestmark = pytest.mark.xdist_group("admin_ui")
 
 PAGES = ["/admin", "/admin/", "/admin/tenants", "/admin/tenants/1", "/admin/usage", "/admin/usage.csv",

@@ -24,7 +24,8 @@ from tests.admin_ui.conftest import ADMIN_PASSWORD, Dashboard, screenshot
 from tests.gateway.conftest import MODEL
 from tollgate.models import AuditLog, UsageEvent
 
-# One worker runs every test on the shared gateway + engine + browser (pytest -n --dist loadgroup).
+# Meant for one worker sharing the gateway + engine + browser (pytest -n --dist loadgroup); with pytest 9
+# and xdist 3.8 the group is not honoured, so each worker builds its own (slower, still correct).
 pytestmark = pytest.mark.xdist_group("admin_ui")
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there, dashboard!"}], "max_tokens": 8}

@@ -15,7 +15,8 @@ from tests.admin_ui.conftest import Dashboard, login_client
 from tests.factories import create_tenant
 from tollgate.models import AuditLog, Tenant
 
-# One worker runs every test on the shared gateway + engine + browser (pytest -n --dist loadgroup).
+# Meant for one worker sharing the gateway + engine + browser (pytest -n --dist loadgroup); with pytest 9
+# and xdist 3.8 the group is not honoured, so each worker builds its own (slower, still correct).
 pytestmark = pytest.mark.xdist_group("admin_ui")
 
 
