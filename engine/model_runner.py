@@ -218,6 +218,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
+        meta.plan = self.attention_backend.plan(meta, self.dtype)
         return (dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta,
                 dev(torch.tensor(logits_indices, dtype=torch.int64)))
 

@@ -9,11 +9,12 @@ temperature → top-k → top-p (on the top-k-renormalized distribution) → a d
 
 Invariants:
 
-- A draw is ``argmax(p / q)`` with ``q ~ Exp(1)`` per token (the exponential race, an exact sample of
-  ``p``). For a request with a ``seed`` the noise of row ``r`` comes from a generator seeded with
+- A draw is an exact sample of ``p``. For a request with a ``seed`` it is ``argmax(p / q)`` with ``q ~
+  Exp(1)`` per token (the exponential race), the noise of row ``r`` coming from a generator seeded with
   ``sha256(seed, seq.index, position)``, where ``position`` is the index of the token being produced.
   It depends on nothing else, so a seeded sequence yields the same tokens alone, in any batch, and
-  after a preemption. Rows without a seed share the engine's generator (one call for all of them).
+  after a preemption. Rows without a seed draw by inversion (one uniform per row against the row's
+  cumulative distribution), all from the engine's generator in one call.
 - Logprobs (``params.logprobs`` is not None) are taken from the model's *raw* distribution,
   ``log_softmax(logits)`` before penalties, temperature, top-k/top-p and grammar masks, as OpenAI and
   vLLM report them by default: the chosen token's logprob and the ``k`` most likely tokens.
@@ -160,7 +161,7 @@ class Sampler:
         """One token per row of ``x`` (processed logits) by temperature, top-k, top-p and the seed."""
         device = x.device
         temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
-        x = x / temperature[:, None]
+        x.div_(temperature[:, None])  # x is the caller's working copy
         needs_filter = [i for i, s in enumerate(seqs) if s.params.top_k > 0 or s.params.top_p < 1.0]
         if needs_filter:
             index = torch.tensor(needs_filter, device=device)
@@ -172,21 +173,23 @@ class Sampler:
             top_p = torch.tensor([seqs[i].params.top_p for i in needs_filter], device=device)
             x[index] = _top_k_top_p(x[index], top_k, top_p)
         probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
         unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
-        if unseeded:
+        if len(unseeded) == len(seqs):
+            tokens = _draw_by_inversion(probs, self._generator(device))
+        elif unseeded:
             index = torch.tensor(unseeded, device=device)
-            # Exp(1) as -log(U): the same distribution, 3.5x less CPU than exponential_ (64 x 3k rows).
-            uniform = torch.rand(len(unseeded), x.shape[1], device=device, generator=self._generator(device))
-            noise[index] = uniform.log_().neg_()
+            tokens[index] = _draw_by_inversion(probs[index], self._generator(device))
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(seeded_noise_seed(seq.params.seed, seq.index, len(seq.token_ids)))
-                noise[i].exponential_(generator=gen)
-        # exponential_ may return exactly 0, and 0/0 = NaN would win the argmax even for a masked token.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+                noise = torch.empty_like(probs[i]).exponential_(generator=gen)
+                # exponential_ may return exactly 0, and 0/0 = NaN would win the argmax even for a
+                # masked token.
+                noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+                tokens[i] = (probs[i] / noise).argmax()
+        return tokens
 
     def _logprobs(
         self, raw: torch.Tensor, token_ids: list[int], params: list[SamplingParams]
@@ -239,6 +242,17 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     flat = (rows * vocab + ids).to(device)
     counts.view(-1).index_add_(0, flat, torch.ones(flat.shape[0], device=device))
     return counts
+
+
+def _draw_by_inversion(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs [N, V]``: the first index whose cumulative probability exceeds a
+    uniform draw in ``[0, row total)``, so a token of probability 0 is never chosen. One uniform per row
+    instead of the exponential race's V (3x less CPU for 64 rows of a 3k vocabulary)."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device, generator=generator).mul_(total)
+    u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # rounding must keep u < total
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,9 @@ a prefill chunk after a prefix-cache hit or earlier chunks, or one decode token)
   block_size)`` are never meaningful and must never influence the result.
 - ``max_query_len``, ``max_seq_len``: host ints (grid sizes, no device sync); ``query_lens_cpu`` /
   ``seq_lens_cpu``: the same numbers as host lists, for backends that loop over sequences.
+- ``plan``: whatever the backend derives from the fields above once per step (``AttentionBackend.plan``,
+  called by the runner) and reuses in every layer; ``None`` when nobody planned, and a backend then
+  derives it per call.
 
 Contract of ``forward(q, k, v, kv_cache, meta)``: first store ``k``/``v`` of the new tokens at
 ``slot_mapping``, then return, for each new token, causal attention of its query over positions
@@ -50,6 +53,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    plan: object | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -75,6 +79,11 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    def plan(self, meta: AttentionMetadata, dtype: torch.dtype) -> object | None:
+        """Per-step work shared by every layer (index tensors, masks in ``dtype``), stored by the runner
+        as ``meta.plan``. The default plans nothing."""
+        return None
 
     @abstractmethod
     def forward(

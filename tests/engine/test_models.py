@@ -245,12 +245,21 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out
 
 
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 20, 1], [33]])
-def test_torch_backend_matches_dense_attention_over_paged_cache(query_lens: list[int]) -> None:
+# Decodes of spread lengths fill several length buckets (of >= 8 sequences); mixed steps send their
+# one-token sequences through the same buckets and the others through the per-sequence loop.
+_MANY_DECODES = [1] * 21
+_MIXED = [1, 1, 5, *[1] * 9, 12, 1, 1]
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["per-call", "planned"])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 20, 1], [33], _MANY_DECODES, _MIXED],
+                         ids=["decodes", "mixed", "prefill", "many-decodes", "many-mixed"])
+def test_torch_backend_matches_dense_attention_over_paged_cache(query_lens: list[int], planned: bool) -> None:
     g = torch.Generator().manual_seed(len(query_lens))
-    num_heads, num_kv_heads, head_dim, num_blocks = 6, 2, 8, 24
+    num_heads, num_kv_heads, head_dim = 6, 2, 8
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale=1 / math.sqrt(head_dim))
-    context_lens = [int(torch.randint(0, 40, (1,), generator=g)) for _ in query_lens]
+    context_lens = [int(torch.randint(0, 90, (1,), generator=g)) for _ in query_lens]
+    num_blocks = sum(-(-(c + n) // BLOCK) for c, n in zip(context_lens, query_lens, strict=True)) + 3
     seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[perm.pop() for _ in range(-(-s // BLOCK))] for s in seq_lens]
@@ -281,6 +290,8 @@ def test_torch_backend_matches_dense_attention_over_paged_cache(query_lens: list
         seq_lens_cpu=seq_lens,
         block_size=BLOCK,
     )
+    if planned:
+        meta.plan = backend.plan(meta, torch.float32)
     new_k = torch.cat([k[c:] for k, c in zip(full_k, context_lens, strict=True)])
     new_v = torch.cat([v[c:] for v, c in zip(full_v, context_lens, strict=True)])
     out = backend.forward(torch.cat(q), new_k, new_v, cache, meta)
