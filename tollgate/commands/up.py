@@ -90,6 +90,17 @@ class LocalPlatform:
     def _save_state(self, state: dict[str, Any]) -> None:
         _write_private(self.state_path, json.dumps(state, indent=2))
 
+    def _saved_server(self, state: dict[str, Any], name: str) -> dict[str, Any]:
+        """``state[name]``: the server's port (kept while it is free) and password, saved before use."""
+        from tollgate.local_services import free_port, port_is_free
+
+        saved = state.setdefault(name, {})
+        if not saved.get("port") or not port_is_free(saved["port"]):
+            saved["port"] = free_port()
+        saved.setdefault("password", secrets.token_urlsafe(24))
+        self._save_state(state)
+        return saved
+
     def _lock(self) -> TextIO:
         lock = open(self.run_dir / "up.lock", "a+")  # held (open) for the life of this process
         try:
@@ -131,8 +142,6 @@ class LocalPlatform:
             LocalPostgres,
             LocalRedis,
             find_server_binaries,
-            free_port,
-            port_is_free,
         )
         from tollgate.supervisor import ProcessSpec
 
@@ -143,11 +152,7 @@ class LocalPlatform:
         names = []
         pg: LocalPostgres | None = None
         if not database_url:
-            saved = state.setdefault("postgres", {})
-            if not saved.get("port") or not port_is_free(saved["port"]):
-                saved["port"] = free_port()
-            saved.setdefault("password", secrets.token_urlsafe(24))
-            self._save_state(state)
+            saved = self._saved_server(state, "postgres")
             pg = LocalPostgres(
                 self.data_dir / "postgres",
                 binaries.postgres_bin_dir,
@@ -171,11 +176,7 @@ class LocalPlatform:
             names.append("postgres")
             database_url = pg.url("postgres")
         if not redis_url:
-            saved = state.setdefault("redis", {})
-            if not saved.get("port") or not port_is_free(saved["port"]):
-                saved["port"] = free_port()
-            saved.setdefault("password", secrets.token_urlsafe(24))
-            self._save_state(state)
+            saved = self._saved_server(state, "redis")
             rd = LocalRedis(
                 self.data_dir / "redis", binaries.redis_server, port=saved["port"], password=saved["password"]
             )
