@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 logger = logging.getLogger("tollgate.gateway")
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class GatewayError(Exception):
@@ -196,6 +198,14 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError
 
 def from_pydantic(exc: ValidationError) -> InvalidRequestError:
     return validation_error(exc.errors(include_url=False, include_input=False))
+
+
+def parse_request_body(model: type[M], body: bytes) -> M:
+    """``body`` validated from bytes as ``model``; any failure (bad JSON included) is OpenAI's 400."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
 
 
 async def _gateway_error_handler(request: Request, exc: Exception) -> Response:

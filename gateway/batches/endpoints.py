@@ -15,14 +15,13 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, FastAPI, Query, Request
-from pydantic import ValidationError
 from starlette.responses import Response
 
 from gateway.batch_runner.dispatch import BatchDispatcher
 from gateway.batches.schemas import CreateBatchRequest, ListBatchesQuery
 from gateway.batches.service import BatchService
 from gateway.deps import CurrentPrincipal
-from gateway.errors import from_pydantic
+from gateway.errors import parse_request_body
 
 logger = logging.getLogger("tollgate.gateway.batches")
 
@@ -48,10 +47,7 @@ async def _after_commit(what: str, batch_id: str, send: Any) -> None:
 
 @router.post("/batches", summary="Create a batch")
 async def create_batch(request: Request, principal: CurrentPrincipal) -> Response:
-    try:
-        body = CreateBatchRequest.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
+    body = parse_request_body(CreateBatchRequest, await request.body())
     async with request.app.state.db.session() as session:
         batch = await BatchService(session, request.app.state.settings, principal.tenant_id,
                                    principal.api_key_id).create(body)

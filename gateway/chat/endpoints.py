@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
 
 from gateway.chat.service import create_chat_completion
 from gateway.deps import CurrentPrincipal, RequestId, Runtime
-from gateway.errors import from_pydantic
+from gateway.errors import parse_request_body
 from gateway.openai.chat_schemas import ChatCompletionRequest
 from gateway.openai.schemas import openapi_request_body
 
@@ -24,8 +23,5 @@ router = APIRouter()
              openapi_extra=openapi_request_body(ChatCompletionRequest))
 async def chat_completions(request: Request, runtime: Runtime, principal: CurrentPrincipal,
                            request_id: RequestId) -> Any:
-    try:
-        body = ChatCompletionRequest.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
+    body = parse_request_body(ChatCompletionRequest, await request.body())
     return await create_chat_completion(runtime, principal, request_id, body, request)
