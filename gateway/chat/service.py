@@ -28,7 +28,7 @@ from starlette.responses import Response
 from engine.protocol import DeltaRecord
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
-from gateway.chat.tools import ToolCallParser, forced_call_schema
+from gateway.chat.tools import ParsedCall, ToolCallParser, forced_call_schema
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError
 from gateway.openai.chat_schemas import (
@@ -138,7 +138,7 @@ async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[
     for i in range(n):
         text = "".join(texts[i])
         parser = parsers[i]
-        calls = []
+        calls: list[ParsedCall] = []
         if parser is not None:
             content, calls = parser.feed(text)
             rest, more = parser.finish()

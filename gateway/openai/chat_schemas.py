@@ -30,6 +30,8 @@ class RefusalPart(RequestModel):
 
 
 class _UnsupportedPart(RequestModel):
+    type: str
+
     @model_validator(mode="after")
     def _refuse(self) -> _UnsupportedPart:
         raise ValueError(f"{self.type} content is not supported by this model (it reads text only)")

@@ -163,7 +163,8 @@ class Generation:
             per_completion = settings.default_max_tokens_reservation
         completion_budget = per_completion * self.n * len(self.prompts)
         salt = cache_salt(settings.key_hash_secret.get_secret_value(), self.principal.tenant_id)
-        block_size = (self.route.info().block_size if self.route.info() else 16)
+        info = self.route.info()
+        block_size = info.block_size if info is not None else 16
         hashes = [prefix_block_hashes(p, block_size, salt) for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
         # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).

@@ -12,6 +12,7 @@ password on the command line would land in shell history.
 from __future__ import annotations
 
 import os
+import sys
 
 import click
 
@@ -33,7 +34,7 @@ def _dashboard_password(prompt: bool | None) -> str | None:
     if password:
         return password
     if prompt is None:
-        prompt = click.get_text_stream("stdin").isatty()
+        prompt = sys.stdin.isatty()
     if not prompt:
         return None
     return click.prompt("Dashboard password", hide_input=True, confirmation_prompt=True, err=True)
