@@ -125,7 +125,8 @@ class RotaryEmbedding(nn.Module):
         self.args = args
         self.max_positions = max_positions
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self.reset_cache()
+        if self.cos_sin.device.type != "meta":  # on meta (the loader), computed once materialised
+            self.reset_cache()
 
     def reset_cache(self) -> None:
         """(Re)compute the cache on the module's device (the loader calls it after ``to_empty``)."""
@@ -211,7 +212,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int, ops: Ops) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # The loader fills every weight from the checkpoint, so the random init is skipped: under its
+        # meta-device mode, Embedding's normal_ imports torch._dynamo (~2 s of CPU on the first load).
+        self.embed_tokens = nn.Embedding(
+            args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
+        )
         self.rotary_emb = RotaryEmbedding(args, max_positions)
         self.layers = nn.ModuleList(
             DecoderLayer(args, self.rotary_emb, backend, ops) for _ in range(args.num_layers)
