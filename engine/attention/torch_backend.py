@@ -19,6 +19,7 @@ masks them out), so stale or zero blocks cannot change a result.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ class _Plan:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self._scratch: torch.Tensor | None = None  # decode gathers land here (see _workspace)
 
     def plan(self, meta: AttentionMetadata, dtype: torch.dtype) -> _Plan:
         """Per-step index tensors and masks, built once instead of once per layer (with 4 layers and 64
@@ -131,9 +136,11 @@ class TorchAttentionBackend(AttentionBackend):
             n = bucket.num_seqs
             # keys, values: [n, num_blocks * BS, KVH, D] -> [n, KVH, S, D]. index_select on the block
             # axis copies whole blocks (3.5x less CPU than advanced indexing with the 2-D table).
-            shape = (n, -1, num_kv_heads, head_dim)
-            keys = kv_cache[0].index_select(0, bucket.blocks).view(shape).transpose(1, 2)
-            values = kv_cache[1].index_select(0, bucket.blocks).view(shape).transpose(1, 2)
+            # K and V in one call, into a reused workspace: fresh multi-MB tensors every layer and step
+            # cost page faults.
+            gathered = self._workspace(kv_cache, bucket.blocks.numel())
+            torch.index_select(kv_cache, 1, bucket.blocks, out=gathered)
+            keys, values = gathered.view(2, n, -1, num_kv_heads, head_dim).transpose(2, 3)
             queries = q if bucket.rows is None else q[bucket.rows]
             # The query heads sharing a KV head ride on SDPA's query-length axis ([n, KVH, group, D]):
             # no K/V repeat for GQA, and no causal mask is needed for a single new token.
@@ -145,6 +152,17 @@ class TorchAttentionBackend(AttentionBackend):
                 return o
             out[bucket.rows] = o
         return out
+
+    def _workspace(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A ``[2, num_blocks, BS, KVH, D]`` view of a scratch buffer that lives as long as the backend
+        (the runner calls it from one thread) and grows to the largest gather seen."""
+        shape = (2, num_blocks, *kv_cache.shape[2:])
+        numel = math.prod(shape)
+        buffer = self._scratch
+        if buffer is None or buffer.numel() < numel or buffer.dtype != kv_cache.dtype \
+                or buffer.device != kv_cache.device:
+            buffer = self._scratch = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        return buffer[:numel].view(shape)
 
     def _extend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
