@@ -1,0 +1,380 @@
+"""What the gateway costs: added latency in front of an instant engine, and the RPS one worker sustains.
+
+Set-up (all real processes, started here): a private Postgres and Redis (``tollgate.local_services``,
+fsync off), the synthetic engine with zero delay (``ttft_s = token_interval_s = 0``: every token is
+ready at once, so what is measured is HTTP + gateway work), and ``tollgate gateway --workers 1`` with
+auth, admission (the tenant has RPM and TPM limits, so the whole Lua script runs) and metering (usage
+record to the Redis outbox) on. Each request is a chat completion of 16 tokens from a ~20-token prompt.
+
+Method: an open-loop load generator (requests start on a fixed schedule whatever the answers do, so a
+slow server cannot slow the offered load down) in a *separate process*, an asyncio ``httpx`` client,
+so the generator's CPU is not the gateway's. Latency is measured per request from its send to its last
+byte (a stream: to ``data: [DONE]``).
+1. Added latency at ``--rate`` (100 RPS): the same schedule against the engine's ``/generate`` directly
+   (the same prompt tokens) and through the gateway; the difference of the p50s and of the p99s.
+2. Highest sustained RPS: rates stepped up until errors reach 1% or p99 exceeds 1 s (or the generator
+   falls behind its schedule by more than 10%), non-streamed and streamed.
+
+``python benchmarks/gateway_overhead.py --out benchmarks/out/gateway_overhead.json`` prints a table and
+writes JSON. ``--profile`` runs py-spy on the gateway worker during the 100 RPS step and prints where
+the time goes. ``Platform`` is reused by ``benchmarks/noisy_neighbor.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import format_table, write_json  # noqa: E402
+
+MODEL = "synthetic"
+MAX_TOKENS = 16
+MESSAGES = [{"role": "user", "content": "Benchmark the gateway with this short prompt, please."}]
+ERROR_LIMIT = 0.01
+P99_LIMIT_S = 1.0
+
+
+# ----------------------------------------------------------------------------- the platform
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+@dataclass
+class Platform:
+    """Postgres, Redis, one engine replica and a gateway, started by ``platform()``."""
+
+    root: Path
+    database_url: str
+    redis_url: str
+    engine_url: str
+    gateway_url: str
+    gateway_pid: int
+    tokenizer_dir: Path
+
+    def create_tenant_key(self, **tenant_columns: Any) -> str:
+        """A committed tenant (with these columns) and an API key for it."""
+        from tests.factories import create_api_key, create_tenant
+        from tollgate.db import Database
+
+        async def main() -> str:
+            db = Database(self.database_url, pool_size=1)
+            try:
+                async with db.session() as session:
+                    tenant = await create_tenant(session, **tenant_columns)
+                    return (await create_api_key(session, tenant))[1]
+            finally:
+                await db.dispose()
+
+        return asyncio.run(main())
+
+    def prompt_token_ids(self) -> list[int]:
+        from engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(self.tokenizer_dir).encode_chat(MESSAGES)
+
+
+@contextlib.contextmanager
+def platform(*, engine_argv: list[str] | None = None, engine_extra: dict[str, float] | None = None,
+             model: str = MODEL, gateway_env: dict[str, str] | None = None) -> Iterator[Platform]:
+    """Start everything in a temporary directory; stop everything at exit.
+
+    The engine is the synthetic one with ``engine_extra`` timings, unless ``engine_argv`` (a ``tollgate
+    engine`` command line without ``--port``) names a real model."""
+    from engine.tiny import create_tiny_checkpoint
+    from tests.factories import create_price
+    from tollgate import schema
+    from tollgate.db import Database
+    from tollgate.local_services import (
+        POSTGRES_STOP_SIGNAL,
+        LocalPostgres,
+        LocalRedis,
+        find_server_binaries,
+        free_port,
+    )
+    from tollgate.processes import spawn, stop
+    from tollgate.settings import Settings
+
+    root = Path(tempfile.mkdtemp(prefix="tollgate-bench-"))
+    os.chmod(root, 0o755)  # the postgres user must reach its directory
+    procs: list[tuple[subprocess.Popen[bytes], int]] = []
+    try:
+        binaries = find_server_binaries(Settings())
+        pg = LocalPostgres(root / "pg", binaries.postgres_bin_dir, port=free_port(),
+                           password=secrets.token_hex(8), durable=False)
+        pg.prepare()
+        rd = LocalRedis(root / "redis", binaries.redis_server, port=free_port(),
+                        password=secrets.token_hex(8), durable=False)
+        rd.prepare()
+        pg_proc = spawn(pg.argv(), log_path=pg.log_path, user=pg.user, cwd=pg.root)
+        procs.append((pg_proc, POSTGRES_STOP_SIGNAL))
+        rd_proc = spawn(rd.argv(), log_path=rd.log_path)
+        procs.append((rd_proc, 15))
+        pg.wait_ready(pg_proc, 60)
+        rd.wait_ready(rd_proc, 60)
+        pg.create_database("tollgate")
+        database_url = pg.url("tollgate")
+        schema.upgrade(database_url)
+
+        async def price() -> None:
+            db = Database(database_url, pool_size=1)
+            try:
+                async with db.session() as session:
+                    await create_price(session, model=model)
+            finally:
+                await db.dispose()
+
+        asyncio.run(price())
+        tiny = create_tiny_checkpoint(root / "tiny", arch="llama", seed=0)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "PROMETHEUS_"))}
+        env["PYTHONUNBUFFERED"] = "1"
+        engine_port = free_port()
+        if engine_argv is None:
+            extra = engine_extra or {"token_interval_s": 0.0, "ttft_s": 0.0}
+            code = (f"from engine.server import serve; serve('synthetic', port={engine_port}, "
+                    f"model_name={model!r}, extra={extra!r})")
+            argv = [sys.executable, "-c", code]
+        else:
+            argv = [*engine_argv, "--port", str(engine_port)]
+        engine_log = root / "engine.log"
+        engine = spawn(argv, log_path=engine_log, env=env)
+        procs.append((engine, 15))
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        _wait_http(f"{engine_url}/health", engine, engine_log)
+
+        tiers = {name: {"engine_priority": prio, "ttft_slo_ms": 600_000, "tpot_slo_ms": 60_000, "rank": rank}
+                 for name, prio, rank in (("priority", 0, 3), ("default", 1, 2), ("flex", 2, 1))}
+        gw_port = free_port()
+        gw_env = {**env, "TOLLGATE_ENVIRONMENT": "test", "TOLLGATE_DATABASE_URL": database_url,
+                  "TOLLGATE_REDIS_URL": rd.url(0), "TOLLGATE_TIERS": json.dumps(tiers),
+                  "TOLLGATE_MODELS": json.dumps([{"name": model, "path": str(tiny if engine_argv is None
+                                                                                 else engine_argv[-1])}]),
+                  "TOLLGATE_POOLS": json.dumps({"interactive": {"replicas": [engine_url]}}),
+                  "TOLLGATE_KEY_CACHE_TTL_S": "60", **(gateway_env or {})}
+        gw_log = root / "gateway.log"
+        gateway = spawn([sys.executable, "-m", "tollgate", "gateway", "--port", str(gw_port),
+                         "--workers", "1"], log_path=gw_log, env=gw_env)
+        procs.append((gateway, 15))
+        gateway_url = f"http://127.0.0.1:{gw_port}"
+        _wait_http(f"{gateway_url}/health", gateway, gw_log)
+        yield Platform(root, database_url, rd.url(0), engine_url, gateway_url, gateway.pid,
+                       tiny if engine_argv is None else Path(engine_argv[-1]))
+    finally:
+        for proc, sig in reversed(procs):
+            stop(proc, sig=sig, timeout=20)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- the load generator
+
+
+@dataclass
+class LoadSpec:
+    url: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    rate: float
+    duration_s: float
+    stream: bool
+    engine_direct: bool = False
+
+
+def _load_process(spec: LoadSpec, out: Any) -> None:
+    """Child process: run the open-loop schedule, send back (latencies, errors, lag)."""
+    out.send(asyncio.run(_load(spec)))
+    out.close()
+
+
+async def _load(spec: LoadSpec) -> dict[str, Any]:
+    import httpx
+
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    lags: list[float] = []
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    async with httpx.AsyncClient(timeout=30.0, limits=limits, headers=spec.headers) as client:
+
+        async def one() -> None:
+            body = dict(spec.body)
+            if spec.engine_direct:
+                body["request_id"] = uuid.uuid4().hex
+            started = time.perf_counter()
+            try:
+                async with client.stream("POST", spec.url, json=body) as response:
+                    async for _ in response.aiter_raw():
+                        pass
+                if response.status_code != 200:
+                    errors[str(response.status_code)] = errors.get(str(response.status_code), 0) + 1
+                    return
+            except httpx.HTTPError as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                return
+            latencies.append(time.perf_counter() - started)
+
+        total = int(spec.rate * spec.duration_s)
+        start = time.perf_counter() + 0.2
+        tasks = []
+        for i in range(total):
+            due = start + i / spec.rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                lags.append(-delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return {"latencies": latencies, "errors": errors, "sent": total,
+            "max_lag_s": max(lags, default=0.0), "late_fraction": len(lags) / max(1, total)}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_load(spec: LoadSpec, measured_pid: int | None = None) -> dict[str, Any]:
+    """Run one step in a separate process; with ``measured_pid``, also the CPU that process spent per
+    successful request (steady on a shared machine, unlike latencies)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_load_process, args=(spec, child))
+    cpu_before = process_cpu_s(measured_pid) if measured_pid else 0.0
+    proc.start()
+    result = parent.recv()
+    proc.join()
+    if measured_pid:
+        result["cpu_ms_per_request"] = 1000 * (process_cpu_s(measured_pid) - cpu_before) / max(
+            1, len(result["latencies"]))
+    lat = sorted(result["latencies"])
+    failed = sum(result["errors"].values())
+    result.update(
+        ok=len(lat), error_rate=failed / max(1, result["sent"]),
+        p50_ms=1000 * statistics.median(lat) if lat else float("nan"),
+        p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
+    )
+    del result["latencies"]
+    return result
+
+
+def sustained(result: dict[str, Any]) -> bool:
+    return (result["error_rate"] < ERROR_LIMIT and result["p99_ms"] <= 1000 * P99_LIMIT_S
+            and result["late_fraction"] < 0.1)  # the generator kept its schedule
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=100.0, help="RPS of the added-latency comparison")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per load step")
+    parser.add_argument("--rates", default="100,200,300,400,500,600,800,1000",
+                        help="RPS steps of the sustained-throughput search")
+    parser.add_argument("--profile", action="store_true", help="py-spy the gateway during the --rate step")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+
+    with platform() as p:
+        key = p.create_tenant_key(rpm_limit=10**9, tpm_limit=10**12)
+        headers = {"Authorization": f"Bearer {key}"}
+        chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS}
+        direct = {"prompt_token_ids": p.prompt_token_ids(), "max_tokens": MAX_TOKENS, "tenant": "bench"}
+        # Warm up both paths (connections, caches, the price book).
+        run_load(LoadSpec(f"{p.gateway_url}/v1/chat/completions", chat, headers, 50, 2, False))
+        results: dict[str, Any] = {"rate": args.rate, "duration_s": args.duration, "latency": {},
+                                   "search": {}}
+        rows = []
+        for stream in (False, True):
+            mode = "stream" if stream else "non-stream"
+            body = {**chat, "stream": True} if stream else chat
+            base = run_load(LoadSpec(f"{p.engine_url}/generate", direct, {}, args.rate, args.duration, stream,
+                                     engine_direct=True))
+            profiler = _start_profile(p, args, mode) if args.profile else None
+            through = run_load(LoadSpec(f"{p.gateway_url}/v1/chat/completions", body, headers, args.rate,
+                                        args.duration, stream), measured_pid=p.gateway_pid)
+            if profiler is not None:
+                _finish_profile(profiler)
+            results["latency"][mode] = {"engine_direct": base, "gateway": through,
+                                        "added_p50_ms": through["p50_ms"] - base["p50_ms"],
+                                        "added_p99_ms": through["p99_ms"] - base["p99_ms"]}
+            best, steps = 0.0, []
+            for rate in rates:
+                step = run_load(LoadSpec(f"{p.gateway_url}/v1/chat/completions", body, headers, rate,
+                                         min(args.duration, 5.0), stream))
+                steps.append({"rate": rate, **step})
+                if not sustained(step):
+                    break
+                best = rate
+            results["search"][mode] = {"sustained_rps": best, "steps": steps}
+            litellm = 15 if stream else 45
+            rows.append([mode, f"{base['p50_ms']:.2f} / {base['p99_ms']:.2f}",
+                         f"{through['p50_ms']:.2f} / {through['p99_ms']:.2f}",
+                         f"{results['latency'][mode]['added_p50_ms']:.2f} / "
+                         f"{results['latency'][mode]['added_p99_ms']:.2f}",
+                         f"{through['error_rate']:.1%}", f"{through['cpu_ms_per_request']:.2f}",
+                         f"{1000 / through['cpu_ms_per_request']:.0f}", f"{best:.0f}",
+                         f"{best / litellm:.1f}x"])
+    print(format_table(["mode", f"engine direct p50/p99 ms @{args.rate:.0f} RPS",
+                        "through gateway p50/p99 ms", "added p50/p99 ms", "errors", "gateway CPU ms/req",
+                        "RPS per core (CPU bound)", "sustained RPS (1 worker)", "vs LiteLLM (45 / 15 RPS)"],
+                       rows))
+    for mode, search in results["search"].items():
+        print(f"{mode} steps: " + ", ".join(
+            f"{s['rate']:.0f} RPS -> p99 {s['p99_ms']:.0f} ms, err {s['error_rate']:.1%}, "
+            f"lag {s['max_lag_s']:.2f}s" for s in search["steps"]))
+    if args.out:
+        results.update(machine=f"{os.cpu_count()}-core CPU", load_average=os.getloadavg(),
+                       date=datetime.now(UTC).isoformat(timespec="seconds"))
+        write_json(args.out, results)
+
+
+def _start_profile(p: Platform, args: argparse.Namespace, mode: str) -> subprocess.Popen[bytes] | None:
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(py_spy).exists():
+        print("py-spy is not installed (pip install py-spy): no profile", file=sys.stderr)
+        return None
+    out = (args.out.parent if args.out else Path(".")) / f"gateway_profile_{mode}.txt"
+    return subprocess.Popen([py_spy, "record", "--pid", str(p.gateway_pid), "--format", "raw", "--output",
+                             str(out), "--duration", str(int(args.duration) + 1), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _finish_profile(proc: subprocess.Popen[bytes]) -> None:
+    proc.wait(timeout=120)
+
+
+if __name__ == "__main__":
+    main()
