@@ -37,7 +37,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,7 @@ class Platform:
     gateway_url: str
     gateway_pid: int
     tokenizer_dir: Path
+    tenant_ids: dict[str, int] = field(default_factory=dict)  # API key -> tenant id
 
     def create_tenant_key(self, **tenant_columns: Any) -> str:
         """A committed tenant (with these columns) and an API key for it."""
@@ -93,11 +94,25 @@ class Platform:
             try:
                 async with db.session() as session:
                     tenant = await create_tenant(session, **tenant_columns)
-                    return (await create_api_key(session, tenant))[1]
+                    key = (await create_api_key(session, tenant))[1]
+                    self.tenant_ids[key] = tenant.id
+                    return key
             finally:
                 await db.dispose()
 
         return asyncio.run(main())
+
+    def usage_records(self) -> list[Any]:
+        """Every usage record in the outbox (nothing flushes it here)."""
+        import redis
+
+        from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord
+
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return [UsageRecord.from_json(f[RECORD_FIELD]) for _, f in client.xrange(USAGE_STREAM)]
+        finally:
+            client.close()
 
     def prompt_token_ids(self) -> list[int]:
         from engine.tokenizer import Tokenizer
@@ -106,12 +121,12 @@ class Platform:
 
 
 @contextlib.contextmanager
-def platform(*, engine_argv: list[str] | None = None, engine_extra: dict[str, float] | None = None,
+def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[str, float] | None = None,
              model: str = MODEL, gateway_env: dict[str, str] | None = None) -> Iterator[Platform]:
     """Start everything in a temporary directory; stop everything at exit.
 
-    The engine is the synthetic one with ``engine_extra`` timings, unless ``engine_argv`` (a ``tollgate
-    engine`` command line without ``--port``) names a real model."""
+    The engine is the synthetic one with ``engine_extra`` timings, unless ``real_engine_args`` is given:
+    then ``tollgate engine --model <tiny checkpoint> <real_engine_args>`` (the real CPU engine)."""
     from engine.tiny import create_tiny_checkpoint
     from tests.factories import create_price
     from tollgate import schema
@@ -160,13 +175,14 @@ def platform(*, engine_argv: list[str] | None = None, engine_extra: dict[str, fl
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "PROMETHEUS_"))}
         env["PYTHONUNBUFFERED"] = "1"
         engine_port = free_port()
-        if engine_argv is None:
+        if real_engine_args is None:
             extra = engine_extra or {"token_interval_s": 0.0, "ttft_s": 0.0}
             code = (f"from engine.server import serve; serve('synthetic', port={engine_port}, "
                     f"model_name={model!r}, extra={extra!r})")
             argv = [sys.executable, "-c", code]
         else:
-            argv = [*engine_argv, "--port", str(engine_port)]
+            argv = [sys.executable, "-m", "tollgate", "engine", "--model", str(tiny), "--model-name", model,
+                    "--port", str(engine_port), *real_engine_args]
         engine_log = root / "engine.log"
         engine = spawn(argv, log_path=engine_log, env=env)
         procs.append((engine, 15))
@@ -178,8 +194,7 @@ def platform(*, engine_argv: list[str] | None = None, engine_extra: dict[str, fl
         gw_port = free_port()
         gw_env = {**env, "TOLLGATE_ENVIRONMENT": "test", "TOLLGATE_DATABASE_URL": database_url,
                   "TOLLGATE_REDIS_URL": rd.url(0), "TOLLGATE_TIERS": json.dumps(tiers),
-                  "TOLLGATE_MODELS": json.dumps([{"name": model, "path": str(tiny if engine_argv is None
-                                                                                 else engine_argv[-1])}]),
+                  "TOLLGATE_MODELS": json.dumps([{"name": model, "path": str(tiny)}]),
                   "TOLLGATE_POOLS": json.dumps({"interactive": {"replicas": [engine_url]}}),
                   "TOLLGATE_KEY_CACHE_TTL_S": "60", **(gateway_env or {})}
         gw_log = root / "gateway.log"
@@ -188,8 +203,7 @@ def platform(*, engine_argv: list[str] | None = None, engine_extra: dict[str, fl
         procs.append((gateway, 15))
         gateway_url = f"http://127.0.0.1:{gw_port}"
         _wait_http(f"{gateway_url}/health", gateway, gw_log)
-        yield Platform(root, database_url, rd.url(0), engine_url, gateway_url, gateway.pid,
-                       tiny if engine_argv is None else Path(engine_argv[-1]))
+        yield Platform(root, database_url, rd.url(0), engine_url, gateway_url, gateway.pid, tiny)
     finally:
         for proc, sig in reversed(procs):
             stop(proc, sig=sig, timeout=20)
