@@ -77,9 +77,9 @@ class LLM:
         n = len(prompt_list)
         params_list = _per_prompt(params if params is not None else SamplingParams(), n, "params",
                                   SamplingParams)
-        salts = _per_prompt(cache_salt, n, "cache_salt", (str, type(None)))
-        priorities = _per_prompt(priority if priority is not None else 0, n, "priority", int)
-        tenants = _per_prompt(tenant if tenant is not None else "", n, "tenant", str)
+        salts: list[str | None] = _per_prompt(cache_salt, n, "cache_salt", (str, type(None)))
+        priorities: list[int] = _per_prompt(priority if priority is not None else 0, n, "priority", int)
+        tenants: list[str] = _per_prompt(tenant if tenant is not None else "", n, "tenant", str)
         token_lists = [
             self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompt_list
         ]
@@ -91,14 +91,14 @@ class LLM:
                 raise RequestValidationError(f"prompt {i}: {e.message}", e.param) from e
         outputs: dict[str, RequestOutput] = {}
         try:
-            for i, rid in enumerate(request_ids):
+            for i, (rid, prompt) in enumerate(zip(request_ids, prompt_list, strict=True)):
                 self.engine.add_request(rid, token_lists[i], params_list[i], tenant=tenants[i],
                                         cache_salt=salts[i], priority=priorities[i])
                 outputs[rid] = RequestOutput(
                     request_id=rid,
                     prompt_token_ids=token_lists[i],
                     outputs=[CompletionOutput(index=k) for k in range(params_list[i].n)],
-                    prompt=prompt_list[i] if isinstance(prompt_list[i], str) else None,
+                    prompt=prompt if isinstance(prompt, str) else None,
                 )
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
@@ -117,15 +117,19 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | SequenceLike[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    for p in prompts:
-        if not isinstance(p, str) and not (
-            isinstance(p, SequenceLike) and all(isinstance(t, int) for t in p)
-        ):
+    items = list(prompts)
+    token_ids = [t for t in items if isinstance(t, int)]
+    if items and len(token_ids) == len(items):
+        return [token_ids]  # one prompt given as token ids
+    prompt_list: list[Prompt] = []
+    for p in items:
+        if isinstance(p, str):
+            prompt_list.append(p)
+        elif isinstance(p, SequenceLike) and all(isinstance(t, int) for t in p):
+            prompt_list.append(p)
+        else:
             raise TypeError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
-    return prompts
+    return prompt_list
 
 
 def _per_prompt(value: T | SequenceLike[T], n: int, name: str, item_type: Any) -> list[T]:

@@ -328,7 +328,11 @@ class LLMEngine:
     def _drain(self, request: _Request) -> list[CompletionDelta]:
         deltas = []
         for c in request.completions:
-            finish = c.seq.finish_reason.value if c.seq.is_finished and not c.reported_finish else None
+            finish = None
+            if c.seq.is_finished and not c.reported_finish:
+                if c.seq.finish_reason is None:
+                    raise RuntimeError(f"sequence {c.seq.seq_id} is finished without a finish reason")
+                finish = c.seq.finish_reason.value
             if not c.new_token_ids and finish is None:
                 continue
             deltas.append(CompletionDelta(c.seq.index, c.new_token_ids, "".join(c.new_text),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -19,10 +20,18 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.models.config import ModelArgs
+from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import model_class
 
 # HF tensor names that carry no parameter (buffers some exporters include).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@runtime_checkable
+class _HasDeviceCache(Protocol):
+    """A module holding a computed (non-checkpoint) cache, recomputed once it is on its device."""
+
+    def reset_cache(self) -> None: ...
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -60,7 +69,7 @@ def _expected_hf_names(model: nn.Module, shards: dict[str, tuple[str, int, int]]
     by_fused: dict[str, list[str]] = {}
     for hf, (fused, _, _) in shards.items():
         by_fused.setdefault(fused, []).append(hf)
-    names = set()
+    names: set[str] = set()
     for name, _ in model.named_parameters():  # tied weights appear once, under the embedding's name
         module, _, leaf = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
@@ -116,7 +125,7 @@ def load_model(
     max_positions: int | None = None,
     args: ModelArgs | None = None,
     fused_kernels: bool = False,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """Construct the checkpoint's model class in ``dtype`` on ``device`` and load its weights."""
     args = args or ModelArgs.from_pretrained(model_dir)
     cls = model_class(args)
@@ -125,7 +134,7 @@ def load_model(
     model = model.to(dtype).to_empty(device=torch.device(device))
     model.tie_weights()
     for module in model.modules():
-        if hasattr(module, "reset_cache"):
+        if isinstance(module, _HasDeviceCache):
             module.reset_cache()
     load_weights(model, args, model_dir)
     return model.eval()

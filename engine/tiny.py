@@ -266,7 +266,12 @@ def create_tiny_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int =
     llama_bos = arch == "llama"
     tok = train_tokenizer(llama_bos=llama_bos)
     tok.save(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(t)
+        if token_id is None:
+            raise RuntimeError(f"the trained tokenizer lacks the special token {t!r}")
+        ids[t] = token_id
     eos_ids = [ids[EOS_TOKEN], ids[PAD_TOKEN]]
     bos_id = ids[BOS_TOKEN] if llama_bos else None
 

@@ -117,6 +117,8 @@ def rms_norm(
         )  # fmt: skip
     if residual is None:
         return out
+    if residual_out is None:  # allocated above whenever residual is given
+        raise RuntimeError("rms_norm: residual_out missing for a residual call")
     return out, residual_out
 
 

@@ -69,6 +69,10 @@ class AttentionBackend(ABC):
     """Attention over the paged KV cache for one model (shared by its layers; holds no per-step state)."""
 
     name: str = ""
+    # Fixed split-K factor of the decode kernel, for backends that split long contexts (triton): the
+    # runner sets it while capturing CUDA graphs, then resets it. None: chosen per step. Backends
+    # without split-K decode ignore it.
+    decode_num_splits: int | None = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads <= 0 or num_kv_heads <= 0 or head_dim <= 0:

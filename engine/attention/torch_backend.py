@@ -151,6 +151,8 @@ class TorchAttentionBackend(AttentionBackend):
             if out is None:
                 return o
             out[bucket.rows] = o
+        if out is None:  # unreachable: without out, the single bucket returned above
+            raise RuntimeError("decode attention got no buckets")
         return out
 
     def _workspace(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:

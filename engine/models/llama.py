@@ -120,6 +120,8 @@ class RotaryEmbedding(nn.Module):
     """The RoPE table ``cos_sin [max_positions, head_dim]`` (cos | sin halves), float32, on the model's
     device; the ``Ops`` rotate queries and keys with it."""
 
+    cos_sin: torch.Tensor  # a registered (non-persistent) buffer
+
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         self.args = args
@@ -144,6 +146,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = args.q_size, args.kv_size
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, ops)
@@ -163,7 +167,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per-head RMSNorm over rows of head_dim (reshape packs the rows)
+        # Per-head RMSNorm over rows of head_dim (reshape packs the rows); q_norm and k_norm are set together.
+        if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self._ops.rotary(q, k, positions, self._rotary[0].cos_sin)

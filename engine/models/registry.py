@@ -6,18 +6,16 @@ an unknown one is a ``ValueError`` that names the supported ones.
 
 from __future__ import annotations
 
-from torch import nn
-
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
 
-_ARCHITECTURES: dict[str, type[nn.Module]] = {
+_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
-_MODEL_TYPES: dict[str, type[nn.Module]] = {
+_MODEL_TYPES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
@@ -29,7 +27,7 @@ def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def model_class(args: ModelArgs) -> type[nn.Module]:
+def model_class(args: ModelArgs) -> type[LlamaForCausalLM]:
     if args.architecture in _ARCHITECTURES:
         return _ARCHITECTURES[args.architecture]
     if args.model_type in _MODEL_TYPES:
