@@ -24,6 +24,23 @@ step. Invariants and policies:
   *served tokens* (a virtual token counter, charged with every token computed for it) goes first,
   FCFS within a tenant and between equal tenants. A tenant that becomes active starts at the current
   minimum of the active tenants (the virtual time), so idle time never banks credit.
+- **Fair share of running slots (and the KV blocks they hold).** Ordering the waiting queue is not
+  enough: once one tenant holds every running slot, another tenant's request would wait for one of its
+  streams to end. Within priority ``p``, a tenant's fair share is ``ceil(max_num_seqs / T)`` running
+  sequences, ``T`` the number of distinct tenants with running or waiting sequences at ``p``. When a
+  waiting sequence of tenant ``t`` cannot be admitted (sequence slots or blocks short), ``t`` holds fewer
+  than its share at ``p`` and another tenant ``u`` holds more than its share at ``p``, the latest-arrived
+  running sequence of the tenant furthest over its share is preempted by recompute (the usual path: it
+  re-enters waiting at its place in line, nothing is re-billed as cached) and ``t``'s sequence is
+  admitted. Lower-priority work is preempted first, as before, and a fairness preemption never crosses
+  priorities. No thrash: a tenant at or below its share is never a victim, and a tenant already at its
+  share never triggers one, so a preemption can never be undone by the reverse one. Admission scans the
+  tenants under their share first (up to their share), then everyone, each pass in fair order and
+  head-of-line (a blocked head stops admission, for lower priorities too). When a running
+  sequence needs a block and none is free, the victim is still of the lowest priority present, but
+  within it a sequence of a tenant over its share goes before the latest arrival. The victim returns
+  when a slot frees up and no tenant under its share is waiting, at the latest when the other tenants'
+  work ends. Counted in ``num_fairness_preemptions`` (also in ``num_preemptions``).
 - **n > 1.** Siblings (same ``request_id``) are admitted once the first stream has computed its prompt,
   so they reuse its full prompt blocks: through the prefix cache, or through ``BlockManager.fork`` when
   prefix caching is disabled.
@@ -62,6 +79,7 @@ class Scheduler:
         self._active: dict[str, int] = {}
         self._vtime = 0
         self.num_preemptions = 0
+        self.num_fairness_preemptions = 0
         self.num_partial_prefill_chunks = 0
         self.computed_prefill_tokens = 0
         self.computed_decode_tokens = 0
@@ -158,6 +176,7 @@ class Scheduler:
             "prefix_hit_tokens": bm.prefix_hit_tokens,
             "prefix_hit_rate": bm.prefix_hit_rate,
             "num_preemptions": self.num_preemptions,
+            "num_fairness_preemptions": self.num_fairness_preemptions,
             "num_partial_prefill_chunks": self.num_partial_prefill_chunks,
             "computed_prefill_tokens": self.computed_prefill_tokens,
             "computed_decode_tokens": self.computed_decode_tokens,
@@ -225,42 +244,68 @@ class Scheduler:
         # unless some stream already has the whole prompt computed (then its blocks can be shared).
         prefilling = {s.request_id for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
         prompt_ready = {s.request_id for s in self.running if s.num_computed_tokens >= s.num_prompt_tokens}
-        for seq in self._fair_order(self._waiting.get(level, {})):
-            if step.budget <= 0:
-                return True
-            if seq.status is not SequenceStatus.WAITING or seq in step.preempted:
-                continue
-            if (
-                getattr(seq.params, "n", 1) > 1
-                and seq.request_id in prefilling
-                and seq.request_id not in prompt_ready
-            ):
-                continue
-            slots_full = len(self.running) >= self.max_num_seqs
-            if slots_full and self._pick_victim(lower_than=level) is None:
-                return False
-            if not self._allocate(seq):
-                # Preempt lower-priority work only if that can make room: never for nothing.
-                lower = [s for s in self.running if s.priority > level]
-                reclaimable = self.block_manager.num_free_blocks + sum(len(s.block_table) for s in lower)
-                if self.block_manager.blocks_needed(len(seq.token_ids)) > reclaimable:
+        share = self._fair_share(level)
+        waiting = self._waiting.get(level, {})
+        # Two passes in fair order: first the tenants under their share of running slots (they may
+        # preempt tenants over theirs), each for at most the sequences that bring it to its share; then
+        # everyone, with lower-priority victims only. A blocked head stops admission (head-of-line).
+        counts = _count_by_tenant(s for s in self.running if s.priority == level)
+        under = {t: q[: share - counts.get(t, 0)] for t, q in waiting.items() if counts.get(t, 0) < share}
+        for fair_pass in (True, False):
+            for seq in self._fair_order(under if fair_pass else self._waiting.get(level, {})):
+                if step.budget <= 0:
+                    return True
+                if seq.status is not SequenceStatus.WAITING or seq in step.preempted:
+                    continue
+                if (
+                    getattr(seq.params, "n", 1) > 1
+                    and seq.request_id in prefilling
+                    and seq.request_id not in prompt_ready
+                ):
+                    continue
+                fair = fair_pass and self._num_running(level, seq.tenant) < share
+                if not self._make_room(seq, level, share if fair else None, step):
                     return False
-                while not self._allocate(seq):
-                    victim = self._pick_victim(lower_than=level)
-                    if victim is None:
-                        return False
-                    self._preempt(victim, step)
-            if len(self.running) >= self.max_num_seqs:
-                # A lower-priority victim exists (checked above; block preemptions only free slots).
-                victim = self._pick_victim(lower_than=level)
-                if victim is not None:
-                    self._preempt(victim, step)
-            self._remove_waiting(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            prefilling.add(seq.request_id)
-            num = min(seq.num_uncomputed_tokens, step.budget)
-            self._grant(seq, num, step)
+                self._remove_waiting(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                prefilling.add(seq.request_id)
+                num = min(seq.num_uncomputed_tokens, step.budget)
+                self._grant(seq, num, step)
+        return True
+
+    def _make_room(self, seq: Sequence, level: int, share: int | None, step: _Step) -> bool:
+        """A sequence slot and blocks for ``seq``, preempting if that is enough; False if it is not.
+
+        Victims: lower-priority running sequences first (latest arrival of the lowest priority), then,
+        only when ``share`` is given (``seq``'s tenant is under its fair share at ``level``), sequences of
+        other tenants over their share at ``level``.
+        """
+
+        def next_victim() -> tuple[Sequence | None, bool]:
+            victim = self._pick_victim(lower_than=level)
+            if victim is not None or share is None:
+                return victim, False
+            victim = self._fair_victim(level, seq.tenant, share)
+            return victim, victim is not None
+
+        if len(self.running) >= self.max_num_seqs and next_victim()[0] is None:
+            return False
+        if not self._allocate(seq):
+            # Preempt only if that can make room: never for nothing.
+            needed = self.block_manager.blocks_needed(len(seq.token_ids))
+            if needed > self._reclaimable_blocks(level, seq.tenant, share):
+                return False
+            while not self._allocate(seq):
+                victim, fair = next_victim()
+                if victim is None:
+                    return False
+                self._preempt(victim, step, fairness=fair)
+        if len(self.running) >= self.max_num_seqs:
+            # A victim exists (checked above; block preemptions only free slots).
+            victim, fair = next_victim()
+            if victim is not None:
+                self._preempt(victim, step, fairness=fair)
         return True
 
     def _allocate(self, seq: Sequence) -> bool:
@@ -287,16 +332,60 @@ class Scheduler:
         return True
 
     def _pick_victim(self, lower_than: int | None) -> Sequence | None:
-        """The lowest-priority, latest-arrived running sequence (of priority > ``lower_than`` if given)."""
-        if lower_than is None:
-            candidates = self.running
-        else:
+        """The lowest-priority, latest-arrived running sequence (of priority > ``lower_than`` if given).
+
+        Without ``lower_than`` (a running sequence needs blocks), sequences of tenants over their fair
+        share at the lowest priority present go first.
+        """
+        rank = self._arrival_rank
+        if lower_than is not None:
             candidates = [s for s in self.running if s.priority > lower_than]
+            if not candidates:
+                return None
+            return max(candidates, key=lambda s: (s.priority, rank[s.seq_id]))
+        if not self.running:
+            return None
+        lowest = max(s.priority for s in self.running)
+        candidates = [s for s in self.running if s.priority == lowest]
+        share = self._fair_share(lowest)
+        counts = _count_by_tenant(candidates)
+        return max(candidates, key=lambda s: (counts[s.tenant] > share, rank[s.seq_id]))
+
+    def _fair_victim(self, level: int, tenant: str, share: int) -> Sequence | None:
+        """The latest-arrived running sequence at ``level`` of the tenant furthest over its fair share,
+        if ``tenant`` is under its share and another tenant is over it."""
+        running = [s for s in self.running if s.priority == level]
+        counts = _count_by_tenant(running)
+        if counts.get(tenant, 0) >= share:
+            return None
+        candidates = [s for s in running if s.tenant != tenant and counts[s.tenant] > share]
         if not candidates:
             return None
-        return max(candidates, key=lambda s: (s.priority, self._arrival_rank[s.seq_id]))
+        rank = self._arrival_rank
+        return max(candidates, key=lambda s: (counts[s.tenant], rank[s.seq_id]))
 
-    def _preempt(self, seq: Sequence, step: _Step) -> None:
+    def _reclaimable_blocks(self, level: int, tenant: str, share: int | None) -> int:
+        """Blocks available to a waiting sequence of ``tenant`` at ``level`` once every victim that
+        ``_make_room`` may take is preempted (lower priorities; with ``share``, other tenants' sequences
+        over their share). Exact: a block shared with a sequence that stays is not counted."""
+        victims = [s for s in self.running if s.priority > level]
+        if share is not None:
+            rank = self._arrival_rank
+            same = [s for s in self.running if s.priority == level and s.tenant != tenant]
+            for seqs in _group_by_tenant(same).values():
+                if len(seqs) > share:
+                    seqs.sort(key=lambda s: rank[s.seq_id])
+                    victims += seqs[share:]
+        refs: dict[int, int] = {}
+        for victim in victims:
+            for block in victim.block_table:
+                refs[block] = refs.get(block, 0) + 1
+        bm = self.block_manager
+        ref_counts = bm._ref_counts  # read-only peek: freed only if every reference is a victim's
+        freed = sum(1 for block, count in refs.items() if ref_counts[block] == count)
+        return bm.num_free_blocks + freed
+
+    def _preempt(self, seq: Sequence, step: _Step, fairness: bool = False) -> None:
         item = step.scheduled.pop(seq.seq_id, None)
         if item is not None:
             step.budget += item.num_tokens
@@ -307,6 +396,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if fairness:
+            self.num_fairness_preemptions += 1
         step.preempted.append(seq)
         self._push_waiting(seq)
 
@@ -335,6 +426,15 @@ class Scheduler:
                 heapq.heappush(heap, (self.served_tokens(tenant), rank[queue[i + 1].seq_id], tenant))
 
     # ---- internals: queues and tenants ----------------------------------------------------------
+    def _fair_share(self, level: int) -> int:
+        """Running sequences each tenant may hold at ``level``: ceil(max_num_seqs / active tenants there)."""
+        tenants = {s.tenant for s in self.running if s.priority == level}
+        tenants.update(self._waiting.get(level, {}))
+        return -(-self.max_num_seqs // max(1, len(tenants)))
+
+    def _num_running(self, level: int, tenant: str) -> int:
+        return sum(1 for s in self.running if s.priority == level and s.tenant == tenant)
+
     def _push_waiting(self, seq: Sequence) -> None:
         queue = self._waiting.setdefault(seq.priority, {}).setdefault(seq.tenant, [])
         rank = self._arrival_rank
@@ -390,3 +490,10 @@ def _group_by_tenant(seqs: Iterable[Sequence]) -> dict[str, list[Sequence]]:
     for seq in seqs:
         groups.setdefault(seq.tenant, []).append(seq)
     return groups
+
+
+def _count_by_tenant(seqs: Iterable[Sequence]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for seq in seqs:
+        counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
+    return counts
