@@ -31,11 +31,14 @@ from tollgate.db import Database
 
 pytestmark = pytest.mark.slow
 
-TPM = 2000
-WINDOW_S = 2.0
+# Refill 1,000 tokens/s. A bucket of several seconds of refill keeps the allowance from overflowing
+# while a loaded 2-core machine stalls the gateway for a moment; ~620-token requests keep the demand
+# at 10x with a few hundred attempts.
+TPM = 6000
+WINDOW_S = 6.0
 RUN_S = 6.0
 CLIENTS = 200
-MAX_TOKENS = 300
+MAX_TOKENS = 600
 THINK_S = (0.5, 1.5)
 
 
@@ -64,8 +67,10 @@ async def test_tpm_bucket_holds_across_four_workers(new_database: str, redis_url
             admitted: list[int] = []
             attempts = 0
             statuses: dict[int, int] = {}
-            limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
-            async with httpx.AsyncClient(base_url=gw.url, timeout=30.0, limits=limits,
+            # Idle connections dropped before uvicorn's 5 s keep-alive timeout closes them under us.
+            limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS,
+                                  keepalive_expiry=4.0)
+            async with httpx.AsyncClient(base_url=gw.url, timeout=120.0, limits=limits,
                                          headers={"Authorization": f"Bearer {key}"}) as client:
                 start = time.monotonic()
                 stop_at = start + RUN_S
@@ -75,7 +80,13 @@ async def test_tpm_bucket_holds_across_four_workers(new_database: str, redis_url
                     nonlocal attempts
                     while time.monotonic() < stop_at:
                         attempts += 1
-                        response = await client.post("/v1/chat/completions", json=body)
+                        try:
+                            response = await client.post("/v1/chat/completions", json=body)
+                        except httpx.TransportError:
+                            # A kept-alive connection closed under a starved client: retry, as the SDKs
+                            # do. (Were it admitted anyway, the usage records below still count it.)
+                            statuses[0] = statuses.get(0, 0) + 1
+                            continue
                         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
                         if response.status_code == 200:
                             admitted.append(response.json()["usage"]["total_tokens"])
@@ -93,11 +104,13 @@ async def test_tpm_bucket_holds_across_four_workers(new_database: str, redis_url
     # When the gateway admitted each request (the usage record's created_at is taken just before the
     # admission call), so client-side connection set-up and response latency do not blur the window.
     records = await _usage_records(redis_url, tenant_id)
-    assert sorted(r.prompt_tokens + r.completion_tokens for r in records) == sorted(admitted)
+    metered = sorted(r.prompt_tokens + r.completion_tokens for r in records)
+    assert len(metered) >= len(admitted) and set(metered) == {per_request}  # every 200 was metered
+    assert len(metered) - len(admitted) <= statuses.get(0, 0)
     first = min(r.created_at.timestamp() for r in records)
     last = max(r.created_at.timestamp() for r in records)
     rate = TPM / WINDOW_S
-    used = sum(admitted)
+    used = sum(metered)
     # Upper bound: what the bucket allowed from the first admission to the last, plus one request.
     allowed_while_admitting = TPM + rate * (last - first)
     assert used <= allowed_while_admitting + per_request, (used, allowed_while_admitting, statuses)
