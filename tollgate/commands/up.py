@@ -418,6 +418,11 @@ class LocalPlatform:
         ]
         for spec in specs:
             sup.start(spec)
+            if spec.name == "engine":
+                # The gateway probes its replicas when it starts: with the engine healthy by then, the
+                # first request after "tollgate is up" is routed instead of answered 503 until the
+                # next poll.
+                sup.wait_healthy(["engine"], self.settings.startup_timeout_s)
         return [spec.name for spec in specs]
 
     def _write_env(self, endpoints: Endpoints, api_key: str) -> list[str]:
