@@ -57,6 +57,9 @@ async def _seed(database_url: str) -> tuple[str, int, str]:
 
 async def test_tpm_bucket_holds_across_four_workers(new_database: str, redis_url: str, tiny_model_dir: Path,
                                                     tmp_path: Path) -> None:
+    # Tenant ids restart in every fresh database while the Redis stream is shared by the xdist worker's
+    # tests: records are this test's by tenant *and* time.
+    since = time.time()
     warm_key, tenant_id, key = await _seed(new_database)
     with synthetic_engine(tmp_path / "engine.log", token_interval_s=0.001, ttft_s=0.0) as engine:
         env = gateway_env(database_url=new_database, redis_url=redis_url, replicas=[engine.url],
@@ -103,9 +106,11 @@ async def test_tpm_bucket_holds_across_four_workers(new_database: str, redis_url
     assert all(t == per_request for t in admitted)
     # When the gateway admitted each request (the usage record's created_at is taken just before the
     # admission call), so client-side connection set-up and response latency do not blur the window.
-    records = await _usage_records(redis_url, tenant_id)
-    metered = sorted(r.prompt_tokens + r.completion_tokens for r in records)
-    assert len(metered) >= len(admitted) and set(metered) == {per_request}  # every 200 was metered
+    records = [r for r in await _usage_records(redis_url, tenant_id) if r.created_at.timestamp() >= since]
+    metered = [r.prompt_tokens + r.completion_tokens for r in records]
+    # Every 200 was metered; extra records (a response lost to a broken connection: cancelled, billed
+    # for what was generated) are at most the transport errors the clients saw.
+    assert sum(1 for r in records if r.status == "completed") >= len(admitted)
     assert len(metered) - len(admitted) <= statuses.get(0, 0)
     first = min(r.created_at.timestamp() for r in records)
     last = max(r.created_at.timestamp() for r in records)
