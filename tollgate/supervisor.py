@@ -51,6 +51,9 @@ class ProcessSpec:
     health: HealthProbe
     restart: bool = True
     stop_signal: int = signal.SIGTERM
+    # How long a stop waits before SIGKILL; None: the supervisor's stop_timeout_s. A gateway gets its
+    # drain timeout (plus a margin) so that stopping the platform does not cut its streams short.
+    stop_timeout_s: float | None = None
     user: str | None = None
     cwd: Path | None = None
     env: dict[str, str] | None = None
@@ -301,7 +304,8 @@ class Supervisor:
         self.ready = False
         for child in reversed(list(self.children.values())):
             if child.proc is not None and child.state != "stopped":
-                stop(child.proc, sig=child.spec.stop_signal, timeout=self.stop_timeout_s)
+                timeout = child.spec.stop_timeout_s or self.stop_timeout_s
+                stop(child.proc, sig=child.spec.stop_signal, timeout=timeout)
             child.state = "stopped"
         self.write_status()
 

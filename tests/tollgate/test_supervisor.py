@@ -141,6 +141,22 @@ def test_stop_all_stops_whole_process_groups(supervisor, tmp_path):
     assert child.state == "stopped"
 
 
+# A child that drains for a while after SIGTERM (like a gateway finishing its streams), then exits 0.
+DRAINER = [sys.executable, "-c", "import signal, sys, time\n"
+           "def drain(*_):\n    time.sleep(0.5)\n    sys.exit(0)\n"
+           "signal.signal(signal.SIGTERM, drain)\nprint('ready', flush=True)\ntime.sleep(120)"]
+
+
+def test_a_child_gets_its_own_stop_timeout_to_drain(supervisor, tmp_path):
+    supervisor.stop_timeout_s = 0.1  # far shorter than the drain: it would be SIGKILLed
+    child = supervisor.start(spec(tmp_path, "gateway", DRAINER, stop_timeout_s=10.0))
+    deadline = time.monotonic() + 10
+    while "ready" not in (tmp_path / "gateway.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    supervisor.stop_all()
+    assert child.proc.returncode == 0  # drained and exited by itself, not killed
+
+
 def test_stop_signal_interrupts_waits(supervisor, tmp_path):
     supervisor.start(spec(tmp_path, "slow", health=never))
     os.kill(os.getpid(), signal.SIGTERM)

@@ -374,6 +374,7 @@ class LocalPlatform:
                 self.logs / "gateway.log",
                 http_probe(f"http://127.0.0.1:{self.port}/health", timeout),
                 env=env,
+                stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
             ),
             ProcessSpec(
                 "worker",
