@@ -1,6 +1,8 @@
 """Gateway observability and graceful drain, as a ``gateway.app`` extension module.
 
-Metrics (Prometheus text at ``GET /metrics``, not in the OpenAPI schema):
+Metrics (Prometheus text at ``GET /metrics``, not in the OpenAPI schema). A scrape must present
+``Authorization: Bearer <token>``: ``TOLLGATE_METRICS_TOKEN`` (what a Prometheus scrape config carries)
+or an admin API token; anything else is a 401 in OpenAI's error body.
 
 - ``tollgate_gateway_requests_total{route, method, status}`` and
   ``tollgate_gateway_request_duration_seconds{route}``: every HTTP request, labelled with the matched
@@ -45,6 +47,7 @@ connections are refused at once with several workers too.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import time
@@ -58,7 +61,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import error_body
+from gateway.errors import AuthenticationError, error_body
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -270,8 +273,37 @@ class MetricsMiddleware:
 router = APIRouter()
 
 
+_METRICS_CHALLENGE = {"www-authenticate": 'Bearer realm="tollgate-metrics"'}
+_METRICS_MISSING = ("/metrics needs a bearer token: the metrics token (TOLLGATE_METRICS_TOKEN; the scrape "
+                    "config's `authorization: {credentials: ...}`) or an admin API token.")
+_METRICS_INVALID = "Incorrect metrics token provided."
+
+
+async def _scrape_allowed(request: Request, presented: str) -> bool:
+    """The metrics token (constant-time compare, no I/O) or an admin API token (one indexed lookup)."""
+    settings = request.app.state.settings
+    expected = settings.metrics_token.get_secret_value() if settings.metrics_token is not None else ""
+    if expected and hmac.compare_digest(presented.encode(), expected.encode()):
+        return True
+    from gateway.admin.auth import authenticate_admin_token, is_admin_token
+
+    if not is_admin_token(presented):
+        return False
+    async with request.app.state.db.session() as session:
+        return await authenticate_admin_token(session, presented, settings) is not None
+
+
 @router.get("/metrics", include_in_schema=False)
 async def metrics_endpoint(request: Request) -> Response:
+    """Prometheus text, for a bearer token only (``_scrape_allowed``): the figures (traffic, rejections
+    by reason, token volumes) are the operator's, not the public's. Otherwise 401 with OpenAI's body."""
+    scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
+    presented = presented.strip()
+    if scheme.lower() != "bearer" or not presented:
+        return AuthenticationError(_METRICS_MISSING, code=None, headers=_METRICS_CHALLENGE).to_response()
+    if not await _scrape_allowed(request, presented):
+        return AuthenticationError(_METRICS_INVALID, code="invalid_metrics_token",
+                                   headers=_METRICS_CHALLENGE).to_response()
     return Response(gateway_metrics().render(), media_type=CONTENT_TYPE)
 
 

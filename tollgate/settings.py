@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     health_poll_interval_s: float = 1.0
+    # Bearer token a Prometheus scrape presents at the gateway's ``GET /metrics`` (the scrape config's
+    # ``authorization: {credentials: ...}``); an admin API token is accepted too. None: admin tokens only.
+    metrics_token: SecretStr | None = None
 
     # Local process supervision (`tollgate up`): binaries of the private Postgres/Redis (None: search
     # /usr/lib/postgresql/*/bin, then PATH), health waits, restart backoff, stop grace.

@@ -22,10 +22,15 @@ from tollgate.db import Database
 
 pytestmark = pytest.mark.slow
 
+METRICS_TOKEN = "prometheus-scrape-token"
+
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """One scrape on a fresh connection: {(sample name, sorted labels): value}."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    """One scrape on a fresh connection, with the metrics token as Prometheus sends it:
+    {(sample name, sorted labels): value}."""
+    response = httpx.get(f"{url}/metrics", timeout=10.0, headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    assert response.status_code == 200, response.text
+    text = response.text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -78,8 +83,10 @@ async def test_metrics_merge_workers_and_match_usage(new_database: str, redis_ur
     key, limited_key = await _seed(new_database)
     with synthetic_engine(tmp_path / "engine.log", token_interval_s=0.002, ttft_s=0.005) as engine:
         env = gateway_env(database_url=new_database, redis_url=redis_url, replicas=[engine.url],
-                          tokenizer_dir=tiny_model_dir)
+                          tokenizer_dir=tiny_model_dir, metrics_token=METRICS_TOKEN)
         with gateway_process(env, tmp_path / "gateway.log", workers=2, api_key=key) as gw:
+            unauthenticated = httpx.get(f"{gw.url}/metrics", timeout=10.0)
+            assert unauthenticated.status_code == 401 and "error" in unauthenticated.json()
             before = scrape(gw.url)
             usages = []
 
