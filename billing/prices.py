@@ -118,6 +118,30 @@ def usd_per_mtok_to_pico(value: str | int | Decimal) -> int:
     return int(pico)
 
 
+class PastEffectiveFrom(ValueError):
+    """A new price row may not start in the past: gateways refresh their price book every few seconds
+    and have already priced (and billed) requests by the row then in effect, so a backdated row would
+    race that refresh and rewrite the history the ledger was charged by."""
+
+    def __init__(self, effective_from: datetime, now: datetime) -> None:
+        super().__init__("effective_from must not be in the past (omit it to start now)")
+        self.effective_from = effective_from
+        self.now = now
+
+
+def new_price_start(effective_from: datetime | None, now: datetime | None = None) -> datetime:
+    """Where a new price row starts: ``effective_from``, or ``now`` when omitted. Raises
+    ``PastEffectiveFrom`` when it is before ``now``, and ``ValueError`` when it has no timezone. The
+    one check behind both the admin API (``POST /admin/v1/prices``) and ``tollgate prices set``."""
+    now = now or datetime.now(UTC)
+    start = effective_from or now
+    if start.tzinfo is None:
+        raise ValueError("effective_from must be timezone-aware")
+    if start < now:
+        raise PastEffectiveFrom(start, now)
+    return start
+
+
 def pico_to_usd_per_mtok(pico_per_token: int) -> Decimal:
     return (Decimal(pico_per_token) / PICO_PER_TOKEN_PER_USD_PER_MTOK).normalize()
 

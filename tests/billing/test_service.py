@@ -136,16 +136,22 @@ def test_prices_cli_sets_exact_prices_and_refuses_fractions(new_database, settin
     get_settings.cache_clear()
     runner = CliRunner()
     result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "3", "--output", "15",
-                                 "--effective-from", "2026-01-01T00:00:00"])
+                                 "--effective-from", "2099-01-01T00:00:00"])
     assert result.exit_code == 0, result.output
     assert "input=$3/Mtok cached_input=$0.3/Mtok output=$15/Mtok batch_input=$1.5/Mtok" in result.output
     result = runner.invoke(cli, ["prices", "list", "cli-model"])
-    assert "2026-01-01T00:00:00+00:00" in result.output and "batch_output=$7.5/Mtok" in result.output
+    assert "2099-01-01T00:00:00+00:00" in result.output and "batch_output=$7.5/Mtok" in result.output
     result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "0.0000001", "--output", "1"])
     assert result.exit_code == 2 and "not a whole number of pico-USD" in result.output
+    # A row not yet in effect may be replaced; a past start is refused like the admin API refuses it.
     result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "4", "--output", "16",
+                                 "--effective-from", "2099-01-01T00:00:00Z"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "5", "--output", "17",
                                  "--effective-from", "2026-01-01T00:00:00"])
-    assert result.exit_code == 2 and "already in effect" in result.output
+    assert result.exit_code == 2 and "--effective-from" in result.output and "in the past" in result.output
+    result = runner.invoke(cli, ["prices", "list", "cli-model"])
+    assert result.output.count("cli-model") == 1 and "input=$4/Mtok" in result.output
 
 
 def test_celery_tasks_run_in_a_worker_process_runtime(new_database, service_settings, monkeypatch) -> None:

@@ -4,7 +4,8 @@ pico-USD per token is refused, never rounded).
 
 Defaults for the optional prices: cached input = 10% of input, batch = half of the synchronous price
 (rounded down to whole pico-USD). A row that has taken effect is never rewritten; add a new one with a
-later ``--effective-from``.
+later ``--effective-from``. ``--effective-from`` in the past is refused (exit code 2), as the admin API
+refuses it (``billing.prices.new_price_start``): a backdated row would reprice requests already billed.
 """
 
 from __future__ import annotations
@@ -49,14 +50,23 @@ def prices() -> None:
 @click.option("--batch-input", callback=_pico, help="[half of --input]")
 @click.option("--batch-cached-input", callback=_pico, help="[half of the cached input price]")
 @click.option("--batch-output", callback=_pico, help="[half of --output]")
-@click.option("--effective-from", callback=_when, help="ISO 8601 start (UTC if no offset) [now].")
+@click.option("--effective-from", callback=_when,
+              help="ISO 8601 start, now or later (UTC if no offset) [now].")
 def set_price(model: str, input_: int, output: int, cached_input: int | None, batch_input: int | None,
               batch_cached_input: int | None, batch_output: int | None,
               effective_from: datetime | None) -> None:
     """Set MODEL's price from --effective-from on."""
-    from billing.prices import Price
+    from billing.prices import PastEffectiveFrom, Price, new_price_start
     from billing.service import PriceConflict
 
+    try:
+        effective_from = new_price_start(effective_from)
+    except PastEffectiveFrom as exc:
+        raise click.BadParameter(
+            f"{exc.effective_from.isoformat()} is in the past (now {exc.now.isoformat(timespec='seconds')}): "
+            "a price row takes effect now or later, never retroactively (gateways have already billed "
+            "by the row in effect). Omit --effective-from to start now.",
+            param_hint="'--effective-from'") from None
     price = Price.of(input=input_, output=output, cached_input=cached_input, batch_input=batch_input,
                      batch_cached_input=batch_cached_input, batch_output=batch_output)
     try:
