@@ -223,18 +223,31 @@ class Authenticator:
 
     # -- pub/sub --------------------------------------------------------------------------------
     async def _listen(self) -> None:
+        """Apply invalidation messages; flush the whole cache at every subscription confirmation.
+
+        Messages published while the subscription is down are lost, so the cache is flushed each time
+        the server confirms ``SUBSCRIBE``: the first time, after this loop reconnects on an error, and
+        when redis-py reconnects and resubscribes by itself inside ``get_message`` (it does when the
+        client retries connection errors; no exception reaches this loop then, only the confirmation).
+        """
         backoff = 0.05
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=False)
             try:
                 await pubsub.subscribe(INVALIDATE_CHANNEL)
-                self.flush()  # anything published while we were not subscribed is lost
-                self.subscribed.set()
                 backoff = 0.05
                 while True:
                     message = await pubsub.get_message(timeout=1.0)
-                    if message is not None and message.get("type") == "message":
+                    if message is None:
+                        continue
+                    kind = message.get("type")
+                    if kind == "message":
                         self.invalidate(message.get("data"))
+                    elif kind == "subscribe":
+                        self.flush()  # anything published while we were not subscribed is lost
+                        if self.subscribed.is_set():
+                            logger.warning("invalidation subscription re-established; key cache flushed")
+                        self.subscribed.set()
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
