@@ -8,6 +8,16 @@ Invariants:
 - Validation happens in the caller (``add_request`` raises ``RequestValidationError`` before anything
   is queued), so a server can answer 400 before streaming. Two requests with the same id cannot be in
   flight at once.
+- Grammar compilation never runs on the engine thread. ``add_request`` of a request with a response
+  format starts its compile on a small pool of ``grammar-compile`` threads (``GrammarBackend`` shares one
+  compile between requests with the same constraint; xgrammar releases the GIL while compiling) and
+  awaits it; only then is the request queued for the engine, with its grammar pinned in the backend's
+  cache until its final delta, so the engine's own look-ups always hit. A compile failure makes
+  ``add_request`` raise ``RequestValidationError`` (param ``response_format``) for that request only. An
+  abort while compiling (``abort`` or the caller cancelling ``add_request``) never reaches the engine: the
+  stream gets a final ``abort`` delta and the compile is cancelled if it has not started and nobody else
+  waits for it (a started one finishes into the cache).
+- Timings count from ``add_request`` (compile included), not from when the engine thread picked it up.
 - Each request has its own unbounded ``asyncio.Queue``: a slow consumer never stalls the engine or
   other requests (no back-pressure), and a consumer that goes away (the ``RequestStream`` is closed or
   cancelled before its final delta) aborts its request.
@@ -25,16 +35,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
-from engine.outputs import EngineStats, RequestDelta, RequestValidationError
+from engine.outputs import EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.grammar import GrammarBackend
     from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -110,13 +123,24 @@ class _Add:
     cache_salt: str | None
     priority: int
     stream: RequestStream
+    arrival_time: float
+
+
+@dataclass(eq=False, slots=True)
+class _Compiling:
+    """A request waiting for its grammar: not yet known to the engine."""
+
+    add: _Add
+    key: str
+    future: Future  # the backend's compile (shared by requests with the same constraint)
+    waiter: asyncio.Future[None]  # add_request awaits it: compiled, failed (its exception) or aborted
 
 
 class AsyncEngine:
     """An ``LLMEngine`` behind a thread, for the internal server."""
 
     def __init__(self, config: EngineConfig, model_name: str | None = None, pool: str = "interactive",
-                 engine: LLMEngine | None = None) -> None:
+                 engine: LLMEngine | None = None, grammar_compile_threads: int = 2) -> None:
         if engine is None:
             from engine.llm_engine import LLMEngine
 
@@ -132,6 +156,14 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
+        if grammar_compile_threads < 1:
+            raise ValueError(f"grammar_compile_threads must be >= 1, got {grammar_compile_threads}")
+        sampler = getattr(engine, "sampler", None)
+        self._grammar: GrammarBackend | None = getattr(sampler, "grammar", None)
+        self._compile_pool = ThreadPoolExecutor(grammar_compile_threads, thread_name_prefix="grammar-compile")
+        self._compiling: dict[str, _Compiling] = {}
+        # request id -> grammar key pinned for it (until its final delta or failure).
+        self._pins: dict[str, str] = {}
         self._stats = engine.stats()
         self.metrics = EngineMetrics(self.stats, self.model_name, pool)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -167,18 +199,49 @@ class AsyncEngine:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Validate and queue a request; iterate the returned stream for its deltas."""
+        """Validate and queue a request; iterate the returned stream for its deltas.
+
+        A request with a response format returns once its grammar is compiled (off the engine thread);
+        ``RequestValidationError`` (param ``response_format``) if it cannot be compiled.
+        """
+        received = time.monotonic()
         prompt = list(prompt_token_ids)
         self.engine.validate_request(request_id, prompt, params)
+        grammar = self._grammar if params.structured else None
+        if params.structured and grammar is None:
+            raise RequestValidationError(
+                "structured output (response_format) is not available for this model", "response_format"
+            )
         stream = RequestStream(request_id, self.abort)
+        add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received)
         with self._cond:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
             if request_id in self._streams:
                 raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
+            if grammar is None:
+                self._streams[request_id] = stream
+                self._adds.append(add)
+                self._cond.notify()
+                return stream
+            key, future = grammar.compile_async(params, self._compile_pool)
+            if key is None:  # structured implies a key; defensive
+                raise RequestValidationError("the response format has no grammar", "response_format")
             self._streams[request_id] = stream
-            self._adds.append(_Add(request_id, prompt, params, tenant, cache_salt, priority, stream))
-            self._cond.notify()
+            if future.done():  # a cached grammar: queue it now
+                grammar.pin(key, future.result())
+                self._pins[request_id] = key
+                self._adds.append(add)
+                self._cond.notify()
+                return stream
+            compiling = _Compiling(add, key, future, stream.loop.create_future())
+            self._compiling[request_id] = compiling
+        future.add_done_callback(lambda _: self._compiled(compiling))
+        try:
+            await compiling.waiter
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller went away while its grammar compiled
+            raise
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -190,20 +253,80 @@ class AsyncEngine:
                 yield delta
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request before the next step; returns False if it is not in flight."""
+        """Abort a request before the next step; returns False if it is not in flight.
+
+        A request still compiling its grammar ends at once (final ``abort`` delta) and never reaches the
+        engine."""
         with self._cond:
             stream = self._streams.get(request_id)
             if stream is None:
                 return False
-            self._aborts.append(request_id)
-            self._cond.notify()
+            compiling = self._compiling.pop(request_id, None)
+            if compiling is None:
+                self._aborts.append(request_id)
+                self._cond.notify()
+                return True
+            del self._streams[request_id]
+        self._drop_compile(compiling)
+        add = compiling.add
+        e2e = time.monotonic() - add.arrival_time
+        timings = Timings(queued=e2e, ttft=0.0, tpot=0.0, e2e=e2e)
+        stream.put_threadsafe(RequestDelta(
+            request_id, [], True, ["abort"] * add.params.n,
+            Usage(prompt_tokens=len(add.prompt_token_ids), cached_tokens=0, completion_tokens=0), timings,
+        ))
+        self.metrics.observe_finished(timings, 0)
+        _resolve_threadsafe(compiling.waiter, None)
         return True
 
     def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
+            compiling = list(self._compiling.values())
+            self._compiling.clear()
             self._cond.notify()
+        error = EngineError("the engine is shutting down")
+        for c in compiling:
+            self._drop_compile(c)
+            _resolve_threadsafe(c.waiter, error)
         self._thread.join()
+        self._compile_pool.shutdown(wait=False)
+
+    # ---- grammar compilation (the compile threads) ------------------------------------------------
+    def _compiled(self, compiling: _Compiling) -> None:
+        """The request's compile finished (in a compile thread): queue it for the engine or fail it."""
+        future = compiling.future
+        request_id = compiling.add.request_id
+        error: BaseException | None = None
+        with self._cond:
+            if self._compiling.get(request_id) is not compiling:
+                return  # aborted or shut down meanwhile: it was withdrawn and is nobody's business now
+            del self._compiling[request_id]
+            if future.cancelled():
+                exc: BaseException | None = EngineError("the grammar compile was cancelled")
+            else:
+                exc = future.exception()
+            if exc is None and self._grammar is not None:
+                self._grammar.pin(compiling.key, future.result())
+                self._pins[request_id] = compiling.key
+                self._adds.append(compiling.add)
+                self._cond.notify()
+            else:
+                self._streams.pop(request_id, None)
+                error = (RequestValidationError(str(exc), "response_format") if isinstance(exc, ValueError)
+                         else EngineError(f"the grammar compile failed: {exc}"))
+        if not _resolve_threadsafe(compiling.waiter, error) and error is None:
+            self.abort(request_id)  # its event loop is closed: nobody will read the stream
+
+    def _drop_compile(self, compiling: _Compiling) -> None:
+        if self._grammar is not None:
+            self._grammar.withdraw(compiling.key, compiling.future)
+
+    def _unpin(self, request_id: str) -> None:
+        """Under ``_cond``: the request is over, release its grammar's pin."""
+        key = self._pins.pop(request_id, None)
+        if key is not None and self._grammar is not None:
+            self._grammar.unpin(key)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -219,7 +342,8 @@ class AsyncEngine:
             for add in adds:
                 try:
                     engine.add_request(add.request_id, add.prompt_token_ids, add.params, tenant=add.tenant,
-                                       cache_salt=add.cache_salt, priority=add.priority)
+                                       cache_salt=add.cache_salt, priority=add.priority,
+                                       arrival_time=add.arrival_time)
                 except Exception as exc:  # validated already; a late failure ends that request only
                     self._fail(add.request_id, exc)
             try:
@@ -241,6 +365,7 @@ class AsyncEngine:
                 stream = self._streams.get(delta.request_id)
                 if delta.finished:
                     self._streams.pop(delta.request_id, None)
+                    self._unpin(delta.request_id)
                     if delta.timings is not None and delta.usage is not None:
                         self.metrics.observe_finished(delta.timings, delta.usage.completion_tokens)
                 if stream is not None:
@@ -254,6 +379,7 @@ class AsyncEngine:
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._cond:
             stream = self._streams.pop(request_id, None)
+            self._unpin(request_id)
         if stream is not None:
             error = exc if isinstance(exc, RequestValidationError) else EngineError(str(exc))
             stream.put_threadsafe(error)
@@ -267,10 +393,32 @@ class AsyncEngine:
         self._fail_all_streams(EngineError("the engine failed while running this request"))
 
     def _fail_all_streams(self, error: EngineError) -> None:
+        """Fail every request the engine has (those still compiling are not the engine's yet)."""
         with self._cond:
-            streams, self._streams = self._streams, {}
+            streams = {rid: s for rid, s in self._streams.items() if rid not in self._compiling}
+            for request_id in streams:
+                del self._streams[request_id]
+                self._unpin(request_id)
         for stream in streams.values():
             stream.put_threadsafe(error)
+
+
+def _resolve_threadsafe(waiter: asyncio.Future[None], error: BaseException | None) -> bool:
+    """Complete ``add_request``'s wait from any thread; False if its event loop is closed."""
+
+    def resolve() -> None:
+        if waiter.done():
+            return
+        if error is None:
+            waiter.set_result(None)
+        else:
+            waiter.set_exception(error)
+
+    try:
+        waiter.get_loop().call_soon_threadsafe(resolve)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _put_all(items: list[tuple[RequestStream, RequestDelta]]) -> None:

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,6 +138,14 @@ class GrammarState:
     after_ed: bool = False
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A compile in progress (or queued): its future and how many callers still wait for it."""
+
+    future: Future
+    waiters: int = 1
+
+
 def is_terminated(seq: Sequence) -> bool:
     """True once the sequence's grammar accepted a stop token: the engine finishes it with ``stop``."""
     state = seq.sampler_state
@@ -152,6 +162,12 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._max_cached = max_cached_grammars
+        # The cache, the in-flight compiles and the pins are shared by the engine thread and the
+        # compile threads; the lock is never held while compiling.
+        self._lock = threading.Lock()
+        self._inflight: dict[str, _InFlight] = {}
+        # key -> [compiled grammar, pin count]: grammars of accepted requests, kept past LRU eviction.
+        self._pinned: dict[str, list[Any]] = {}
         vocab = tokenizer_info.decoded_vocab
         self._json_allowed = _pack_bitmask(
             [not any(b < 0x20 for b in t) and _SURROGATE.search(t) is None for t in vocab], self.vocab_size
@@ -167,37 +183,153 @@ class GrammarBackend:
     ) -> GrammarBackend:
         return cls(tokenizer_info_from_json(tokenizer_json, vocab_size, stop_token_ids))
 
-    def compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
-        """The compiled grammar of the request's constraint (cached), or None if it has none."""
+    @staticmethod
+    def key(params: SamplingParams) -> str | None:
+        """The cache key of the request's constraint (canonical JSON of a schema), or None if none."""
         if params.json_schema is not None:
-            key = "schema:" + json.dumps(params.json_schema, sort_keys=True, separators=_SEPARATORS)
-        elif params.json_object:
-            key = "json_object"
-        elif params.regex is not None:
-            key = "regex:" + params.regex
-        else:
+            return "schema:" + json.dumps(params.json_schema, sort_keys=True, separators=_SEPARATORS)
+        if params.json_object:
+            return "json_object"
+        if params.regex is not None:
+            return "regex:" + params.regex
+        return None
+
+    def cached(self, key: str) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of ``key`` if it is cached or pinned (never compiles)."""
+        with self._lock:
+            return self._lookup(key)
+
+    def compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of the request's constraint (cached), or None if it has none.
+
+        Compiles in the calling thread, unless the same constraint is being compiled already
+        (:meth:`compile_async`): then it waits for that compile. ValueError if it cannot be compiled.
+        """
+        key = self.key(params)
+        if key is None:
             return None
+        with self._lock:
+            compiled = self._lookup(key)
+            if compiled is not None:
+                return compiled
+            entry = self._inflight.get(key)
+            if entry is None:
+                entry = self._inflight[key] = _InFlight(Future())
+                entry.future.set_running_or_notify_cancel()
+                owner = True
+            else:
+                entry.waiters += 1  # a waiter: nobody may cancel it under us
+                owner = False
+        if owner:
+            self._run(key, params, entry)
+        return entry.future.result()
+
+    def compile_async(self, params: SamplingParams, executor: Executor) -> tuple[str | None, Future]:
+        """Start compiling the request's constraint on ``executor``; returns its key and a future.
+
+        The future's result is the compiled grammar (None without a constraint); it is already done on a
+        cache hit, and concurrent calls for one constraint share one compile and one future. Its
+        exception is a ValueError when the constraint cannot be compiled; its callbacks run in the
+        compiling thread (or the caller's on a hit). A caller that no longer needs it calls
+        :meth:`withdraw`: the compile is cancelled if it has not started and nobody else waits for it.
+        """
+        key = self.key(params)
+        done: Future = Future()
+        if key is None:
+            done.set_result(None)
+            return None, done
+        with self._lock:
+            compiled = self._lookup(key)
+            if compiled is not None:
+                done.set_result(compiled)
+                return key, done
+            entry = self._inflight.get(key)
+            if entry is None:
+                entry = self._inflight[key] = _InFlight(Future(), waiters=0)
+                executor.submit(self._run_queued, key, params, entry)
+            entry.waiters += 1
+            return key, entry.future
+
+    def withdraw(self, key: str, future: Future) -> None:
+        """One waiter of :meth:`compile_async`'s ``future`` gave up; cancel the compile if it was the
+        last one and the compile has not started (a started compile finishes and is cached)."""
+        with self._lock:
+            entry = self._inflight.get(key)
+            if entry is None or entry.future is not future:
+                return
+            entry.waiters -= 1
+            if entry.waiters <= 0 and future.cancel():
+                del self._inflight[key]
+
+    def pin(self, key: str, compiled: xgr.CompiledGrammar) -> None:
+        """Keep ``key``'s grammar available, whatever the LRU evicts, until it is unpinned as often."""
+        with self._lock:
+            entry = self._pinned.get(key)
+            if entry is None:
+                self._pinned[key] = [compiled, 1]
+            else:
+                entry[1] += 1
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            entry = self._pinned.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._pinned[key]
+
+    @property
+    def num_compiling(self) -> int:
+        """Constraints being compiled or queued for it (a gauge for tests and stats)."""
+        with self._lock:
+            return len(self._inflight)
+
+    def _lookup(self, key: str) -> xgr.CompiledGrammar | None:
+        """Under ``_lock``."""
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
             return compiled
+        pinned = self._pinned.get(key)
+        return None if pinned is None else pinned[0]
+
+    def _run_queued(self, key: str, params: SamplingParams, entry: _InFlight) -> None:
+        """An executor's job: compile unless every waiter withdrew before it started."""
+        if entry.future.set_running_or_notify_cancel():
+            self._run(key, params, entry)
+
+    def _run(self, key: str, params: SamplingParams, entry: _InFlight) -> None:
+        """Compile (without the lock: xgrammar releases the GIL), cache, then resolve the future."""
+        try:
+            compiled = self._compile(params)
+        except BaseException as exc:
+            with self._lock:
+                self._inflight.pop(key, None)
+            entry.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with self._lock:
+            self._inflight.pop(key, None)
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            if len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        entry.future.set_result(compiled)
+
+    def _compile(self, params: SamplingParams) -> xgr.CompiledGrammar:
         try:
             if params.json_schema is not None:
-                compiled = self._compiler.compile_json_schema(
+                return self._compiler.compile_json_schema(
                     json.dumps(params.json_schema), any_whitespace=False, separators=_SEPARATORS
                 )
-            elif params.json_object:
-                compiled = self._compiler.compile_json_schema(
+            if params.json_object:
+                return self._compiler.compile_json_schema(
                     _JSON_OBJECT_SCHEMA, any_whitespace=False, separators=_SEPARATORS, strict_mode=False
                 )
-            else:
-                compiled = self._compiler.compile_regex(params.regex or "")
+            return self._compiler.compile_regex(params.regex or "")
         except Exception as exc:
             raise ValueError(f"cannot compile the response format: {exc}") from None
-        self._cache[key] = compiled
-        if len(self._cache) > self._max_cached:
-            self._cache.popitem(last=False)
-        return compiled
 
     def state_for(self, seq: Sequence) -> GrammarState | None:
         """The sequence's grammar state, created (and caught up with its output) on first use."""

@@ -1,0 +1,331 @@
+"""Grammar compilation off the engine thread: ``AsyncEngine.add_request`` compiles a response format on a
+``grammar-compile`` thread and hands the request to the engine only once it is compiled; other streams
+keep stepping meanwhile, an abort while compiling never reaches the engine, a compile failure is that
+request's own ``response_format`` error, and concurrent requests with one schema share one compile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.config import EngineConfig
+from engine.grammar import GrammarBackend
+from engine.outputs import RequestDelta, RequestValidationError
+from engine.sampling_params import SamplingParams
+from engine.server import create_app
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def slow_schema(tag: str, n: int = 50) -> dict[str, Any]:
+    """An object of ``n`` required properties mixing bounded integers, patterned and length-bounded
+    strings and bounded arrays: with the tiny checkpoint's 3k vocabulary xgrammar needs ~250 ms (n=50,
+    one idle core) to compile it; length-bounded string rules are what makes it slow. ``tag`` renames
+    the properties so that every test compiles its own schema (no cache hit)."""
+    kinds = [
+        lambda i: {"type": "integer", "minimum": -i, "maximum": 1000 + i},
+        lambda i: {"type": "string", "pattern": f"[a-z]{{2,{3 + i % 5}}}"},
+        lambda i: {"type": "array", "items": {"type": "number"}, "maxItems": 3 + i % 4},
+        lambda i: {"type": "string", "maxLength": 3 + i},
+    ]
+    props = {f"{tag}_{i}": kinds[i % 4](i) for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_qwen2_dir: Path) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(EngineConfig(model=str(tiny_qwen2_dir), num_kv_blocks=128, max_num_seqs=8,
+                                      max_num_batched_tokens=64), grammar_compile_threads=2)
+    yield engine
+    engine.shutdown()
+
+
+def _backend(engine: AsyncEngine) -> GrammarBackend:
+    backend = engine.engine.sampler.grammar
+    assert backend is not None
+    return backend
+
+
+class _Compiler:
+    """Wraps the backend's xgrammar compiler: records where and when each compile ran, and can hold
+    compiles of schemas whose first property starts with ``gated`` until ``release`` is set."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[dict[str, Any]] = []
+        self.started = threading.Semaphore(0)
+        self.release = threading.Event()
+        self.fail_tags: set[str] = set()
+
+    def _record(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
+        call = {"what": what, "thread": threading.current_thread().name, "start": time.perf_counter()}
+        self.calls.append(call)
+        first = next(iter(json.loads(what).get("properties", {})), "") if what.startswith("{") else ""
+        try:
+            if first.startswith("gated"):
+                self.started.release()
+                assert self.release.wait(60), "the test never released a gated compile"
+            if first.split("_")[0] in self.fail_tags:
+                raise RuntimeError("injected compile failure")
+            return fn(*args, **kwargs)
+        finally:
+            call["end"] = time.perf_counter()
+
+    def compile_json_schema(self, schema: str, *args: Any, **kwargs: Any) -> Any:
+        return self._record(schema, self.inner.compile_json_schema, schema, *args, **kwargs)
+
+    def compile_regex(self, regex: str) -> Any:
+        return self._record("regex:" + regex, self.inner.compile_regex, regex)
+
+
+@pytest.fixture
+def compiler(async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Compiler]:
+    backend = _backend(async_engine)
+    recorder = _Compiler(backend._compiler)
+    monkeypatch.setattr(backend, "_compiler", recorder)
+    yield recorder
+    recorder.release.set()
+    _wait_until(lambda: backend.num_compiling == 0, "the background compiles to finish")
+
+
+@pytest.fixture
+def steps(async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float]]:
+    """Every engine step as (thread name, start, end)."""
+    engine = async_engine.engine
+    original = engine.step
+    recorded: list[tuple[str, float, float]] = []
+
+    def step() -> list[RequestDelta]:
+        start = time.perf_counter()
+        try:
+            return original()
+        finally:
+            recorded.append((threading.current_thread().name, start, time.perf_counter()))
+
+    monkeypatch.setattr(engine, "step", step)
+    return recorded
+
+
+class _Adds(list):
+    """The request ids the engine thread handed to ``LLMEngine.add_request``, and when."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: dict[str, float] = {}
+
+
+@pytest.fixture
+def engine_adds(async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> _Adds:
+    engine = async_engine.engine
+    original = engine.add_request
+    added = _Adds()
+
+    def add_request(request_id: str, *args: Any, **kwargs: Any) -> None:
+        added.append(request_id)
+        added.times[request_id] = time.perf_counter()
+        original(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    return added
+
+
+def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+async def _await_until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def _consume(stream: RequestStream, arrivals: list[float]) -> list[RequestDelta]:
+    deltas = []
+    async with stream:
+        async for delta in stream:
+            arrivals.append(time.perf_counter())
+            deltas.append(delta)
+    return deltas
+
+
+def _long(max_tokens: int = 2000) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _assert_idle(engine: AsyncEngine) -> None:
+    """Nothing of any request is left: engine, async engine, backend pins and compiles."""
+    assert engine.engine.num_requests == 0
+    assert not engine._streams and not engine._compiling and not engine._pins
+    backend = _backend(engine)
+    assert not backend._pinned and backend.num_compiling == 0
+
+
+async def test_a_slow_compile_runs_off_the_engine_thread_while_another_stream_steps(
+    async_engine: AsyncEngine, compiler: _Compiler, steps: list, engine_adds: _Adds
+) -> None:
+    arrivals: list[float] = []
+    streaming = await async_engine.add_request("streaming", list(range(5, 40)), _long())
+    consumer = asyncio.create_task(_consume(streaming, arrivals))
+    await _await_until(lambda: len(arrivals) >= 2, "the first stream's first tokens")
+
+    constrained = SamplingParams(json_schema=slow_schema("slow"), temperature=0.0, max_tokens=6)
+    stream = await async_engine.add_request("constrained", [5, 6, 7], constrained)
+    # add_request returned: the grammar is compiled and the request is queued for the engine.
+    (call,) = [c for c in compiler.calls if c["what"].startswith("{")]
+    assert call["thread"].startswith("grammar-compile"), call["thread"]
+    start, end = call["start"], call["end"]
+    during = [s for s in steps if start < s[1] and s[2] < end]
+    tokens_during = [t for t in arrivals if start < t < end]
+    print(f"compile {1000 * (end - start):.0f} ms on {call['thread']}: {len(during)} engine steps and "
+          f"{len(tokens_during)} deltas of the other stream meanwhile")
+    # The step loop kept going while the schema compiled: whole steps ran inside the compile's window
+    # and the other stream received deltas in it (not a wall-clock bound: an ordering of events).
+    assert len(during) >= 3 and len(tokens_during) >= 3
+    assert all(name == "engine-loop" for name, _, _ in steps)
+    # The request reached the engine only after its compile ended, and was served.
+    deltas = [d async for d in stream]
+    assert engine_adds.times["constrained"] > end
+    assert deltas[-1].finished and deltas[-1].finish_reasons in (["length"], ["stop"])
+    assert sum(len(c.token_ids) for d in deltas for c in d.completions) >= 1
+    assert deltas[-1].timings is not None and deltas[-1].timings.queued >= end - start
+    # No compile ever ran on the engine thread (its look-ups hit the pinned grammar).
+    assert all(c["thread"].startswith("grammar-compile") for c in compiler.calls)
+    assert async_engine.abort("streaming")
+    result = await consumer
+    assert result[-1].finish_reasons == ["abort"]
+    await _await_until(lambda: async_engine.engine.num_requests == 0, "the abort to be applied")
+    _assert_idle(async_engine)
+
+
+async def test_concurrent_requests_with_one_schema_share_one_compile(
+    async_engine: AsyncEngine, compiler: _Compiler
+) -> None:
+    # The same schema with its keys in another order: canonically the same constraint.
+    schema = slow_schema("shared", n=20)
+    reordered = {"required": schema["required"], "properties": schema["properties"], "type": "object"}
+    params = [SamplingParams(json_schema=s, temperature=0.0, max_tokens=4) for s in (schema, reordered)]
+    streams = await asyncio.gather(*(async_engine.add_request(f"twin-{i}", [5, 6, 7 + i], p)
+                                     for i, p in enumerate(params)))
+    assert len([c for c in compiler.calls if "shared_0" in c["what"]]) == 1
+    for stream in streams:
+        deltas = [d async for d in stream]
+        assert deltas[-1].finished
+    # A third request with it is a cache hit: no compile at all.
+    again = await async_engine.add_request("twin-again", [5], params[0])
+    assert [d async for d in again][-1].finished
+    assert len([c for c in compiler.calls if "shared_0" in c["what"]]) == 1
+    _assert_idle(async_engine)
+
+
+async def test_abort_while_compiling_never_reaches_the_engine(
+    async_engine: AsyncEngine, compiler: _Compiler, engine_adds: _Adds
+) -> None:
+    params = SamplingParams(json_schema=slow_schema("gatedA", n=8), max_tokens=4)
+    task = asyncio.create_task(async_engine.add_request("doomed", [5, 6, 7], params))
+    assert await asyncio.to_thread(compiler.started.acquire, True, 30)  # the compile is running
+    assert "doomed" in async_engine._compiling
+    assert async_engine.abort("doomed")
+    stream = await task  # add_request returns the stream, which ends with the abort
+    deltas = [d async for d in stream]
+    assert len(deltas) == 1 and deltas[0].finished and deltas[0].finish_reasons == ["abort"]
+    assert deltas[0].usage is not None and deltas[0].usage.completion_tokens == 0
+    assert deltas[0].usage.prompt_tokens == 3
+    assert not async_engine.abort("doomed")
+    # The id is free again at once; the running compile finishes (into the cache) after the release.
+    other = await async_engine.add_request("doomed", [5, 6], SamplingParams(max_tokens=2))
+    compiler.release.set()
+    await _await_until(lambda: _backend(async_engine).num_compiling == 0, "the compile to finish")
+    assert [d async for d in other][-1].finished
+    # One more engine round trip after the compile ended: the aborted request was never added.
+    follow = await async_engine.add_request("follow", [5], SamplingParams(max_tokens=1))
+    assert [d async for d in follow][-1].finished
+    assert engine_adds.count("doomed") == 1  # only the plain request that reused the id
+    assert _backend(async_engine).cached(GrammarBackend.key(params)) is not None
+    _assert_idle(async_engine)
+
+
+async def test_cancelling_add_request_while_compiling_cancels_a_queued_compile(
+    async_engine: AsyncEngine, compiler: _Compiler, engine_adds: _Adds
+) -> None:
+    # Two gated compiles occupy both compile threads; a third schema waits in the pool's queue.
+    blockers = [asyncio.create_task(async_engine.add_request(
+        f"blocker-{i}", [5, 6], SamplingParams(json_schema=slow_schema(f"gatedB{i}", n=4), max_tokens=2)))
+        for i in range(2)]
+    for _ in blockers:
+        assert await asyncio.to_thread(compiler.started.acquire, True, 30)
+    queued = SamplingParams(json_schema=slow_schema("queued", n=4), max_tokens=2)
+    task = asyncio.create_task(async_engine.add_request("queued", [5, 6], queued))
+    await _await_until(lambda: "queued" in async_engine._compiling, "the third request to be compiling")
+    task.cancel()  # the caller goes away (a server's handler cancelled)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "queued" not in async_engine._compiling and "queued" not in async_engine._streams
+    compiler.release.set()
+    for blocker in blockers:
+        assert [d async for d in await blocker][-1].finished
+    await _await_until(lambda: _backend(async_engine).num_compiling == 0, "the compiles to finish")
+    # Withdrawn before it started: never compiled, never cached, never added.
+    assert not [c for c in compiler.calls if "queued_0" in c["what"]]
+    assert _backend(async_engine).cached(GrammarBackend.key(queued)) is None
+    assert "queued" not in engine_adds
+    _assert_idle(async_engine)
+
+
+async def test_a_compile_failure_is_that_requests_error_only(
+    async_engine: AsyncEngine, compiler: _Compiler
+) -> None:
+    arrivals: list[float] = []
+    streaming = await async_engine.add_request("bystander", list(range(5, 30)), _long(40))
+    consumer = asyncio.create_task(_consume(streaming, arrivals))
+    compiler.fail_tags.add("broken")
+    bad = SamplingParams(json_schema=slow_schema("broken", n=3), max_tokens=4)
+    with pytest.raises(RequestValidationError) as info:
+        await async_engine.add_request("bad", [5, 6, 7], bad)
+    assert info.value.param == "response_format"
+    assert "cannot compile the response format" in info.value.message
+    assert "injected compile failure" in info.value.message
+    # The failure is not cached: the next request with the schema compiles again (and fails again).
+    with pytest.raises(RequestValidationError):
+        await async_engine.add_request("bad", [5, 6, 7], bad)
+    assert len([c for c in compiler.calls if "broken_0" in c["what"]]) == 2
+    # A schema xgrammar itself rejects, slipped past SamplingParams' check.
+    invalid = SamplingParams(json_schema={"type": "object"}, max_tokens=4)
+    invalid.json_schema = {"type": "no-such-type"}
+    with pytest.raises(RequestValidationError, match="cannot compile the response format") as info:
+        await async_engine.add_request("invalid", [5, 6, 7], invalid)
+    assert info.value.param == "response_format"
+    # The bystander streamed on untouched.
+    deltas = await consumer
+    assert deltas[-1].finish_reasons == ["length"]
+    assert sum(len(c.token_ids) for d in deltas for c in d.completions) == 40
+    _assert_idle(async_engine)
+
+
+async def test_the_server_answers_400_for_a_schema_that_does_not_compile(
+    async_engine: AsyncEngine, compiler: _Compiler
+) -> None:
+    compiler.fail_tags.add("served")
+    transport = httpx.ASGITransport(app=create_app(async_engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+        body = {"request_id": "http-bad", "prompt_token_ids": [5, 6, 7], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": slow_schema("served", n=3)}}
+        response = await client.post("/generate", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "response_format" and "cannot compile the response format" in error["message"]
+    _assert_idle(async_engine)
