@@ -51,11 +51,20 @@ class _StatsCollector(Collector):
         yield gauge("tollgate_engine_kv_blocks", "KV cache blocks in the pool.", s.num_kv_blocks)
         yield gauge("tollgate_engine_pending_prefill_tokens", "Prompt tokens still to compute.",
                     s.pending_prefill_tokens)
+        by_priority = GaugeMetricFamily("tollgate_engine_pending_prefill_tokens_by_priority",
+                                        "Prompt tokens still to compute, by engine priority.",
+                                        labels=[*names, "priority"])
+        for priority, tokens in sorted(s.pending_prefill_tokens_by_priority.items()):
+            by_priority.add_metric([*values, str(priority)], tokens)
+        yield by_priority
         yield counter("tollgate_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_query_tokens)
         yield counter("tollgate_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       s.prefix_hit_tokens)
         yield counter("tollgate_engine_preemptions", "Sequences preempted (by recompute).", s.num_preemptions)
+        yield counter("tollgate_engine_fairness_preemptions", "Of the preemptions, those that gave a tenant "
+                      "under its fair share of running slots a slot (also in preemptions).",
+                      s.num_fairness_preemptions)
         yield counter("tollgate_engine_prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
         yield counter("tollgate_engine_generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("tollgate_engine_computed_prefill_tokens", "Prompt tokens computed (incl. recompute).",

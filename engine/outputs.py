@@ -139,12 +139,17 @@ class EngineStats:
     num_waiting: int = 0
     num_running: int = 0
     pending_prefill_tokens: int = 0
+    # The same backlog by engine priority (lower runs first): what the gateway's overload shedding
+    # counts as ahead of a new request. Empty when the engine does not break it down.
+    pending_prefill_tokens_by_priority: dict[int, int] = field(default_factory=dict)
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
     kv_usage: float = 0.0
     # Counters since start.
     num_steps: int = 0
     num_preemptions: int = 0
+    # Of those, preemptions for the tenants' fair share of running slots (``Scheduler``).
+    num_fairness_preemptions: int = 0
     num_partial_prefill_chunks: int = 0
     computed_prefill_tokens: int = 0
     computed_decode_tokens: int = 0

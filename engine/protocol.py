@@ -231,6 +231,10 @@ class LoadReport(BaseModel):
     running: int
     # Prompt tokens still to be computed by waiting and running requests (prefill backlog).
     pending_prefill_tokens: int
+    # The same backlog by engine priority (lower runs first; JSON object keys are the priorities as
+    # strings). Empty when the engine does not break it down: then all of it counts as ahead of any
+    # new request (``gateway.admission.shedding``).
+    pending_prefill_tokens_by_priority: dict[int, int] = Field(default_factory=dict)
     kv_usage: float
     num_kv_blocks: int
     free_kv_blocks: int

@@ -175,6 +175,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
             waiting=s.num_waiting,
             running=s.num_running,
             pending_prefill_tokens=s.pending_prefill_tokens,
+            pending_prefill_tokens_by_priority=dict(s.pending_prefill_tokens_by_priority),
             kv_usage=s.kv_usage,
             num_kv_blocks=s.num_kv_blocks,
             free_kv_blocks=s.num_free_kv_blocks,

@@ -8,6 +8,14 @@ when it emits one of ``stop_token_ids`` (``stop``). Token ids cycle through a sm
 texts are readable and deterministic per request. Prefix caching is simulated with the real block hash
 chain (``engine.block_hash``, same salt rules) over an LRU of ``cache_blocks`` hashes, so the gateway's
 cached-token pricing sees realistic ``cached_tokens``. No torch.
+
+Queueing (opt-in, ``prefill_tokens_per_s > 0``; for overload and shedding tests): prompts are then
+"prefilled" one at a time at that rate, in chunks of ``prefill_chunk_tokens``, from a queue ordered as
+the real scheduler orders work (lower ``priority`` first, then arrival); after each chunk the best
+waiting request goes next, so a better-priority arrival waits at most one chunk. A request's first
+token comes ``ttft_s`` after its prefill ends. ``stats()`` then reports what a real replica measures:
+``pending_prefill_tokens`` (and by priority), ``num_waiting``, ``tokens_per_s`` (the rate, from the
+first computed chunk on) and ``step_time_s`` (one chunk). Cached prompt blocks are not prefilled.
 """
 
 from __future__ import annotations
@@ -23,6 +31,19 @@ from engine.metrics import EngineMetrics
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.sampling_params import SamplingParams
 
+
+class _Prefill:
+    """A prompt waiting for (or in) its synthetic prefill."""
+
+    __slots__ = ("arrival", "done", "priority", "remaining", "started")
+
+    def __init__(self, priority: int, arrival: int, tokens: int) -> None:
+        self.priority = priority
+        self.arrival = arrival
+        self.remaining = tokens
+        self.done = asyncio.Event()
+        self.started: float | None = None
+
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "then", "runs",
          "far", "away", "into", "woods")
 FIRST_WORD_ID = 1000
@@ -33,9 +54,12 @@ class SyntheticEngine:
 
     def __init__(self, model_name: str = "synthetic", pool: str = "interactive", vocab_size: int = 32000,
                  max_model_len: int = 8192, block_size: int = 16, token_interval_s: float = 0.01,
-                 ttft_s: float = 0.02, cache_blocks: int = 65536) -> None:
-        if token_interval_s < 0 or ttft_s < 0:
-            raise ValueError("token_interval_s and ttft_s must be >= 0")
+                 ttft_s: float = 0.02, cache_blocks: int = 65536, prefill_tokens_per_s: float = 0.0,
+                 prefill_chunk_tokens: int = 256) -> None:
+        if token_interval_s < 0 or ttft_s < 0 or prefill_tokens_per_s < 0:
+            raise ValueError("token_interval_s, ttft_s and prefill_tokens_per_s must be >= 0")
+        if prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
         if vocab_size <= FIRST_WORD_ID + len(WORDS):
             raise ValueError(f"vocab_size must exceed {FIRST_WORD_ID + len(WORDS)}")
         self.model_name = model_name
@@ -50,6 +74,12 @@ class SyntheticEngine:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stats = EngineStats(num_kv_blocks=cache_blocks)
         self.metrics = EngineMetrics(self.stats, model_name, pool)
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._prefill_queue: list[_Prefill] = []
+        self._arrivals = 0
+        self._prefill_wakeup: asyncio.Event | None = None
+        self._prefill_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_engine_kwargs(cls, pool: str = "interactive", model_name: str | None = None,
@@ -57,7 +87,8 @@ class SyntheticEngine:
         """Build from ``EngineConfig``-style keyword arguments (``block_size``, ``max_model_len``, and
         ``extra={"token_interval_s": ..., "ttft_s": ...}``); settings that need a model are ignored."""
         extra = dict(engine_kwargs.get("extra") or {})
-        kwargs: dict[str, Any] = {k: extra.pop(k) for k in ("token_interval_s", "ttft_s", "vocab_size")
+        kwargs: dict[str, Any] = {k: extra.pop(k) for k in ("token_interval_s", "ttft_s", "vocab_size",
+                                                            "prefill_tokens_per_s", "prefill_chunk_tokens")
                                   if k in extra}
         if extra:
             raise ValueError(f"unknown synthetic engine settings: {sorted(extra)}")
@@ -88,7 +119,8 @@ class SyntheticEngine:
         self._stats.prefix_query_tokens += len(prompt)
         self._stats.prefix_hit_tokens += cached
         self._stats.num_running += params.n
-        self._tasks[request_id] = asyncio.create_task(self._emit(stream, prompt, params, cached))
+        prefill = self._queue_prefill(priority, len(prompt) - cached) if self.prefill_tokens_per_s else None
+        self._tasks[request_id] = asyncio.create_task(self._emit(stream, prompt, params, cached, prefill))
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -113,6 +145,59 @@ class SyntheticEngine:
     def shutdown(self) -> None:
         for task in self._tasks.values():
             task.cancel()
+        if self._prefill_task is not None:
+            self._prefill_task.cancel()
+
+    # ---- synthetic prefill queue ----------------------------------------------------------------
+    def _queue_prefill(self, priority: int, uncached_tokens: int) -> _Prefill:
+        self._arrivals += 1
+        item = _Prefill(priority, self._arrivals, max(1, uncached_tokens))  # the last token always runs
+        self._prefill_queue.append(item)
+        self._refresh_backlog()
+        if self._prefill_task is None or self._prefill_task.done():
+            self._prefill_wakeup = asyncio.Event()
+            self._prefill_task = asyncio.create_task(self._prefill_loop(), name="synthetic-prefill")
+        elif self._prefill_wakeup is not None:
+            self._prefill_wakeup.set()
+        return item
+
+    def _drop_prefill(self, item: _Prefill) -> None:
+        if item in self._prefill_queue:
+            self._prefill_queue.remove(item)
+            self._refresh_backlog()
+
+    def _refresh_backlog(self) -> None:
+        by_priority: dict[int, int] = {}
+        for item in self._prefill_queue:
+            by_priority[item.priority] = by_priority.get(item.priority, 0) + item.remaining
+        self._stats.pending_prefill_tokens = sum(by_priority.values())
+        self._stats.pending_prefill_tokens_by_priority = by_priority
+        self._stats.num_waiting = sum(1 for item in self._prefill_queue if item.started is None)
+
+    async def _prefill_loop(self) -> None:
+        rate, chunk_tokens = self.prefill_tokens_per_s, self.prefill_chunk_tokens
+        while True:
+            if not self._prefill_queue:
+                assert self._prefill_wakeup is not None
+                self._prefill_wakeup.clear()
+                await self._prefill_wakeup.wait()
+                continue
+            item = min(self._prefill_queue, key=lambda p: (p.priority, p.arrival))
+            if item.started is None:
+                item.started = time.monotonic()
+            chunk = min(item.remaining, chunk_tokens)
+            await asyncio.sleep(chunk / rate)
+            self._stats.computed_prefill_tokens += chunk
+            self._stats.num_steps += 1
+            self._stats.tokens_per_s = rate
+            self._stats.step_time_s = chunk_tokens / rate
+            if item not in self._prefill_queue:  # aborted during the chunk
+                continue
+            item.remaining -= chunk
+            if item.remaining <= 0:
+                self._prefill_queue.remove(item)
+                item.done.set()
+            self._refresh_backlog()
 
     # ---- internals ------------------------------------------------------------------------------
     def _lookup_prefix(self, prompt: list[int], cache_salt: str | None) -> int:
@@ -132,13 +217,15 @@ class SyntheticEngine:
         return hits * self.block_size
 
     async def _emit(self, stream: RequestStream, prompt: list[int], params: SamplingParams,
-                    cached: int) -> None:
+                    cached: int, prefill: _Prefill | None = None) -> None:
         start = time.monotonic()
         n = params.n
         outputs: list[list[int]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         first_token = None
         try:
+            if prefill is not None:
+                await prefill.done.wait()
             await asyncio.sleep(self.ttft_s)
             step = 0
             while any(r is None for r in reasons):
@@ -170,10 +257,13 @@ class SyntheticEngine:
         finally:
             self._tasks.pop(stream.request_id, None)
             self._stats.num_running -= n
+            if prefill is not None:
+                self._drop_prefill(prefill)
         end = time.monotonic()
         longest = max(len(o) for o in outputs)
         ttft = (first_token - start) if first_token else 0.0
-        timings = Timings(queued=0.0, ttft=ttft,
+        queued = (prefill.started or end) - start if prefill is not None else 0.0
+        timings = Timings(queued=queued, ttft=ttft,
                           tpot=(end - first_token) / (longest - 1) if first_token and longest > 1 else 0.0,
                           e2e=end - start)
         usage = Usage(len(prompt), cached, sum(len(o) for o in outputs))

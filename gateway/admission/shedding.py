@@ -5,12 +5,16 @@ Model (a pure function of one replica's ``GET /load`` report):
 
     predicted TTFT = (prefill tokens ahead + this prompt's uncached tokens) / tokens_per_s + step_time_s
 
-"Ahead" is the pending prefill of requests at an equal or better tier: the engine schedules by
-priority, so worse-tier backlog does not delay this request. Tiers are ordered by ``TierConfig.rank``
-(the gateway's notion of better), mapped to their ``engine_priority``; backlog at an engine priority no
-tier uses (the batch pool's lowest priority) is never ahead of interactive work. When the report breaks
-its backlog down by priority (``pending_prefill_tokens_by_priority``: engine priority → tokens) it is
-used; otherwise the whole ``pending_prefill_tokens`` counts as ahead for every tier (conservative).
+"Ahead" is the pending prefill of requests the engine runs before or alongside this one: those at an
+engine priority equal to or better (lower) than its tier's ``engine_priority``. The engine's scheduler
+is strictly by priority, so backlog at a worse priority (a lower tier, the batch work soaking up idle
+capacity at ``batch_engine_priority``) never delays it; equal-priority backlog counts in full (tenant
+fairness may let the request cut in, so this errs towards shedding, never towards a missed SLO). The
+comparison is on engine priorities, the scheduler's own order, so backlog at a priority no tier uses is
+placed where the scheduler places it. When the report breaks its backlog down by priority
+(``pending_prefill_tokens_by_priority``: engine priority → tokens; ``GET /load`` of a real or synthetic
+replica) it is used; otherwise the whole ``pending_prefill_tokens`` counts as ahead for every tier
+(conservative: then every tier sees the same wait, and the tightest SLO sheds everyone together).
 ``tokens_per_s`` is the engine's measured compute rate; with no measurement yet (idle replica) there is
 nothing to predict from and nothing is shed.
 
@@ -69,9 +73,8 @@ def prefill_tokens_ahead(load: Any, tier: str, tiers: Mapping[str, TierConfig]) 
     by_priority: Mapping[int, int] | None = getattr(load, "pending_prefill_tokens_by_priority", None)
     if not by_priority:  # no breakdown (or an empty one): everything pending counts as ahead
         return max(0, int(load.pending_prefill_tokens))
-    rank = _tier(tiers, tier).rank
-    ahead = {cfg.engine_priority for cfg in tiers.values() if cfg.rank >= rank}
-    return sum(max(0, int(tokens)) for prio, tokens in by_priority.items() if int(prio) in ahead)
+    own = _tier(tiers, tier).engine_priority
+    return sum(max(0, int(tokens)) for prio, tokens in by_priority.items() if int(prio) <= own)
 
 
 def predict_ttft_ms(load: Any, prompt_tokens: int, tier: str, tiers: Mapping[str, TierConfig],
