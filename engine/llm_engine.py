@@ -389,20 +389,25 @@ class LLMEngine:
         s = self._stats
         sched, bm = self.scheduler, self.block_manager
         pending_prefill = 0
+        by_priority: dict[int, int] = {}
         for request in self._requests.values():
             for c in request.completions:
                 seq = c.seq
                 if not seq.is_finished and seq.num_computed_tokens < seq.num_prompt_tokens:
-                    pending_prefill += seq.num_prompt_tokens - seq.num_computed_tokens
+                    left = seq.num_prompt_tokens - seq.num_computed_tokens
+                    pending_prefill += left
+                    by_priority[seq.priority] = by_priority.get(seq.priority, 0) + left
         return EngineStats(
             num_waiting=sched.num_waiting,
             num_running=sched.num_running,
             pending_prefill_tokens=pending_prefill,
+            pending_prefill_tokens_by_priority=by_priority,
             num_kv_blocks=bm.num_blocks,
             num_free_kv_blocks=bm.num_free_blocks,
             kv_usage=bm.usage,
             num_steps=s.num_steps,
             num_preemptions=sched.num_preemptions,
+            num_fairness_preemptions=sched.num_fairness_preemptions,
             num_partial_prefill_chunks=sched.num_partial_prefill_chunks,
             computed_prefill_tokens=sched.computed_prefill_tokens,
             computed_decode_tokens=s.computed_decode_tokens,

@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing import repository as billing_repository
-from billing.prices import Price
+from billing.prices import Price, new_price_start
 from billing.service import PriceConflict, set_price
 from gateway.admin import repository
 from gateway.admin.auth import generate_admin_token, hash_admin_token
@@ -275,10 +275,10 @@ async def add_price(session: AsyncSession, data: PriceCreateRequest, *, actor: s
     """Add a price row from ``data.effective_from`` (now when omitted). Gateways pick it up with their
     periodic price-book refresh (``billing.prices.PriceBookCache``)."""
     now = now or datetime.now(UTC)
-    start = data.effective_from or now
-    if start < now:
-        raise AdminError("effective_from must not be in the past (omit it to start now)",
-                         param="effective_from")
+    try:
+        start = new_price_start(data.effective_from, now)
+    except ValueError as e:  # PastEffectiveFrom, or a date without a timezone
+        raise AdminError(str(e), param="effective_from") from e
     try:
         price = Price.of(input=data.input_usd_per_mtok, output=data.output_usd_per_mtok,
                          cached_input=data.cached_input_usd_per_mtok,

@@ -1,8 +1,5 @@
 """The real engine's stats snapshot breaks its prefill backlog down by priority (what ``GET /load`` sends
-and the gateway's overload shedding reads) and carries the scheduler's fairness-preemption counter.
-
-Strict xfail until ``LLMEngine.stats()`` fills ``pending_prefill_tokens_by_priority`` and
-``num_fairness_preemptions`` (``EngineStats`` has both fields): the marker must go when it does."""
+and the gateway's overload shedding reads) and carries the scheduler's fairness-preemption counter."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.xfail(strict=True, reason="LLMEngine.stats() does not fill the breakdown yet")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompt(start: int, length: int) -> list[int]:
