@@ -27,6 +27,12 @@ Invariants:
 
 Schemas are validated by :func:`check_json_schema` (used by ``SamplingParams``): a schema that xgrammar
 cannot compile raises ``ValueError``.
+
+Threads: ``GrammarBackend``'s compile side (``compile``, ``compile_async``, ``withdraw``, ``pin``,
+``unpin``, ``cached``) may be called from any thread; one lock guards the cache, the in-flight compiles
+and the pins, and is never held while compiling (xgrammar's compiler releases the GIL, so compiles run
+in parallel with the engine thread). Concurrent requests for one constraint share one compile. The
+matcher side (``state_for``, ``fill_bitmask``, ``accept``) belongs to the engine thread.
 """
 
 from __future__ import annotations
