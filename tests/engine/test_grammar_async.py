@@ -10,13 +10,14 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine, RequestStream
+from engine.async_engine import AsyncEngine, EngineError, RequestStream
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
 from engine.outputs import RequestDelta, RequestValidationError
@@ -329,3 +330,112 @@ async def test_the_server_answers_400_for_a_schema_that_does_not_compile(
     error = response.json()["error"]
     assert error["param"] == "response_format" and "cannot compile the response format" in error["message"]
     _assert_idle(async_engine)
+
+
+async def test_shutdown_while_compiling_fails_the_waiting_request(tiny_qwen2_dir: Path) -> None:
+    engine = AsyncEngine(EngineConfig(model=str(tiny_qwen2_dir), num_kv_blocks=32, max_num_seqs=2))
+    backend = _backend(engine)
+    recorder = _Compiler(backend._compiler)
+    backend._compiler = recorder
+    try:
+        params = SamplingParams(json_schema=slow_schema("gatedS", n=4), max_tokens=2)
+        task = asyncio.create_task(engine.add_request("late", [5, 6], params))
+        assert await asyncio.to_thread(recorder.started.acquire, True, 30)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineError, match="shutting down"):
+            await task
+        assert not engine._compiling and not engine._streams and not engine._pins
+    finally:
+        recorder.release.set()
+        engine.shutdown()
+    _wait_until(lambda: backend.num_compiling == 0, "the compile to finish")
+
+
+# ---- GrammarBackend's compile side on its own ---------------------------------------------------------
+class _ManualExecutor(Executor):
+    """Runs submitted jobs only when the test says so."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        self.jobs.append((fn, args))
+        return Future()
+
+    def run_all(self) -> None:
+        jobs, self.jobs = self.jobs, []
+        for fn, args in jobs:
+            fn(*args)
+
+
+@pytest.fixture
+def backend(tiny_qwen2_dir: Path) -> GrammarBackend:
+    config = json.loads((tiny_qwen2_dir / "config.json").read_text())
+    eos = config["eos_token_id"]
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    tokenizer_json = tiny_qwen2_dir / "tokenizer.json"
+    return GrammarBackend.from_tokenizer_json(tokenizer_json, config["vocab_size"], eos_ids)
+
+
+def _params(tag: str) -> SamplingParams:
+    return SamplingParams(json_schema={"type": "object", "properties": {tag: {"type": "integer"}}})
+
+
+def test_compile_async_shares_one_compile_and_cancels_when_every_waiter_withdraws(
+    backend: GrammarBackend
+) -> None:
+    executor = _ManualExecutor()
+    key, first = backend.compile_async(_params("a"), executor)
+    key2, second = backend.compile_async(_params("a"), executor)
+    assert key == key2 and first is second and len(executor.jobs) == 1 and backend.num_compiling == 1
+    backend.withdraw(key, first)
+    assert not first.cancelled()  # the other waiter still wants it
+    backend.withdraw(key, first)
+    assert first.cancelled() and backend.num_compiling == 0
+    executor.run_all()  # the queued job sees the cancellation and compiles nothing
+    assert backend.cached(key) is None
+    # A new request starts a new compile; a synchronous compile of the same key waits for it.
+    key, future = backend.compile_async(_params("a"), executor)
+    results: list[Any] = []
+    waiter = threading.Thread(target=lambda: results.append(backend.compile(_params("a"))))
+    waiter.start()
+    _wait_until(lambda: backend._inflight[key].waiters == 2, "the synchronous caller to wait")
+    backend.withdraw(key, future)  # the async waiter leaves; the synchronous one keeps it alive
+    assert not future.cancelled()
+    executor.run_all()
+    waiter.join(30)
+    assert results == [future.result()] and backend.cached(key) is future.result()
+    # A cache hit is a done future and needs no executor.
+    _, hit = backend.compile_async(_params("a"), executor)
+    assert hit.done() and hit.result() is future.result() and not executor.jobs
+
+
+def test_a_failed_compile_is_not_cached(backend: GrammarBackend) -> None:
+    params = _params("x")
+    params.json_schema = {"type": "no-such-type"}
+    executor = _ManualExecutor()
+    key, future = backend.compile_async(params, executor)
+    executor.run_all()
+    with pytest.raises(ValueError, match="cannot compile the response format"):
+        future.result()
+    assert key is not None and backend.cached(key) is None and backend.num_compiling == 0
+    with pytest.raises(ValueError, match="cannot compile the response format"):
+        backend.compile(params)
+
+
+def test_pinned_grammars_survive_lru_eviction(backend: GrammarBackend) -> None:
+    small = GrammarBackend(backend.tokenizer_info, max_cached_grammars=1)
+    a, b = _params("a"), _params("b")
+    key_a, key_b = GrammarBackend.key(a), GrammarBackend.key(b)
+    assert key_a is not None and key_b is not None
+    compiled_a = small.compile(a)
+    assert compiled_a is not None
+    small.pin(key_a, compiled_a)
+    small.pin(key_a, compiled_a)
+    small.compile(b)  # evicts a from the LRU
+    assert key_a not in small._cache and small.cached(key_a) is compiled_a
+    assert small.compile(a) is compiled_a  # a hit: no recompile
+    small.unpin(key_a)
+    assert small.cached(key_a) is compiled_a
+    small.unpin(key_a)
+    assert small.cached(key_a) is None and small.cached(key_b) is not None
