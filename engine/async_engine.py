@@ -296,16 +296,15 @@ class AsyncEngine:
     def _compiled(self, compiling: _Compiling) -> None:
         """The request's compile finished (in a compile thread): queue it for the engine or fail it."""
         future = compiling.future
+        if future.cancelled():
+            return  # every waiter withdrew, this request too: it is gone already
         request_id = compiling.add.request_id
         error: BaseException | None = None
         with self._cond:
             if self._compiling.get(request_id) is not compiling:
                 return  # aborted or shut down meanwhile: it was withdrawn and is nobody's business now
             del self._compiling[request_id]
-            if future.cancelled():
-                exc: BaseException | None = EngineError("the grammar compile was cancelled")
-            else:
-                exc = future.exception()
+            exc = future.exception()
             if exc is None and self._grammar is not None:
                 self._grammar.pin(compiling.key, future.result())
                 self._pins[request_id] = compiling.key

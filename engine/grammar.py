@@ -264,8 +264,12 @@ class GrammarBackend:
             if entry is None or entry.future is not future:
                 return
             entry.waiters -= 1
-            if entry.waiters <= 0 and future.cancel():
-                del self._inflight[key]
+            if entry.waiters > 0 or future.running():
+                return
+            del self._inflight[key]
+        # Outside the lock: cancelling runs the future's callbacks. A compile that started meanwhile
+        # finishes into the cache.
+        future.cancel()
 
     def pin(self, key: str, compiled: xgr.CompiledGrammar) -> None:
         """Keep ``key``'s grammar available, whatever the LRU evicts, until it is unpinned as often."""
@@ -310,13 +314,15 @@ class GrammarBackend:
             compiled = self._compile(params)
         except BaseException as exc:
             with self._lock:
-                self._inflight.pop(key, None)
+                if self._inflight.get(key) is entry:
+                    del self._inflight[key]
             entry.future.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
         with self._lock:
-            self._inflight.pop(key, None)
+            if self._inflight.get(key) is entry:
+                del self._inflight[key]
             self._cache[key] = compiled
             self._cache.move_to_end(key)
             if len(self._cache) > self._max_cached:
