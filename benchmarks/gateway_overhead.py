@@ -226,50 +226,133 @@ class LoadSpec:
 
 def _load_process(spec: LoadSpec, out: Any) -> None:
     """Child process: run the open-loop schedule, send back (latencies, errors, lag)."""
-    out.send(asyncio.run(_load(spec)))
+    try:
+        import uvloop
+
+        result = uvloop.run(_load(spec))
+    except ImportError:
+        result = asyncio.run(_load(spec))
+    out.send(result)
     out.close()
 
 
-async def _load(spec: LoadSpec) -> dict[str, Any]:
-    import httpx
+class _ClientConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the load generator: a request is one pre-encoded write;
+    the response is parsed by httptools (chunked or not) and ends at its last byte."""
 
+    def __init__(self, idle: list[_ClientConnection]) -> None:
+        import httptools
+
+        self.idle = idle
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[int] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except Exception as exc:  # a broken response: the request failed
+            self._finish(exc)
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._finish(exc or ConnectionResetError("closed by the server"))
+
+    def on_message_complete(self) -> None:
+        status = self.parser.get_status_code()
+        keep = self.parser.should_keep_alive()
+        done = self.done
+        self.done = None
+        if keep and not self.closed:
+            self.idle.append(self)
+        else:
+            self.close()
+        if done is not None and not done.done():
+            done.set_result(status)
+
+    def _finish(self, exc: BaseException) -> None:
+        done, self.done = self.done, None
+        if done is not None and not done.done():
+            done.set_exception(exc)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def request(self, data: bytes) -> asyncio.Future[int]:
+        assert self.transport is not None
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(data)
+        return self.done
+
+
+def _encode_request(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, int, bytes]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    head = [f"POST {parts.path} HTTP/1.1", f"host: {parts.hostname}:{parts.port}",
+            "content-type: application/json", f"content-length: {len(payload)}",
+            *(f"{k}: {v}" for k, v in headers.items())]
+    data = ("\r\n".join(head) + "\r\n\r\n").encode() + payload
+    return parts.hostname or "127.0.0.1", parts.port or 80, data
+
+
+async def _load(spec: LoadSpec) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
     latencies: list[float] = []
     errors: dict[str, int] = {}
     lags: list[float] = []
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    async with httpx.AsyncClient(timeout=30.0, limits=limits, headers=spec.headers) as client:
+    idle: list[_ClientConnection] = []
+    host, port, template = _encode_request(spec.url, spec.body, spec.headers)
+    if spec.engine_direct:  # every engine request needs its own request id: encode those up front
+        requests = [_encode_request(spec.url, {**spec.body, "request_id": uuid.uuid4().hex}, spec.headers)[2]
+                    for _ in range(int(spec.rate * spec.duration_s))]
+    cpu_started = time.process_time()
 
-        async def one() -> None:
-            body = dict(spec.body)
-            if spec.engine_direct:
-                body["request_id"] = uuid.uuid4().hex
-            started = time.perf_counter()
-            try:
-                async with client.stream("POST", spec.url, json=body) as response:
-                    async for _ in response.aiter_raw():
-                        pass
-                if response.status_code != 200:
-                    errors[str(response.status_code)] = errors.get(str(response.status_code), 0) + 1
-                    return
-            except httpx.HTTPError as exc:
-                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                return
-            latencies.append(time.perf_counter() - started)
-
-        total = int(spec.rate * spec.duration_s)
-        start = time.perf_counter() + 0.2
-        tasks = []
-        for i in range(total):
-            due = start + i / spec.rate
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+    async def one(i: int) -> None:
+        data = requests[i] if spec.engine_direct else template
+        started = time.perf_counter()
+        try:
+            while idle:
+                conn = idle.pop()
+                if not conn.closed:
+                    break
             else:
-                lags.append(-delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
+                conn = _ClientConnection(idle)
+                await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
+            status = await asyncio.wait_for(conn.request(data), 30.0)
+            if status != 200:
+                errors[str(status)] = errors.get(str(status), 0) + 1
+                return
+        except (OSError, TimeoutError, ValueError) as exc:
+            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            return
+        latencies.append(time.perf_counter() - started)
+
+    total = int(spec.rate * spec.duration_s)
+    start = time.perf_counter() + 0.2
+    tasks = []
+    for i in range(total):
+        due = start + i / spec.rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        else:
+            lags.append(-delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    for conn in idle:
+        conn.close()
     return {"latencies": latencies, "errors": errors, "sent": total,
-            "max_lag_s": max(lags, default=0.0), "late_fraction": len(lags) / max(1, total)}
+            "max_lag_s": max(lags, default=0.0), "late_fraction": len(lags) / max(1, total),
+            "generator_cpu_ms_per_request": 1000 * (time.process_time() - cpu_started) / max(1, total)}
 
 
 def process_cpu_s(pid: int) -> float:

@@ -65,7 +65,8 @@ class UsageRecord:
             raise ValueError("created_at must be timezone-aware")
 
     def to_json(self) -> bytes:
-        data = asdict(self)
+        # Field by field, not ``asdict`` (which deep-copies every value): this runs once per request.
+        data = {name: getattr(self, name) for name in _FIELDS}
         data["created_at"] = self.created_at.astimezone(UTC).isoformat()
         return orjson.dumps(data)
 

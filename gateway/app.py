@@ -13,9 +13,11 @@ Invariants:
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import ModuleType
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -40,6 +42,15 @@ def _load_extensions(names: tuple[str, ...]) -> list[ModuleType]:
     return [importlib.import_module(name) for name in names]
 
 
+def _no_native_telemetry() -> dict[str, Any]:
+    """FastAPI's built-in OpenTelemetry hooks, off: Tollgate exports Prometheus metrics and JSON logs,
+    and the hooks' per-request check (``get_tracer_provider`` reads the environment) cost ~4% of a
+    request's CPU in ``benchmarks/gateway_overhead.py``. FastAPI versions without them take no argument."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
 def create_app(settings: Settings | None = None, *, extensions: tuple[str, ...] | None = None) -> FastAPI:
     """The app with ``EXTENSIONS`` (or only the ``extensions`` given, e.g. to test one in isolation)."""
     settings = settings or get_settings()
@@ -59,7 +70,7 @@ def create_app(settings: Settings | None = None, *, extensions: tuple[str, ...] 
             await app.state.redis.aclose()
             await app.state.db.dispose()
 
-    app = FastAPI(title="Tollgate", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Tollgate", version="0.1.0", lifespan=lifespan, **_no_native_telemetry())
     app.state.settings = settings
     for extension in loaded:
         if hasattr(extension, "install"):

@@ -49,7 +49,7 @@ KeyId = Annotated[int, Path(ge=1, le=BIGINT_MAX)]
 Limit = Annotated[int, Query(ge=1, le=service.MAX_PAGE)]
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:  # async: no thread-pool hand-off
     return request.app.state.settings
 
 

@@ -33,8 +33,9 @@ import uuid
 from importlib import resources
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
+from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord, append_usage
 from billing.spend import MONTH_OF_LUA, spend_key, tenant_tag
 from gateway.admission.headers import format_duration_ms, rate_limit_headers, retry_headers
 from gateway.admission.limits import STATUS_ACTIVE, STATUS_SUSPENDED_BILLING, Admission, TenantLimits
@@ -135,6 +136,48 @@ class AdmissionController:
                   admission.lease_id, str(cost_pico_usd)],
         )
         admission.settled = True
+
+    async def settle_and_append(self, admission: Admission, used_tokens: int, cost_pico_usd: int,
+                                record: UsageRecord) -> tuple[Exception | None, Exception | None]:
+        """``settle`` and ``billing.outbox.append_usage(record)`` in one Redis round trip (a pipeline, not
+        a transaction: the usage stream is not in the tenant's Cluster slot). Returns the errors of the
+        two parts (None: done); the append is attempted even if the settle fails."""
+        if used_tokens < 0 or cost_pico_usd < 0:
+            raise ValueError("used_tokens and cost_pico_usd must be >= 0")
+        if admission.settled:
+            try:
+                await append_usage(self._redis, record)
+            except Exception as exc:
+                return None, exc
+            return None, None
+        _, tpm_key, leases_key, holds_key = admission_keys(admission.tenant_id)
+        keys = [tpm_key, leases_key, holds_key, spend_key(admission.tenant_id)]
+        args: list[str | int] = [_limit_arg(admission.tpm_limit), self._window_us,
+                                 admission.reserved_tokens - used_tokens, admission.lease_id,
+                                 str(cost_pico_usd)]
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
+                pipe.xadd(USAGE_STREAM, {RECORD_FIELD: record.to_json()})
+                settled, appended = await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # the connection failed: neither part is known to have happened
+            settle_error: Exception | None = exc
+            try:
+                await append_usage(self._redis, record)
+            except Exception as append_exc:
+                return settle_error, append_exc
+            return settle_error, None
+        settle_error = settled if isinstance(settled, Exception) else None
+        append_error = appended if isinstance(appended, Exception) else None
+        if isinstance(settled, NoScriptError):  # Redis restarted or flushed its scripts: load and run
+            try:
+                await self._settle(keys=keys, args=args)
+                settle_error = None
+            except Exception as exc:
+                settle_error = exc
+        if settle_error is None:
+            admission.settled = True
+        return settle_error, append_error
 
     async def renew_lease(self, admission: Admission) -> None:
         """Push the lease's expiry ``stream_lease_ttl_s`` ahead. Call it at least every TTL/3 while a

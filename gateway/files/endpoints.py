@@ -33,7 +33,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
 
 
-def get_storage(request: Request) -> FileStorage:
+async def get_storage(request: Request) -> FileStorage:  # async: no thread-pool hand-off
     return request.app.state.file_storage
 
 

@@ -40,7 +40,7 @@ from billing.outbox import UsageRecord, append_usage
 from billing.prices import PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.block_hash import prefix_block_hashes
 from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
-from gateway.admission import Admission
+from gateway.admission import Admission, AdmissionController
 from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
 from gateway.auth import Principal
@@ -229,6 +229,13 @@ class Generation:
             return stream, replica
 
     # -- streaming ------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """True when the next record (or the end) is already here: reading it waits on no network.
+        The SSE writer coalesces frames while this holds (``gateway.openai.streaming``)."""
+        if len(self._streams) == 1:
+            return self._streams[0][0].buffered()
+        return False
+
     async def records(self) -> AsyncIterator[DeltaRecord]:
         """Delta records of every prompt (``index`` re-numbered across prompts). Usage and finish
         reasons accumulate on ``self``; an engine failure sets ``status``/``error`` and ends the stream."""
@@ -311,6 +318,12 @@ class Generation:
         if self.status == STATUS_COMPLETED and self._finals < len(self._streams):
             self.status = STATUS_CANCELLED
 
+    def interrupt(self) -> None:
+        """Stop reading the engine streams now (the client went away): their connections close, which
+        aborts the engine work within one step, and ``records()`` ends without an error."""
+        for stream, _ in self._streams:
+            stream.interrupt()
+
     async def finish(self) -> None:
         """Close streams, settle, meter: exactly once (see the module invariants). Never raises."""
         if self._finished:
@@ -338,11 +351,11 @@ class Generation:
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
             cost = 0
-        try:
-            await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
-        except Exception:
-            logger.exception("settling request %s failed (its lease will expire)", self.request_id)
         if not self._streams:
+            try:
+                await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
+            except Exception:
+                logger.exception("settling request %s failed (its lease will expire)", self.request_id)
             return
         ttft = self._ttft_ms
         if ttft is None and self._first_token_at is not None:
@@ -354,15 +367,30 @@ class Generation:
             completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
             ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at,
         )
+        if isinstance(rt.admission, AdmissionController):
+            # Settle and meter in one Redis round trip.
+            settle_error, append_error = await rt.admission.settle_and_append(
+                self.admission, self.usage.total_tokens, cost, record)
+            if settle_error is not None:
+                logger.error("settling request %s failed (its lease will expire): %r", self.request_id,
+                             settle_error)
+        else:
+            try:
+                await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
+            except Exception:
+                logger.exception("settling request %s failed (its lease will expire)", self.request_id)
+            append_error = None
+            try:
+                await append_usage(rt.redis, record)
+            except Exception as exc:
+                append_error = exc
         observe_generation(model=record.model, tier=self.tier, status=self.status,
                            prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens,
                            completion_tokens=record.completion_tokens, tpot_s=(self._tpot_ms or 0) / 1000,
                            ttft_s=(None if self._first_token_at is None
                                    else self._first_token_at - self._started_at))
-        try:
-            await append_usage(rt.redis, record)
-        except Exception:
-            logger.exception("USAGE NOT RECORDED for request %s: %r", self.request_id, record)
+        if append_error is not None:
+            logger.error("USAGE NOT RECORDED for request %s: %r (%r)", self.request_id, record, append_error)
 
 
 def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int | None, what: str) -> None:

@@ -2,13 +2,21 @@
 
 ``EventStreamResponse`` is a small ASGI response (not Starlette's ``StreamingResponse``) because the
 gateway must *always* run cleanup when a client goes away: it sends the events of an async iterator of
-already-encoded SSE frames while a second task waits for ``http.disconnect``; whichever ends first
-cancels the other, and then — shielded from cancellation — the iterator is closed and
-``Generation.finish()`` runs (engine abort, settle, meter). A write to a vanished client counts as a
-disconnect too.
+already-encoded SSE frames while a watcher task waits for ``http.disconnect``; a disconnect marks the
+generation cancelled and interrupts its engine streams (``Generation.interrupt``: their connections
+close, so the engine aborts within one step, and the frame iterator ends at once). Then — shielded from
+cancellation — the iterator is closed and ``Generation.finish()`` runs (engine abort, settle, meter). A
+write to a vanished client counts as a disconnect too. (No anyio task group per request: it cost ~5%
+of a request's CPU.)
 
 ``collect_unless_disconnected`` does the same for non-streamed answers: a client that hangs up while
 waiting aborts the engine work instead of letting it run to the end.
+
+Frames that are ready together are written together: while the generation's next record is already
+buffered (``Generation.ready``: a zero-delay engine's burst, or a backlog after a slow write), frames are
+joined into one ``send`` (up to ``COALESCE_BYTES``), so one write carries many chunks; a frame is never
+held while the engine has nothing more to give, so nothing waits for a later token. Each token still
+has its own ``chat.completion.chunk`` as OpenAI sends it.
 
 Frames are ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``, or after an error frame
 ``data: {"error": {...}}`` (what OpenAI sends and its SDKs raise on).
@@ -16,6 +24,7 @@ Frames are ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``, 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
@@ -29,6 +38,8 @@ from gateway.openai.generation import Generation
 T = TypeVar("T")
 
 DONE_FRAME = b"data: [DONE]\n\n"
+# At most this many bytes of frames are held back to be written together.
+COALESCE_BYTES = 64 * 1024
 
 
 def frame(payload: bytes) -> bytes:
@@ -37,6 +48,24 @@ def frame(payload: bytes) -> bytes:
 
 def json_frame(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _watch_disconnect(receive: Receive, generation: Generation, seen: list[bool]) -> asyncio.Task[None]:
+    """A task that waits for ``http.disconnect``; then it marks the generation cancelled and interrupts
+    its engine streams (closing their connections aborts the engine work within one step), which ends
+    whatever is reading them. No task group and no cancellation of the request's own task: the
+    request's code runs to its end, quickly, and its cleanup is never cut short."""
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                seen.append(True)
+                generation.cancel()
+                generation.interrupt()
+                return
+
+    return asyncio.get_running_loop().create_task(watch())
 
 
 class EventStreamResponse(Response):
@@ -55,27 +84,29 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         generation = self.generation
+        disconnected: list[bool] = []
+        watcher = _watch_disconnect(receive, generation, disconnected)
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def watch_disconnect() -> None:
-                    while True:
-                        message = await receive()
-                        if message["type"] == "http.disconnect":
-                            generation.cancel()
-                            tg.cancel_scope.cancel()
-                            return
-
-                tg.start_soon(watch_disconnect)
-                try:
-                    await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                    async for chunk in self.frames:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except OSError:  # the client went away while we were writing
-                    generation.cancel()
-                tg.cancel_scope.cancel()
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            # Coalesce: frames whose records were already buffered go out in one write; a frame is
+            # held only while the next one is ready without waiting on the engine.
+            pending: list[bytes] = []
+            size = 0
+            async for chunk in self.frames:
+                if disconnected:
+                    break
+                pending.append(chunk)
+                size += len(chunk)
+                if size >= COALESCE_BYTES or not generation.ready():
+                    body = pending[0] if len(pending) == 1 else b"".join(pending)
+                    pending, size = [], 0
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            if not disconnected:
+                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
+        except OSError:  # the client went away while we were writing
+            generation.cancel()
         finally:
+            watcher.cancel()
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self.frames, "aclose", None)
                 if aclose is not None:
@@ -85,24 +116,14 @@ class EventStreamResponse(Response):
 
 async def collect_unless_disconnected(receive: Receive, generation: Generation,
                                       collect: Callable[[], Awaitable[T]]) -> T | None:
-    """Run ``collect()``; if the client disconnects first, cancel it and return None. Always finishes
-    the generation (shielded)."""
-    result: list[T] = []
+    """Run ``collect()``; if the client disconnects first, the generation is interrupted (engine work
+    aborted) and None is returned. Always finishes the generation (shielded)."""
+    disconnected: list[bool] = []
+    watcher = _watch_disconnect(receive, generation, disconnected)
     try:
-        async with anyio.create_task_group() as tg:
-
-            async def watch_disconnect() -> None:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        generation.cancel()
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch_disconnect)
-            result.append(await collect())
-            tg.cancel_scope.cancel()
+        result = await collect()
     finally:
+        watcher.cancel()
         with anyio.CancelScope(shield=True):
             await generation.finish()
-    return result[0] if result else None
+    return None if disconnected else result
