@@ -7,9 +7,15 @@ auth, admission (the tenant has RPM and TPM limits, so the whole Lua script runs
 record to the Redis outbox) on. Each request is a chat completion of 16 tokens from a ~20-token prompt.
 
 Method: an open-loop load generator (requests start on a fixed schedule whatever the answers do, so a
-slow server cannot slow the offered load down) in a *separate process*, an asyncio ``httpx`` client,
-so the generator's CPU is not the gateway's. Latency is measured per request from its send to its last
-byte (a stream: to ``data: [DONE]``).
+slow server cannot slow the offered load down) in a *separate process*, so the generator's CPU is not
+the gateway's. The generator is a lean HTTP/1.1 client on asyncio (uvloop when installed): keep-alive
+connections (a new one whenever none is idle, so nothing queues client-side), each request one
+pre-encoded write, responses parsed by httptools (chunked or not). Until 2026-11-22 it was an asyncio
+``httpx`` client, which itself used ~2 ms of CPU per request: on this 2-core box that starved the gateway
+and the engine it was measuring (the JSON's ``generator_cpu_ms_per_request`` says what it costs now,
+~0.15-0.25 ms). Latency is measured per request from its send (its task starts at its scheduled time;
+``max_lag_s`` reports lateness) to its last byte (a stream: the chunked terminator after
+``data: [DONE]``), connection set-up included.
 1. Added latency at ``--rate`` (100 RPS): the same schedule against the engine's ``/generate`` directly
    (the same prompt tokens) and through the gateway; the difference of the p50s and of the p99s.
 2. Highest sustained RPS: rates stepped up until errors reach 1% or p99 exceeds 1 s (or the generator
