@@ -4,11 +4,14 @@ Implements the contract of ``engine.attention.base`` for any mix of prefills, pr
 prefix-cache hit or earlier chunks, and decode tokens:
 
 - store: the new K/V rows are scattered into the cache through ``slot_mapping`` (``-1`` rows skipped);
-- a decode-only step (every query length 1) sorts the sequences into buckets of similar length; each
-  bucket gathers its sequences' blocks at once (``[b, max_blocks * block_size]`` keys, masked past
-  ``seq_lens``) and runs one batched SDPA with the query heads of a KV head on the query axis. The
-  buckets, their block ids and additive masks are built once per step (``plan``) and shared by every
-  layer;
+- decode tokens (query length 1), float32 on the CPU: one call of the fused paged-decode kernel of
+  ``engine.cpu_kernels`` for all of them, reading K/V once from the block-shaped cache (no
+  gather, no mask); used when it could be built (a C compiler), else the SDPA path below;
+- otherwise a decode-only step (every query length 1) sorts the sequences into buckets of similar
+  length; each bucket gathers its sequences' blocks at once (``[b, max_blocks * block_size]`` keys,
+  masked past ``seq_lens``) and runs one batched SDPA with the query heads of a KV head on the query
+  axis. The buckets, their block ids and additive masks are built once per step (``plan``) and shared
+  by every layer;
 - in any other step, the sequences with one new token go through the same buckets, and the others are
   looped over: each gathers its own ``cdiv(seq_len, block_size)`` blocks and runs SDPA of its new
   queries with a causal mask offset by its cached context.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -37,9 +41,21 @@ class _DecodeBucket:
 
 
 @dataclass(slots=True, frozen=True)
+class _NativeDecode:
+    """The one-token sequences for ``cpu_kernels.paged_decode``."""
+
+    kernels: cpu_kernels.Library
+    rows: torch.Tensor | None  # [n] int64 token rows; None when it is the whole batch, in order
+    block_tables: torch.Tensor  # [n, max_blocks] int32
+    seq_lens: torch.Tensor  # [n] int32
+    max_len: int
+
+
+@dataclass(slots=True, frozen=True)
 class _Plan:
     all_slots_valid: bool  # no -1 in slot_mapping: store without filtering
     decode_buckets: list[_DecodeBucket]  # the sequences with one new token (all of them, or in a mixed step)
+    native_decode: _NativeDecode | None = None  # instead of decode_buckets, when the kernel applies
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -61,6 +77,16 @@ class TorchAttentionBackend(AttentionBackend):
             return _Plan(all_valid, [])
         device, block_size = meta.seq_lens.device, meta.block_size
         query_rows = None if meta.is_decode_only else meta.query_start_loc[:-1]  # token row of each seq
+        kernel = self._native_kernel(device, dtype)
+        if kernel is not None:
+            if query_rows is None:
+                native = _NativeDecode(kernel, None, meta.block_tables.contiguous(),
+                                       meta.seq_lens.contiguous(), meta.max_seq_len)
+            else:
+                seqs = torch.tensor(decodes, device=device)
+                native = _NativeDecode(kernel, query_rows[seqs].long(), meta.block_tables[seqs],
+                                       meta.seq_lens[seqs], max(meta.seq_lens_cpu[b] for b in decodes))
+            return _Plan(all_valid, [], native)
         buckets = []
         for members in _length_buckets([meta.seq_lens_cpu[b] for b in decodes]):
             members = [decodes[i] for i in members]
@@ -91,13 +117,28 @@ class TorchAttentionBackend(AttentionBackend):
         self.store(k, v, kv_cache, meta.slot_mapping, all_valid=plan.all_slots_valid)
         if meta.num_seqs == 0:
             return torch.empty_like(q)
-        if meta.is_decode_only:
+        native = plan.native_decode
+        if native is not None and not (q.is_contiguous() and kv_cache.is_contiguous()):
+            q, kv_cache = q.contiguous(), kv_cache.contiguous()
+        if meta.is_decode_only and native is None:
             return self._decode(q, kv_cache, plan.decode_buckets)
         out = torch.empty_like(q)
-        if plan.decode_buckets:
+        if native is not None:
+            cpu_kernels.paged_decode(native.kernels, q, out, native.rows, kv_cache, native.block_tables,
+                                    native.seq_lens, native.max_len, self.scale)
+            if meta.is_decode_only:
+                return out
+        elif plan.decode_buckets:
             self._decode(q, kv_cache, plan.decode_buckets, out)
         self._extend(q, kv_cache, meta, out)
         return out
+
+    def _native_kernel(self, device: torch.device, dtype: torch.dtype) -> cpu_kernels.Library | None:
+        """The fused CPU kernels if their decode applies to this device, dtype and head geometry."""
+        group = self.num_heads // self.num_kv_heads
+        if not cpu_kernels.decode_supported(device, dtype, self.head_dim, group):
+            return None
+        return cpu_kernels.library()
 
     @staticmethod
     def store(

@@ -11,8 +11,10 @@ per-head q/k RMSNorm and explicit ``head_dim``, tied embeddings. Invariants:
 - The model holds no per-step state: the KV cache (one tensor per layer) and ``AttentionMetadata`` are
   arguments of ``forward``; the attention math is the backend's (``engine.attention``).
 - Elementwise ops (RMSNorm with the residual add fused in, RoPE, SiLU-and-mul) come from an ``Ops``
-  object: ``TorchOps`` (plain PyTorch, HF rounding) or, with ``fused_kernels=True``, ``TritonOps`` (the
-  ``kernels/`` launchers, same rounding points). The runner turns the kernels on for CUDA + triton.
+  object: ``NativeOps`` (``TorchOps``, plain PyTorch with HF rounding, except that float32 CPU calls run
+  the fused C kernels of ``engine.cpu_kernels`` when they could be built) or, with
+  ``fused_kernels=True``, ``TritonOps`` (the ``kernels/`` launchers, same rounding points). The runner
+  turns the Triton kernels on for CUDA + triton.
 - ``forward`` returns the final hidden states ``[T, hidden]``; ``compute_logits`` projects only the
   rows the caller selects, so a prefill of many tokens never materialises ``[T, vocab]``.
 """
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
 
@@ -76,6 +79,35 @@ class TritonOps:
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rotary(q, k, positions, cos_sin)
+
+
+def _cpu_float32_kernels(x: torch.Tensor) -> cpu_kernels.Library | None:
+    return cpu_kernels.library() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
+class NativeOps(TorchOps):
+    """``TorchOps`` whose float32 CPU calls run the fused C kernels of ``engine.cpu_kernels`` (one pass
+    each instead of 3-8 PyTorch ops); other dtypes and devices, odd layouts, or a host where the kernels
+    cannot be built take ``TorchOps``' path."""
+
+    def rms_norm(  # type: ignore[override]
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        lib = _cpu_float32_kernels(x)
+        out = None if lib is None else cpu_kernels.rms_norm(lib, x, weight, eps, residual)
+        return TorchOps.rms_norm(x, weight, eps, residual) if out is None else out
+
+    def rotary(  # type: ignore[override]
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lib = _cpu_float32_kernels(q)
+        out = None if lib is None else cpu_kernels.rotary(lib, q, k, positions, cos_sin)
+        return TorchOps.rotary(q, k, positions, cos_sin) if out is None else out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        lib = _cpu_float32_kernels(x)
+        out = None if lib is None else cpu_kernels.silu_and_mul(lib, x)
+        return TorchOps.silu_and_mul(x) if out is None else out
 
 
 Ops = TorchOps | TritonOps
@@ -244,7 +276,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``max_positions`` sizes the RoPE cache (at least the engine's max_model_len);
-    ``fused_kernels`` picks ``TritonOps`` over ``TorchOps``."""
+    ``fused_kernels`` picks ``TritonOps`` over ``NativeOps`` (``TorchOps`` with the CPU kernels)."""
 
     def __init__(
         self,
@@ -255,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.args = args
-        ops: Ops = TritonOps() if fused_kernels else TorchOps()
+        ops: Ops = TritonOps() if fused_kernels else NativeOps()
         self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings, ops)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # the fused-kernel test runs Triton's interpr
 import pytest  # noqa: E402
 from safetensors.torch import load_file, save_file
 
+from engine import cpu_kernels
 from engine.attention import AttentionMetadata, get_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.loader import load_model
@@ -251,10 +252,19 @@ _MANY_DECODES = [1] * 21
 _MIXED = [1, 1, 5, *[1] * 9, 12, 1, 1]
 
 
+@pytest.mark.parametrize("decode", ["native", "sdpa"])
 @pytest.mark.parametrize("planned", [False, True], ids=["per-call", "planned"])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 20, 1], [33], _MANY_DECODES, _MIXED],
                          ids=["decodes", "mixed", "prefill", "many-decodes", "many-mixed"])
-def test_torch_backend_matches_dense_attention_over_paged_cache(query_lens: list[int], planned: bool) -> None:
+def test_torch_backend_matches_dense_attention_over_paged_cache(
+    query_lens: list[int], planned: bool, decode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode tokens go through the C kernel where it builds ("native"), else through SDPA over gathered
+    blocks ("sdpa", forced here by hiding the kernel)."""
+    if decode == "sdpa":
+        monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    elif cpu_kernels.library() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(len(query_lens))
     num_heads, num_kv_heads, head_dim = 6, 2, 8
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale=1 / math.sqrt(head_dim))
