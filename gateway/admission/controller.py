@@ -29,6 +29,7 @@ same Redis and unmetered traffic would be unbillable.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from importlib import resources
 
@@ -39,6 +40,7 @@ from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord, append_usage
 from billing.spend import MONTH_OF_LUA, spend_key, tenant_tag
 from gateway.admission.headers import format_duration_ms, rate_limit_headers, retry_headers
 from gateway.admission.limits import STATUS_ACTIVE, STATUS_SUSPENDED_BILLING, Admission, TenantLimits
+from gateway.admission.resp import LeanRedis
 from gateway.errors import PermissionDeniedError, RateLimitError, ServiceUnavailableError
 from tollgate.settings import Settings
 
@@ -79,6 +81,9 @@ class AdmissionController:
         self._admit = redis.register_script(_script("admit.lua"))
         self._settle = redis.register_script(_script("settle.lua"))
         self._renew = redis.register_script(_script("renew.lua"))
+        # The two per-request round trips (admit; settle + usage record) go over a lean connection
+        # where the client allows it (``gateway.admission.resp``); everything else uses redis-py.
+        self._lean = LeanRedis.for_client(redis)
 
     async def admit(self, limits: TenantLimits, request_id: str, reserved_tokens: int,
                     estimated_cost_pico_usd: int) -> Admission:
@@ -94,16 +99,19 @@ class AdmissionController:
                                         code="account_deactivated")
         lease_id = uuid.uuid4().hex
         rpm_key, tpm_key, leases_key, holds_key = admission_keys(limits.tenant_id)
+        keys = [rpm_key, tpm_key, leases_key, holds_key, spend_key(limits.tenant_id)]
+        args: list[str | int] = [
+            _limit_arg(limits.rpm_limit), _limit_arg(limits.tpm_limit),
+            _limit_arg(limits.max_concurrency), _limit_arg(limits.monthly_budget_pico_usd),
+            self._window_us, reserved_tokens, lease_id, self._lease_ttl_ms, str(estimated_cost_pico_usd),
+        ]
         try:
-            raw = await self._admit(
-                keys=[rpm_key, tpm_key, leases_key, holds_key, spend_key(limits.tenant_id)],
-                args=[
-                    _limit_arg(limits.rpm_limit), _limit_arg(limits.tpm_limit),
-                    _limit_arg(limits.max_concurrency), _limit_arg(limits.monthly_budget_pico_usd),
-                    self._window_us, reserved_tokens, lease_id, self._lease_ttl_ms,
-                    str(estimated_cost_pico_usd),
-                ],
-            )
+            raw = None
+            if self._lean is not None:
+                with contextlib.suppress(NoScriptError):  # not loaded (yet): redis-py's path loads it
+                    raw = await self._lean.call("EVALSHA", self._admit.sha, len(keys), *keys, *args)
+            if raw is None:
+                raw = await self._admit(keys=keys, args=args)
         except RedisError as exc:
             raise ServiceUnavailableError(
                 "Rate limiting is temporarily unavailable; please retry.",
@@ -156,10 +164,15 @@ class AdmissionController:
                                  admission.reserved_tokens - used_tokens, admission.lease_id,
                                  str(cost_pico_usd)]
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
-                pipe.xadd(USAGE_STREAM, {RECORD_FIELD: record.to_json()})
-                settled, appended = await pipe.execute(raise_on_error=False)
+            if self._lean is not None:
+                settled, appended = await self._lean.pipeline(
+                    ("EVALSHA", self._settle.sha, len(keys), *keys, *args),
+                    ("XADD", USAGE_STREAM, "*", RECORD_FIELD, record.to_json()))
+            else:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
+                    pipe.xadd(USAGE_STREAM, {RECORD_FIELD: record.to_json()})
+                    settled, appended = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: neither part is known to have happened
             settle_error: Exception | None = exc
             try:
