@@ -9,7 +9,7 @@ per-op overhead; these kernels do in one pass what PyTorch does in several:
   then values), the next block prefetched, and the query heads of a KV head share every load (GQA
   without a repeat).
 - ``rms_norm`` (residual add fused in), ``silu_and_mul``, ``rotary`` (rotate-half RoPE of q and k into
-  contiguous outputs): ``engine.models.llama.NativeOps``.
+  contiguous outputs, with Qwen3's per-head q/k RMSNorm fused in front): ``engine.models.llama.NativeOps``.
 
 Invariants:
 
@@ -255,14 +255,21 @@ void tg_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t inter
 }
 
 /* Rotate-half RoPE of heads rows of D floats (token t's heads at x + t * x_stride, D apart) into
-   out [T, heads, D]: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin with cos | sin = cos_sin[pos]. */
+   out [T, heads, D]: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin with cos | sin = cos_sin[pos].
+   With norm_w, each head is first RMS-normalised (Qwen3's q_norm / k_norm, D <= 256). */
 static void rotate(const float *x, int64_t x_stride, float *out, int64_t T, int64_t heads, int64_t D,
-                   const int64_t *positions, const float *cos_sin) {
+                   const int64_t *positions, const float *cos_sin, const float *norm_w, float eps) {
     const int64_t half = D / 2;
+    float normed[256];
     for (int64_t t = 0; t < T; t++) {
         const float *cos = cos_sin + positions[t] * D, *sin = cos + half;
         for (int64_t h = 0; h < heads; h++) {
-            const float *x1 = x + t * x_stride + h * D, *x2 = x1 + half;
+            const float *x1 = x + t * x_stride + h * D;
+            if (norm_w) {
+                tg_rms_norm_f32(x1, D, NULL, NULL, normed, norm_w, 1, D, eps);
+                x1 = normed;
+            }
+            const float *x2 = x1 + half;
             float *o1 = out + (t * heads + h) * D, *o2 = o1 + half;
             int64_t i = 0;
             for (; i + W <= half; i += W) {
@@ -280,9 +287,9 @@ static void rotate(const float *x, int64_t x_stride, float *out, int64_t T, int6
 
 void tg_rotary_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, float *q_out,
                    float *k_out, int64_t T, int64_t H, int64_t KVH, int64_t D, const int64_t *positions,
-                   const float *cos_sin) {
-    rotate(q, q_stride, q_out, T, H, D, positions, cos_sin);
-    rotate(k, k_stride, k_out, T, KVH, D, positions, cos_sin);
+                   const float *cos_sin, const float *q_norm_w, const float *k_norm_w, float eps) {
+    rotate(q, q_stride, q_out, T, H, D, positions, cos_sin, q_norm_w, eps);
+    rotate(k, k_stride, k_out, T, KVH, D, positions, cos_sin, k_norm_w, eps);
 }
 """
 
@@ -303,7 +310,7 @@ class Library:
         self.silu_and_mul.argtypes = [ptr, ptr, i64, i64]
         self.silu_and_mul.restype = None
         self.rotary = lib.tg_rotary_f32
-        self.rotary.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
+        self.rotary.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32]
         self.rotary.restype = None
 
 
@@ -431,10 +438,17 @@ def silu_and_mul(lib: Library, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def rotary(
-    lib: Library, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    lib: Library,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``TorchOps.rotary`` into contiguous ``[T, H, D]`` / ``[T, KVH, D]``; None if it does not apply
-    (``q``/``k`` need heads packed ``D`` apart with a contiguous last dimension)."""
+    """``TorchOps.rotary`` into contiguous ``[T, H, D]`` / ``[T, KVH, D]``, after a per-head RMSNorm of q
+    and k with ``norm_weights`` (q's, k's) if given; None if it does not apply (``q``/``k`` need heads
+    packed ``D`` apart with a contiguous last dimension)."""
     if q.dtype != torch.float32 or k.dtype != torch.float32 or q.device.type != "cpu" \
             or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() \
             or positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -443,8 +457,16 @@ def rotary(
     num_kv_heads = k.shape[1]
     if head_dim % 2 or q.stride()[1:] != (head_dim, 1) or k.stride()[1:] != (head_dim, 1):
         return None
+    q_norm = k_norm = None
+    if norm_weights is not None:
+        q_norm, k_norm = norm_weights
+        if head_dim > MAX_HEAD_DIM or not all(w.dtype == torch.float32 and w.is_contiguous()
+                                              and w.shape == (head_dim,) for w in norm_weights):
+            return None
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
     k_out = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=k.dtype)
     lib.rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(), k_out.data_ptr(),
-               num_tokens, num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos_sin.data_ptr())
+               num_tokens, num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos_sin.data_ptr(),
+               None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
+               eps)
     return q_out, k_out

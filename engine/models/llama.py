@@ -104,6 +104,22 @@ class NativeOps(TorchOps):
         out = None if lib is None else cpu_kernels.rotary(lib, q, k, positions, cos_sin)
         return TorchOps.rotary(q, k, positions, cos_sin) if out is None else out
 
+    def norm_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[RMSNorm, RMSNorm],
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-head RMSNorm of q and k (``norms``, Qwen3) then RoPE in one kernel; None where the kernel
+        does not apply (the caller then runs the two steps)."""
+        lib = _cpu_float32_kernels(q)
+        if lib is None or norms[0].eps != norms[1].eps:
+            return None
+        weights = (norms[0].weight, norms[1].weight)
+        return cpu_kernels.rotary(lib, q, k, positions, cos_sin, weights, norms[0].eps)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         lib = _cpu_float32_kernels(x)
         out = None if lib is None else cpu_kernels.silu_and_mul(lib, x)
@@ -199,11 +215,17 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos_sin = self._rotary[0].cos_sin
         # Per-head RMSNorm over rows of head_dim (reshape packs the rows); q_norm and k_norm are set together.
+        fused = None
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self._ops.rotary(q, k, positions, self._rotary[0].cos_sin)
+            if isinstance(self._ops, NativeOps):
+                fused = self._ops.norm_rotary(q, k, (self.q_norm, self.k_norm), positions, cos_sin)
+            if fused is None:
+                head_dim = self.head_dim
+                q = self.q_norm(q.reshape(-1, head_dim)).view(num_tokens, self.num_heads, head_dim)
+                k = self.k_norm(k.reshape(-1, head_dim)).view(num_tokens, self.num_kv_heads, head_dim)
+        q, k = self._ops.rotary(q, k, positions, cos_sin) if fused is None else fused
         out = self._backend.forward(q, k, v, kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -91,6 +91,15 @@ def test_elementwise_kernels_equal_torch_ops(lib: cpu_kernels.Library, num_token
         assert ours_t.is_contiguous()
         torch.testing.assert_close(ours_t, theirs_t)
 
+    # Qwen3: per-head RMSNorm of q and k fused in front of the rotation.
+    q_weight, k_weight = torch.randn(head_dim, generator=g), torch.randn(head_dim, generator=g)
+    normed = cpu_kernels.rotary(lib, q, k, positions, cos_sin, (q_weight, k_weight), 1e-6)
+    assert normed is not None
+    q_normed = TorchOps.rms_norm(q.reshape(-1, head_dim), q_weight, 1e-6).view(q.shape)
+    k_normed = TorchOps.rms_norm(k.reshape(-1, head_dim), k_weight, 1e-6).view(k.shape)
+    for ours_t, theirs_t in zip(normed, TorchOps.rotary(q_normed, k_normed, positions, cos_sin), strict=True):
+        torch.testing.assert_close(ours_t, theirs_t)
+
 
 def test_native_ops_fall_back_to_torch_ops_where_the_kernels_do_not_apply() -> None:
     ops = NativeOps()
