@@ -196,6 +196,8 @@ class LeanRedis:
         if protocol.lost or protocol.transport is None:
             raise RedisConnectionError("Redis connection lost")
         loop = asyncio.get_running_loop()
+        # A caller cancelled mid-flight leaves its (cancelled) futures in the queue: their replies are
+        # read and dropped in order, so no reply ever goes to the wrong caller.
         futures = [loop.create_future() for _ in commands]
         protocol.pending.extend(futures)
         protocol.transport.write(b"".join(encode_command(*c) for c in commands))
@@ -210,11 +212,6 @@ class LeanRedis:
         except TimeoutError:
             protocol.fail(RedisTimeoutError("Timeout reading from Redis"))
             raise RedisTimeoutError("Timeout reading from Redis") from None
-        except asyncio.CancelledError:
-            # Replies still owed to this caller would be handed to the next one: drop the connection.
-            if any(not f.done() for f in futures):
-                protocol.fail(RedisConnectionError("a command was cancelled mid-flight"))
-            raise
         return replies
 
     async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
