@@ -12,9 +12,10 @@ prefix-cache hit or earlier chunks, and decode tokens:
   masked past ``seq_lens``) and runs one batched SDPA with the query heads of a KV head on the query
   axis. The buckets, their block ids and additive masks are built once per step (``plan``) and shared
   by every layer;
-- in any other step, the sequences with one new token go through the same buckets, and the others are
-  looped over: each gathers its own ``cdiv(seq_len, block_size)`` blocks and runs SDPA of its new
-  queries with a causal mask offset by its cached context.
+- in any other step, the sequences with one new token go through the same path, and the others are
+  looped over: a whole prompt (no cached context) runs causal SDPA over its own new K/V; a chunk after
+  cached context gathers its own ``cdiv(seq_len, block_size)`` blocks and runs SDPA of its new queries
+  with a causal mask offset by that context.
 
 Unused block-table entries are never read past ``seq_lens`` (the decode gather reads padding blocks but
 masks them out), so stale or zero blocks cannot change a result.
@@ -130,7 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
                 return out
         elif plan.decode_buckets:
             self._decode(q, kv_cache, plan.decode_buckets, out)
-        self._extend(q, kv_cache, meta, out)
+        self._extend(q, k, v, kv_cache, meta, out)
         return out
 
     def _native_kernel(self, device: torch.device, dtype: torch.dtype) -> cpu_kernels.Library | None:
@@ -208,7 +209,13 @@ class TorchAttentionBackend(AttentionBackend):
         return buffer[:numel].view(shape)
 
     def _extend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
     ) -> None:
         """Attention of the sequences with more than one new token, one at a time, into ``out``."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -218,6 +225,18 @@ class TorchAttentionBackend(AttentionBackend):
         for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             end = start + query_len
             if query_len == 1:  # planned with the decodes
+                start = end
+                continue
+            if query_len == seq_len:
+                # No cached context: this step's own K/V and a plain causal mask, which lets SDPA's flash
+                # kernel skip the tiles above the diagonal (1.2-1.9x less CPU than the masked path below
+                # for 60-300 tokens).
+                o = F.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
+                    v[start:end].transpose(0, 1)[None], is_causal=True, scale=self.scale,
+                    enable_gqa=group > 1,
+                )  # fmt: skip
+                out[start:end] = o[0].transpose(0, 1)
                 start = end
                 continue
             num_blocks = -(-seq_len // block_size)

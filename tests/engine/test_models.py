@@ -250,12 +250,13 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 # one-token sequences through the same buckets and the others through the per-sequence loop.
 _MANY_DECODES = [1] * 21
 _MIXED = [1, 1, 5, *[1] * 9, 12, 1, 1]
+_FRESH = [30, 1, 64, 5]  # its multi-token sequences have no cached context (whole prompts)
 
 
 @pytest.mark.parametrize("decode", ["native", "sdpa"])
 @pytest.mark.parametrize("planned", [False, True], ids=["per-call", "planned"])
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 20, 1], [33], _MANY_DECODES, _MIXED],
-                         ids=["decodes", "mixed", "prefill", "many-decodes", "many-mixed"])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 20, 1], [33], _MANY_DECODES, _MIXED, _FRESH],
+                         ids=["decodes", "mixed", "prefill", "many-decodes", "many-mixed", "whole-prompts"])
 def test_torch_backend_matches_dense_attention_over_paged_cache(
     query_lens: list[int], planned: bool, decode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -269,6 +270,8 @@ def test_torch_backend_matches_dense_attention_over_paged_cache(
     num_heads, num_kv_heads, head_dim = 6, 2, 8
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale=1 / math.sqrt(head_dim))
     context_lens = [int(torch.randint(0, 90, (1,), generator=g)) for _ in query_lens]
+    if query_lens is _FRESH:
+        context_lens = [0 if n > 1 else c for n, c in zip(query_lens, context_lens, strict=True)]
     num_blocks = sum(-(-(c + n) // BLOCK) for c, n in zip(context_lens, query_lens, strict=True)) + 3
     seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
     perm = torch.randperm(num_blocks, generator=g).tolist()
