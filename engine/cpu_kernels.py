@@ -10,6 +10,8 @@ per-op overhead; these kernels do in one pass what PyTorch does in several:
   without a repeat).
 - ``rms_norm`` (residual add fused in), ``silu_and_mul``, ``rotary`` (rotate-half RoPE of q and k into
   contiguous outputs, with Qwen3's per-head q/k RMSNorm fused in front): ``engine.models.llama.NativeOps``.
+- ``draw_by_inversion``: the sampler's unseeded, unfiltered draw (softmax, cumulative sum and search in
+  one pass per row).
 
 Invariants:
 
@@ -291,6 +293,43 @@ void tg_rotary_f32(const float *q, int64_t q_stride, const float *k, int64_t k_s
     rotate(q, q_stride, q_out, T, H, D, positions, cos_sin, q_norm_w, eps);
     rotate(k, k_stride, k_out, T, KVH, D, positions, cos_sin, k_norm_w, eps);
 }
+
+/* Sampling by inversion: tokens[r] = the first i whose running sum of exp(x[r, :] - max) exceeds
+   u[r] * total (u in [0, 1)); -inf logits weigh exactly 0 and are never chosen. */
+void tg_draw_by_inversion_f32(const float *x, int64_t rows, int64_t V, const float *u, int64_t *tokens,
+                              float *weights) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * V;
+        float m = -INFINITY;
+        for (int64_t i = 0; i < V; i++) m = xr[i] > m ? xr[i] : m;
+        vf acc = splat(0.0f);
+        float tail = 0.0f;
+        int64_t i = 0;
+        const vf neg_inf = splat(-INFINITY);
+        for (; i + W <= V; i += W) {
+            vf v = load(xr + i);
+            vf e = (vf)((vi)vexp(v - splat(m)) & (v != neg_inf));
+            store(weights + i, e);
+            acc += e;
+        }
+        for (; i < V; i++) {
+            weights[i] = xr[i] == -INFINITY ? 0.0f : expf(xr[i] - m);
+            tail += weights[i];
+        }
+        const float target = u[r] * (hsum(acc) + tail);
+        int64_t chosen = -1, last = 0;
+        float running = 0.0f;
+        for (i = 0; i < V; i++) {
+            if (weights[i] > 0.0f) last = i;
+            running += weights[i];
+            if (running > target && weights[i] > 0.0f) {
+                chosen = i;
+                break;
+            }
+        }
+        tokens[r] = chosen >= 0 ? chosen : last;  /* rounding left the running sum short of the target */
+    }
+}
 """
 
 
@@ -312,6 +351,9 @@ class Library:
         self.rotary = lib.tg_rotary_f32
         self.rotary.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32]
         self.rotary.restype = None
+        self.draw_by_inversion = lib.tg_draw_by_inversion_f32
+        self.draw_by_inversion.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+        self.draw_by_inversion.restype = None
 
 
 _library: Library | None = None
@@ -470,3 +512,19 @@ def rotary(
                None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
                eps)
     return q_out, k_out
+
+
+def draw_by_inversion(lib: Library, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
+    """One token per row of float32 CPU ``logits [N, V]`` (already divided by the temperature), drawn
+    from ``softmax(logits)`` by inversion with one uniform per row from ``generator``; None if it does
+    not apply. One pass instead of softmax, cumsum and searchsorted."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+        return None
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    uniforms = torch.rand(rows, generator=generator)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    weights = torch.empty(vocab, dtype=torch.float32)
+    lib.draw_by_inversion(logits.data_ptr(), rows, vocab, uniforms.data_ptr(), tokens.data_ptr(),
+                          weights.data_ptr())
+    return tokens

@@ -14,7 +14,8 @@ Invariants:
   ``sha256(seed, seq.index, position)``, where ``position`` is the index of the token being produced.
   It depends on nothing else, so a seeded sequence yields the same tokens alone, in any batch, and
   after a preemption. Rows without a seed draw by inversion (one uniform per row against the row's
-  cumulative distribution), all from the engine's generator in one call.
+  cumulative distribution), all from the engine's generator in one call (on the CPU, when no row
+  filters by top-k/top-p and none is seeded, in one pass of ``engine.cpu_kernels``).
 - Logprobs (``params.logprobs`` is not None) are taken from the model's *raw* distribution,
   ``log_softmax(logits)`` before penalties, temperature, top-k/top-p and grammar masks, as OpenAI and
   vLLM report them by default: the chosen token's logprob and the ``k`` most likely tokens.
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine import cpu_kernels
 from engine.grammar import GrammarBackend, GrammarState
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -172,9 +174,14 @@ class Sampler:
             )
             top_p = torch.tensor([seqs[i].params.top_p for i in needs_filter], device=device)
             x[index] = _top_k_top_p(x[index], top_k, top_p)
+        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
+        if len(unseeded) == len(seqs) and not needs_filter and device.type == "cpu":
+            lib = cpu_kernels.library()
+            drawn = None if lib is None else cpu_kernels.draw_by_inversion(lib, x, self._generator(device))
+            if drawn is not None:
+                return drawn
         probs = torch.softmax(x, dim=-1)
         tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
-        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if len(unseeded) == len(seqs):
             tokens = _draw_by_inversion(probs, self._generator(device))
         elif unseeded:

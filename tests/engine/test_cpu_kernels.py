@@ -126,3 +126,19 @@ def test_kernels_can_be_switched_off_or_missing(monkeypatch: pytest.MonkeyPatch,
     # The model still runs, on the PyTorch paths.
     x, weight = torch.randn(2, 8), torch.randn(8)
     torch.testing.assert_close(NativeOps().rms_norm(x, weight, 1e-6), TorchOps.rms_norm(x, weight, 1e-6))
+
+
+def test_draw_by_inversion_samples_the_softmax_and_never_a_masked_token(lib: cpu_kernels.Library) -> None:
+    vocab, rows = 37, 4000  # 37: a vectorised part and a scalar tail
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(vocab, generator=g) * 2
+    logits[[3, 20, 36]] = float("-inf")
+    drawn = cpu_kernels.draw_by_inversion(lib, logits.expand(rows, vocab), torch.Generator().manual_seed(1))
+    assert drawn is not None and drawn.shape == (rows,)
+    counts = torch.bincount(drawn, minlength=vocab).double()
+    assert counts[[3, 20, 36]].sum() == 0
+    expected = torch.softmax(logits.double(), 0) * rows
+    # Pearson's chi-squared over the tokens that can be drawn: 33 degrees of freedom, p ~ 1e-6 at 80.
+    allowed = expected > 0
+    chi2 = ((counts[allowed] - expected[allowed]) ** 2 / expected[allowed]).sum()
+    assert chi2 < 80
