@@ -103,13 +103,16 @@ class Sampler:
             if filled is not None:
                 self.grammar.apply_bitmask(x, *filled)
 
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
+        if not greedy:  # the whole batch draws: no row selection
+            tokens = self._draw(x, seqs)
+        elif len(greedy) == len(seqs):
+            tokens = x.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
             index = torch.tensor(greedy, device=device)
             tokens[index] = x[index].argmax(dim=-1)
-        drawn = [i for i, p in enumerate(params) if not p.greedy]
-        if drawn:
+            drawn = [i for i, p in enumerate(params) if not p.greedy]
             index = torch.tensor(drawn, device=device)
             tokens[index] = self._draw(x[index], [seqs[i] for i in drawn])
         token_ids: list[int] = tokens.tolist()
@@ -162,8 +165,11 @@ class Sampler:
     def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row of ``x`` (processed logits) by temperature, top-k, top-p and the seed."""
         device = x.device
-        temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
-        x.div_(temperature[:, None])  # x is the caller's working copy
+        temperatures = [s.params.temperature for s in seqs]
+        if temperatures.count(temperatures[0]) == len(temperatures):
+            x.div_(temperatures[0])  # x is the caller's working copy
+        else:
+            x.div_(torch.tensor(temperatures, device=device)[:, None])
         needs_filter = [i for i, s in enumerate(seqs) if s.params.top_k > 0 or s.params.top_p < 1.0]
         if needs_filter:
             index = torch.tensor(needs_filter, device=device)
