@@ -6,7 +6,9 @@ One runner per engine replica; it is driven from a single thread. Invariants:
   head_dim]`` in the model dtype (layout documented in ``engine.attention.base``). Its size is fixed at
   start-up: ``config.num_kv_blocks`` if given, else ``kv_cache_memory_gb`` on the CPU, else
   ``gpu_memory_utilization`` of the free device memory after loading the weights, minus an estimate
-  of the step's activations.
+  of the step's activations. On a Linux CPU it is advised onto transparent huge pages.
+- On the CPU the runner raises glibc's mmap/trim thresholds for the process, so that each step's
+  multi-MB activations reuse heap memory instead of page-faulting fresh mappings.
 - ``run(batch)`` computes K/V for ``token_ids[start : start + num_tokens]`` of every scheduled
   sequence, at positions ``start ..``, into the slots its ``block_table`` maps (``block_table[p //
   block_size] * block_size + p % block_size``), and returns float32 logits ``[num_sampled, vocab]``:
@@ -29,6 +31,7 @@ import ctypes
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +82,31 @@ def _keep_large_allocations_on_the_heap() -> None:
     mallopt(_M_TRIM_THRESHOLD, 256 << 20)
 
 
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``; on a Linux CPU the buffer is advised onto transparent huge pages first. Decode
+    attention reads blocks scattered over the whole cache (hundreds of MB per layer): with 4 KiB pages
+    nearly every block misses the TLB (paged decode of 64 sequences: 2.6 -> 2.25 ms per layer). Advisory:
+    where THP is off the kernel ignores it. ``TOLLGATE_KV_HUGEPAGES=0`` skips it."""
+    linux_cpu = device.type == "cpu" and sys.platform.startswith("linux")
+    if not linux_cpu or os.environ.get("TOLLGATE_KV_HUGEPAGES") == "0":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end > start:
+        try:
+            madvise = ctypes.CDLL(None).madvise
+        except (OSError, AttributeError):
+            madvise = None
+        if madvise is not None:
+            madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    return tensor.zero_()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -113,8 +141,8 @@ class ModelRunner:
 
         self.num_kv_blocks: int = config.num_kv_blocks or self._num_blocks_from_memory()
         self.kv_caches: list[torch.Tensor] = [
-            torch.zeros(2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim,
-                        dtype=self.dtype, device=self.device)
+            _zeros_on_huge_pages((2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim),
+                                 self.dtype, self.device)
             for _ in range(args.num_layers)
         ]
         self._graphs: _DecodeGraphs | None = None
