@@ -12,6 +12,10 @@ ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 # setfacl lets `tollgate up` (as root) open only the postgres user's way to its data dir.
 command -v setfacl >/dev/null 2>&1 || need_apt+=(acl)
+# A C compiler and libc headers build the engine's fused CPU kernels (engine/cpu_kernels.py) on first
+# use; without them the engine falls back to its slower PyTorch paths.
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
+[ -f /usr/include/math.h ] || need_apt+=(libc6-dev)
 if [ "${TOLLGATE_SKIP_BROWSER:-0}" != "1" ]; then
   command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 fi
