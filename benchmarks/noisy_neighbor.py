@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,74 +35,133 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import format_table, write_json  # noqa: E402
-from benchmarks.gateway_overhead import platform  # noqa: E402
+from benchmarks.gateway_overhead import _ClientConnection, _encode_request, platform  # noqa: E402
 
 MODEL = "tiny"
 
 
-async def _first_token_s(client: Any, url: str, body: dict[str, Any]) -> float | None:
-    started = time.perf_counter()
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            return None
-        first = None
-        async for line in response.aiter_lines():
-            if first is None and line.startswith("data: {"):
+class _StreamConnection(_ClientConnection):
+    """A load-generator connection (``benchmarks.gateway_overhead``) that also watches the SSE body for
+    the first content delta (B): it records ``perf_counter()`` when the chunk carrying it arrives. A's
+    connections are plain ``_ClientConnection``s: httptools drains the body, nothing is parsed."""
+
+    def __init__(self, idle: list[_ClientConnection]) -> None:
+        super().__init__(idle)
+        self.first_at: float | None = None
+        self.buffer = b""
+        self.request_id = ""
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"x-request-id":
+            self.request_id = value.decode()
+
+    def on_body(self, body: bytes) -> None:
+        if self.first_at is not None:
+            return
+        now = time.perf_counter()
+        self.buffer += body
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: {"):
                 chunk = json.loads(line[6:])
                 if any(c["delta"].get("content") for c in chunk.get("choices", [])):
-                    first = time.perf_counter() - started
-        return first
+                    self.first_at = now
+                    self.buffer = b""
+                    return
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
 
 
 async def _tenant_b(url: str, key: str, rate: float, count: int, max_tokens: int) -> dict[str, Any]:
-    import httpx
-
+    loop = asyncio.get_running_loop()
     ttfts: list[float] = []
+    ids: list[str] = []
     failures = 0
-    async with httpx.AsyncClient(timeout=120.0, headers={"Authorization": f"Bearer {key}"}) as client:
+    idle: list[_ClientConnection] = []
+    requests = [_encode_request(url, {"model": MODEL, "messages": [{"role": "user",
+                                                                    "content": f"B asks question {i}"}],
+                                      "max_tokens": max_tokens, "stream": True, "temperature": 0},
+                                {"authorization": f"Bearer {key}"}) for i in range(count)]
 
-        async def one(i: int) -> None:
-            nonlocal failures
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"B asks question {i}"}],
-                    "max_tokens": max_tokens, "stream": True, "temperature": 0}
-            ttft = await _first_token_s(client, url, body)
-            if ttft is None:
-                failures += 1
+    async def one(i: int) -> None:
+        nonlocal failures
+        host, port, data = requests[i]
+        started = time.perf_counter()
+        try:
+            while idle:
+                conn = idle.pop()
+                if not conn.closed:
+                    break
             else:
-                ttfts.append(ttft)
+                conn = _StreamConnection(idle)
+                await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
+            assert isinstance(conn, _StreamConnection)
+            conn.first_at, conn.buffer, conn.request_id = None, b"", ""
+            status = await asyncio.wait_for(conn.request(data), 120.0)
+        except (OSError, TimeoutError, ValueError):
+            failures += 1
+            return
+        if status != 200 or conn.first_at is None:
+            failures += 1
+        else:
+            ttfts.append(conn.first_at - started)
+            ids.append(conn.request_id)
 
-        start = time.perf_counter()
-        tasks = []
-        for i in range(count):
-            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
-    return {"ttfts": ttfts, "failures": failures}
+    start = time.perf_counter()
+    tasks = []
+    for i in range(count):
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    for conn in idle:
+        conn.close()
+    return {"ttfts": ttfts, "request_ids": ids, "failures": failures}
 
 
 async def _tenant_a(url: str, key: str, streams: int, max_tokens: int, stop_file: str) -> dict[str, Any]:
-    import httpx
-
+    loop = asyncio.get_running_loop()
     done = 0
-    async with httpx.AsyncClient(timeout=300.0, headers={"Authorization": f"Bearer {key}"},
-                                 limits=httpx.Limits(max_connections=streams * 2)) as client:
+    failures = 0
+    cpu_started = time.process_time()
 
-        async def loop(j: int) -> None:
-            nonlocal done
-            i = 0
-            while not os.path.exists(stop_file):
-                body = {"model": MODEL, "messages": [{"role": "user", "content": f"A floods {j}-{i}"}],
-                        "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-                await _first_token_s(client, url, body)
+    async def stream_loop(j: int) -> None:
+        nonlocal done, failures
+        idle: list[_ClientConnection] = []
+        i = 0
+        while not os.path.exists(stop_file):
+            host, port, data = _encode_request(
+                url, {"model": MODEL, "messages": [{"role": "user", "content": f"A floods {j}-{i}"}],
+                      "max_tokens": max_tokens, "stream": True, "ignore_eos": True},
+                {"authorization": f"Bearer {key}"})
+            try:
+                if idle and not idle[-1].closed:
+                    conn = idle.pop()
+                else:
+                    idle.clear()
+                    conn = _ClientConnection(idle)
+                    await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
+                status = await asyncio.wait_for(conn.request(data), 300.0)
+            except (OSError, TimeoutError, ValueError):
+                status = 0
+            if status == 200:
                 done += 1
-                i += 1
+            else:
+                failures += 1
+            i += 1
 
-        await asyncio.gather(*(loop(j) for j in range(streams)))
-    return {"completed": done}
+    await asyncio.gather(*(stream_loop(j) for j in range(streams)))
+    return {"completed": done, "failures": failures, "generator_cpu_s": time.process_time() - cpu_started}
 
 
 def _child(fn_name: str, args: tuple[Any, ...], conn: Any) -> None:
-    conn.send(asyncio.run(globals()[fn_name](*args)))
+    conn.send(_run(globals()[fn_name](*args)))
     conn.close()
 
 
@@ -110,6 +171,35 @@ def _spawn(fn_name: str, *args: Any) -> tuple[Any, Any]:
     proc = ctx.Process(target=_child, args=(fn_name, args, child))
     proc.start()
     return proc, parent
+
+
+class _StepTimes:
+    """Polls the engine's ``GET /load`` (``step_time_s``: its moving average of a step's wall time) every
+    0.25 s in a thread while B runs: how long one engine step takes under this load."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.url = f"{engine_url}/load"
+        self.samples: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=5.0) as client:
+            while not self.stop.wait(0.25):
+                with contextlib.suppress(httpx.HTTPError):
+                    step = client.get(self.url).json().get("step_time_s")
+                    if step:
+                        self.samples.append(1000 * step)
+
+    def __enter__(self) -> _StepTimes:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def p95(values: list[float]) -> float:
@@ -137,17 +227,19 @@ def main() -> None:
         proc.join()
 
         marks = [time.time()]
-        proc, conn = _spawn("_tenant_b", url, key_b, args.b_rate, args.b_requests, args.b_tokens)
-        alone = conn.recv()
-        proc.join()
+        with _StepTimes(p.engine_url) as steps_alone:
+            proc, conn = _spawn("_tenant_b", url, key_b, args.b_rate, args.b_requests, args.b_tokens)
+            alone = conn.recv()
+            proc.join()
         marks.append(time.time())
 
         stop_file = str(p.root / "stop-a")
         a_proc, a_conn = _spawn("_tenant_a", url, key_a, args.a_streams, args.a_tokens, stop_file)
         time.sleep(3.0)  # let A fill the engine before B starts measuring
-        proc, conn = _spawn("_tenant_b", url, key_b, args.b_rate, args.b_requests, args.b_tokens)
-        noisy = conn.recv()
-        proc.join()
+        with _StepTimes(p.engine_url) as steps_noisy:
+            proc, conn = _spawn("_tenant_b", url, key_b, args.b_rate, args.b_requests, args.b_tokens)
+            noisy = conn.recv()
+            proc.join()
         marks.append(time.time())
         Path(stop_file).touch()
         a_result = a_conn.recv()
@@ -155,18 +247,26 @@ def main() -> None:
         # The engine's own TTFT of B's requests (queueing in the engine + prefill), from the usage records:
         # it separates waiting for the engine's scheduler from waiting for CPU in the gateway.
         b_records = [r for r in p.usage_records() if r.tenant_id == p.tenant_ids[key_b] and r.ttft_ms]
-        for result, (lo, hi) in ((alone, marks[0:2]), (noisy, marks[1:3])):
+        engine_ttft = {r.request_id: r.ttft_ms / 1000 for r in b_records}
+        for result, (lo, hi), steps in ((alone, marks[0:2], steps_alone), (noisy, marks[1:3], steps_noisy)):
             result["engine_ttfts"] = [r.ttft_ms / 1000 for r in b_records
                                       if lo <= r.created_at.timestamp() < hi]
+            # Per request: the client's TTFT minus the engine's (gateway, both HTTP hops, the client).
+            pairs = zip(result["ttfts"], result["request_ids"], strict=True)
+            result["outside_engine_s"] = [t - engine_ttft[i] for t, i in pairs if i in engine_ttft]
+            result["engine_step_ms"] = steps.samples
 
     rows = []
     for name, result in (("B alone", alone), ("B with A saturating", noisy)):
         t = result["ttfts"]
+        steps = result["engine_step_ms"]
         rows.append([name, len(t), result["failures"], f"{1000 * statistics.median(t):.0f}",
-                     f"{1000 * p95(t):.0f}", f"{1000 * p95(result['engine_ttfts']):.0f}"])
+                     f"{1000 * p95(t):.0f}", f"{1000 * p95(result['engine_ttfts']):.0f}",
+                     f"{1000 * p95(result['outside_engine_s']):.0f}",
+                     f"{statistics.median(steps):.1f}" if steps else "-"])
     ratio = p95(noisy["ttfts"]) / p95(alone["ttfts"])
     print(format_table(["run", "B requests", "B failures", "B TTFT p50 ms", "B TTFT p95 ms",
-                        "B engine-side TTFT p95 ms"], rows))
+                        "B engine-side TTFT p95 ms", "B outside-engine p95 ms", "engine step ms"], rows))
     print(f"p95 ratio (with A / alone): {ratio:.2f}x (target <= 1.5x); A completed {a_result['completed']} "
           f"streams of {args.a_tokens} tokens meanwhile")
     if args.out:
