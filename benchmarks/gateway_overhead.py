@@ -128,7 +128,8 @@ class Platform:
 
 @contextlib.contextmanager
 def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[str, float] | None = None,
-             model: str = MODEL, gateway_env: dict[str, str] | None = None) -> Iterator[Platform]:
+             model: str = MODEL, gateway_env: dict[str, str] | None = None,
+             engine_env: dict[str, str] | None = None) -> Iterator[Platform]:
     """Start everything in a temporary directory; stop everything at exit.
 
     The engine is the synthetic one with ``engine_extra`` timings, unless ``real_engine_args`` is given:
@@ -190,7 +191,7 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
             argv = [sys.executable, "-m", "tollgate", "engine", "--model", str(tiny), "--model-name", model,
                     "--port", str(engine_port), *real_engine_args]
         engine_log = root / "engine.log"
-        engine = spawn(argv, log_path=engine_log, env=env)
+        engine = spawn(argv, log_path=engine_log, env={**env, **(engine_env or {})})
         procs.append((engine, 15))
         engine_url = f"http://127.0.0.1:{engine_port}"
         _wait_http(f"{engine_url}/health", engine, engine_log)

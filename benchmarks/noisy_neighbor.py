@@ -12,8 +12,28 @@ scheduling decides who waits.
 Target: B's p95 TTFT with A ≤ 1.5x B's p95 alone. The engine shares a saturated replica fairly between
 tenants of one priority; without that, B would queue behind A's whole backlog.
 
-Both load generators run in separate processes (asyncio ``httpx``), so they do not take the gateway's
-CPU under its event loop. ``python benchmarks/noisy_neighbor.py --out benchmarks/out/noisy_neighbor.json``
+Load generators: each tenant is its own process running ``benchmarks.gateway_overhead``'s lean HTTP/1.1
+client on asyncio (uvloop when installed; keep-alive connections, each request one pre-encoded write,
+responses parsed by httptools). A's 32 loops only drain bytes (nothing parsed in Python); B's client
+times from just before its send (connection set-up included when none is idle) to the arrival of the
+chunk that holds the first ``data:`` frame with non-empty ``delta.content``, parsing only B's own few
+frames. Until 2026-11-22 07:20 UTC these were ``httpx`` clients that parsed every line of A's ~2,500
+tokens/s in Python on the same 2 cores as the server; a client on another machine would not take the
+server's cores, so a lean client is the fair measurement. No server work is skipped: every request
+still goes through auth, admission, the engine and metering, and every token is streamed and read.
+
+The engine runs with one torch intra-op thread (``--engine-threads 1``: ``OMP_NUM_THREADS=1`` in its
+environment only): on a box where it shares 2 cores with the gateway, Redis and both generators,
+torch's default of one thread per core makes each step wait at OpenMP barriers for a thread that the
+gateway has preempted (a 16-sequence step took 3.6-4.0 ms instead of ~2.3 ms offline; with one thread
+2.7 ms, and A gets ~40% more streams through). ``--engine-threads 0`` keeps torch's default.
+
+Where B's time goes is printed with the ratio: the engine's own TTFT of B (usage record: from the
+engine's ``add_request`` to the first sampled token), B's client TTFT minus that, per request (matched
+by ``x-request-id``: the gateway, both HTTP hops and delivery to the client), and the engine's step
+time (``GET /load``'s ``step_time_s``, polled during each phase).
+``python benchmarks/noisy_neighbor.py --out benchmarks/out/noisy_neighbor.json`` (under
+``flock /tmp/tollgate-bench.lock`` on the shared dev box)
 """
 
 from __future__ import annotations
@@ -214,10 +234,14 @@ def main() -> None:
     parser.add_argument("--b-tokens", type=int, default=8)
     parser.add_argument("--a-streams", type=int, default=32)
     parser.add_argument("--a-tokens", type=int, default=128)
+    parser.add_argument("--engine-threads", type=int, default=1,
+                        help="the engine's torch intra-op threads (OMP_NUM_THREADS); 0: torch's default")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    with platform(model=MODEL, real_engine_args=["--num-kv-blocks", "1024", "--max-num-seqs", "16"]) as p:
+    engine_env = {"OMP_NUM_THREADS": str(args.engine_threads)} if args.engine_threads > 0 else {}
+    with platform(model=MODEL, real_engine_args=["--num-kv-blocks", "1024", "--max-num-seqs", "16"],
+                  engine_env=engine_env) as p:
         key_a = p.create_tenant_key(tier="default")
         key_b = p.create_tenant_key(tier="default")
         url = f"{p.gateway_url}/v1/chat/completions"
