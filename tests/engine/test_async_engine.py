@@ -115,3 +115,35 @@ async def test_explicit_abort_ends_the_stream_with_abort(async_engine: AsyncEngi
     assert final.finished and final.finish_reasons == ["abort"]
     assert final.usage is not None and 1 <= final.usage.completion_tokens < 500
     assert not async_engine.abort("aborted")
+
+
+async def test_a_streams_first_delta_is_handed_over_before_running_streams(async_engine: AsyncEngine) -> None:
+    """Within one step's deltas, streams that get their first delta are woken (and so written) first, in
+    step order, then the streams that were already running, in step order."""
+    from engine.async_engine import RequestStream
+
+    order: list[str] = []
+
+    class Recording(RequestStream):
+        def put_nowait(self, item: RequestDelta | BaseException) -> None:
+            order.append(self.request_id)
+            super().put_nowait(item)
+
+    streams = {rid: Recording(rid, lambda _: None) for rid in ("run-1", "run-2", "new-1", "run-3", "new-2")}
+    for rid in ("run-1", "run-2", "run-3"):
+        streams[rid].delivered = True
+    with async_engine._cond:
+        async_engine._streams.update(streams)
+    try:
+        async_engine._deliver([RequestDelta(rid, []) for rid in streams])
+        await asyncio.sleep(0.01)
+        assert order == ["new-1", "new-2", "run-1", "run-2", "run-3"]
+        assert all(s.delivered for s in streams.values())
+        order.clear()
+        async_engine._deliver([RequestDelta(rid, []) for rid in streams])
+        await asyncio.sleep(0.01)
+        assert order == list(streams)
+    finally:
+        with async_engine._cond:
+            for rid in streams:
+                async_engine._streams.pop(rid, None)
