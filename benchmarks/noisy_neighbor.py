@@ -303,7 +303,8 @@ def main() -> None:
     # A's streams finish together (16 slots, 128 tokens each), so A's new requests come in bursts that the
     # gateway and the engine's HTTP loop must admit, tokenize and parse; B's TTFT next to such a burst:
     a_sends = sorted(a_result["sent_at"])
-    near, clear = [], []
+    near: list[float] = []
+    clear: list[float] = []
     for sent, ttft in zip(noisy["sent_at"], noisy["ttfts"], strict=True):
         lo, hi = bisect.bisect_left(a_sends, sent - 0.030), bisect.bisect_right(a_sends, sent + ttft)
         (near if hi - lo >= 4 else clear).append(ttft)
