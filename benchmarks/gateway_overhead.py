@@ -256,6 +256,17 @@ class _ClientConnection(asyncio.Protocol):
         self.done: asyncio.Future[int] | None = None
         self.closed = False
 
+    @classmethod
+    async def checkout(cls, idle: list[_ClientConnection], host: str, port: int) -> _ClientConnection:
+        """An open idle connection from ``idle`` (the pool it returns to), else a new one of ``cls``."""
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        conn = cls(idle)
+        await asyncio.get_running_loop().create_connection(lambda: conn, host, port)
+        return conn
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
@@ -312,7 +323,6 @@ def _encode_request(url: str, body: dict[str, Any], headers: dict[str, str]) -> 
 
 
 async def _load(spec: LoadSpec) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
     latencies: list[float] = []
     errors: dict[str, int] = {}
     lags: list[float] = []
@@ -327,13 +337,7 @@ async def _load(spec: LoadSpec) -> dict[str, Any]:
         data = requests[i] if spec.engine_direct else template
         started = time.perf_counter()
         try:
-            while idle:
-                conn = idle.pop()
-                if not conn.closed:
-                    break
-            else:
-                conn = _ClientConnection(idle)
-                await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
+            conn = await _ClientConnection.checkout(idle, host, port)
             status = await asyncio.wait_for(conn.request(data), 30.0)
             if status != 200:
                 errors[str(status)] = errors.get(str(status), 0) + 1

@@ -101,7 +101,6 @@ def _run(coro: Any) -> Any:
 
 
 async def _tenant_b(url: str, key: str, rate: float, count: int, max_tokens: int) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
     ttfts: list[float] = []
     ids: list[str] = []
     sends: list[float] = []
@@ -118,13 +117,7 @@ async def _tenant_b(url: str, key: str, rate: float, count: int, max_tokens: int
         sent_at = time.time()
         started = time.perf_counter()
         try:
-            while idle:
-                conn = idle.pop()
-                if not conn.closed:
-                    break
-            else:
-                conn = _StreamConnection(idle)
-                await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
+            conn = await _StreamConnection.checkout(idle, host, port)
             assert isinstance(conn, _StreamConnection)
             conn.first_at, conn.buffer, conn.request_id = None, b"", ""
             status = await asyncio.wait_for(conn.request(data), 120.0)
@@ -150,7 +143,6 @@ async def _tenant_b(url: str, key: str, rate: float, count: int, max_tokens: int
 
 
 async def _tenant_a(url: str, key: str, streams: int, max_tokens: int, stop_file: str) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
     done = 0
     failures = 0
     sends: list[float] = []
@@ -166,12 +158,7 @@ async def _tenant_a(url: str, key: str, streams: int, max_tokens: int, stop_file
                       "max_tokens": max_tokens, "stream": True, "ignore_eos": True},
                 {"authorization": f"Bearer {key}"})
             try:
-                if idle and not idle[-1].closed:
-                    conn = idle.pop()
-                else:
-                    idle.clear()
-                    conn = _ClientConnection(idle)
-                    await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
+                conn = await _ClientConnection.checkout(idle, host, port)
                 sends.append(time.time())
                 status = await asyncio.wait_for(conn.request(data), 300.0)
             except (OSError, TimeoutError, ValueError):
