@@ -41,6 +41,17 @@ step. Invariants and policies:
   within it a sequence of a tenant over its share goes before the latest arrival. The victim returns
   when a slot frees up and no tenant under its share is waiting, at the latest when the other tenants'
   work ends. Counted in ``num_fairness_preemptions`` (also in ``num_preemptions``).
+- **A fairness admission gets its own step.** When admitting a waiting sequence at priority ``p``
+  required a fairness preemption, that step carries only the admissions of the tenants under their
+  share at ``p`` (the first admission pass; each chunk then grows into the budget freed below, its
+  blocks being allocated already) and the work of strictly higher priorities: the decodes and chunks of
+  the running sequences at ``p`` or lower are dropped from this step only (their served tokens are
+  refunded, ``num_computed_tokens`` does not move) and nothing else is admitted; they all run the next
+  step. The newcomer's prefill is thus not slowed by the saturating tenant's decodes (the cost: one
+  step of theirs per fairness preemption, which only happens when a tenant under its share arrives).
+  A block that ``ensure_slots`` reserved for a dropped token stays in the sequence's table: it covers
+  the position computed next step, where ``ensure_slots`` finds it. Steps without a fairness preemption
+  (unsaturated engine, single tenant, priority or block-pressure preemptions) are unchanged.
 - **n > 1.** Siblings (same ``request_id``) are admitted once the first stream has computed its prompt,
   so they reuse its full prompt blocks: through the prefix cache, or through ``BlockManager.fork`` when
   prefix caching is disabled.
@@ -194,6 +205,8 @@ class Scheduler:
             running_by_level.setdefault(seq.priority, []).append(seq)
         admitting = True
         for level in sorted(running_by_level.keys() | self._waiting.keys()):
+            if step.fair_level is not None:
+                break  # a fairness admission step carries no lower-priority work
             for seq in self._fair_order(_group_by_tenant(running_by_level.get(level, ()))):
                 if step.budget <= 0:
                     break
@@ -204,6 +217,8 @@ class Scheduler:
                     self._grant(seq, num, step)
             if admitting and level in self._waiting:
                 admitting = self._admit_level(level, step)
+        if step.fair_level is not None:
+            self._isolate_fair_admissions(step, step.fair_level)
         return ScheduledBatch(list(step.scheduled.values()), step.preempted)
 
     def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -264,15 +279,50 @@ class Scheduler:
                 ):
                     continue
                 fair = fair_pass and self._num_running(level, seq.tenant) < share
+                fairness_preemptions = self.num_fairness_preemptions
                 if not self._make_room(seq, level, share if fair else None, step):
                     return False
+                if self.num_fairness_preemptions > fairness_preemptions:
+                    step.fair_level = level
                 self._remove_waiting(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 prefilling.add(seq.request_id)
                 num = min(seq.num_uncomputed_tokens, step.budget)
                 self._grant(seq, num, step)
+                if fair:
+                    step.fair_admitted.append(seq)
+            if fair_pass and step.fair_level is not None:
+                # A fairness preemption happened: this step carries only the under-share admissions
+                # (see _isolate_fair_admissions), so admit nobody else and nothing of lower priority.
+                return False
         return True
+
+    def _isolate_fair_admissions(self, step: _Step, level: int) -> None:
+        """Drop from a step that admitted by fairness preemption at ``level`` everything of that
+        or a lower priority but the under-share admissions, and let those use the freed budget.
+
+        The dropped running sequences keep their state and their blocks (a block reserved this step
+        for a token not computed covers a position the sequence computes next step) and are scheduled
+        normally next step; their served-token charge is refunded.
+        """
+        keep = {seq.seq_id for seq in step.fair_admitted}
+        for seq_id, item in list(step.scheduled.items()):
+            seq = item.seq
+            if seq.priority >= level and seq_id not in keep:
+                del step.scheduled[seq_id]
+                step.budget += item.num_tokens
+                self._served[seq.tenant] -= item.num_tokens
+        for seq in step.fair_admitted:
+            admitted = step.scheduled.get(seq.seq_id)
+            if admitted is None or step.budget <= 0:
+                continue
+            # allocate_for_prefill / fork gave blocks for every token, so a longer chunk needs none.
+            extra = min(seq.num_uncomputed_tokens - admitted.num_tokens, step.budget)
+            if extra > 0:
+                admitted.num_tokens += extra
+                step.budget -= extra
+                self._served[seq.tenant] += extra
 
     def _make_room(self, seq: Sequence, level: int, share: int | None, step: _Step) -> bool:
         """A sequence slot and blocks for ``seq``, preempting if that is enough; False if it is not.
@@ -477,12 +527,17 @@ class Scheduler:
 class _Step:
     """What one ``schedule()`` call has granted so far."""
 
-    __slots__ = ("budget", "scheduled", "preempted")
+    __slots__ = ("budget", "scheduled", "preempted", "fair_level", "fair_admitted")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.scheduled: dict[int, ScheduledSeq] = {}
         self.preempted: list[Sequence] = []
+        # The priority at which a fairness preemption happened this step (None: none happened), and
+        # the sequences admitted there for tenants under their share: the only work of that priority
+        # or lower that the step keeps.
+        self.fair_level: int | None = None
+        self.fair_admitted: list[Sequence] = []
 
 
 def _group_by_tenant(seqs: Iterable[Sequence]) -> dict[str, list[Sequence]]:
