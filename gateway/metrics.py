@@ -38,7 +38,8 @@ client, which the lifespan shutdown closes. So this extension's lifespan, exited
 (it is listed after it), waits until every request tracked by its middleware has ended (bounded by
 ``drain_timeout_s`` again; normally milliseconds): each cut stream is then billed exactly once, as
 ``cancelled`` with the tokens it had produced. The middleware answers a request cut before its response
-started with 503 ``server_shutting_down`` + ``retry-after`` (SDKs retry it) instead of uvicorn's 500; a
+started with 503 ``server_shutting_down`` + ``retry-after`` (SDKs retry it) instead of uvicorn's 500, and
+such a request is metered as ``failed`` with nothing billed (``Generation.void``); a
 cut stream's connection is closed (clients see a broken stream, never a truncated answer that looks
 whole). ``tollgate gateway`` makes the uvicorn parent close its listening socket on SIGTERM, so new
 connections are refused at once with several workers too.
@@ -257,9 +258,12 @@ class MetricsMiddleware:
                            scope.get("method"), scope.get("path"))
             if not responded:
                 status = 503
-                await send({"type": "http.response.start", "status": 503, "headers": [
-                    (b"content-type", b"application/json"), (b"retry-after", b"1"),
-                    (b"content-length", str(len(_SHUTTING_DOWN_BODY)).encode())]})
+                headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                           (b"content-length", str(len(_SHUTTING_DOWN_BODY)).encode())]
+                request_id = scope.get("state", {}).get("request_id")  # set by RequestContextMiddleware
+                if request_id:
+                    headers.append((b"x-request-id", request_id.encode()))
+                await send({"type": "http.response.start", "status": 503, "headers": headers})
                 await send({"type": "http.response.body", "body": _SHUTTING_DOWN_BODY})
             # A started response (a stream) just ends: uvicorn closes the connection, which clients and
             # SDKs report as a broken stream rather than mistaking the partial answer for a whole one.

@@ -12,6 +12,10 @@ Invariants:
   step), settles the admission with the tokens really used, and appends exactly one usage record
   (status ``completed``, ``failed`` or ``cancelled``) to the billing outbox. Tokens generated before a
   failure or a disconnect are billed; recomputation is the engine's business and never billed.
+- A request the gateway itself gives up on before answering (``void()``: a non-streamed request cut at
+  shutdown, answered 503 ``server_shutting_down`` for the client to retry elsewhere) is metered as
+  ``failed`` with zero tokens and zero cost: the client got nothing from that attempt, and its retry is
+  billed in full.
 - Several prompts (legacy completions with a list prompt) are several engine requests run
   concurrently; their records are merged and re-indexed as ``prompt_index * n + i``; usage is summed.
 - Prices, the ledger's ``request_class`` and admission come from the runtime: a ``GatewayRuntime``
@@ -133,6 +137,7 @@ class Generation:
     _finals: int = 0
     _generated: int = 0
     _finished: bool = False
+    _void: bool = False
     _started_at: float = field(default_factory=time.monotonic)
     _created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     _first_token_at: float | None = None
@@ -324,6 +329,11 @@ class Generation:
         for stream, _ in self._streams:
             stream.interrupt()
 
+    def void(self) -> None:
+        """The gateway gives up on this request before answering it (shutdown): nothing is billed."""
+        self._void = True
+        self.status = STATUS_FAILED
+
     async def finish(self) -> None:
         """Close streams, settle, meter: exactly once (see the module invariants). Never raises."""
         if self._finished:
@@ -342,6 +352,8 @@ class Generation:
             self.usage.prompt_tokens = self.prompt_tokens if self._streams else 0
             self.usage.cached_tokens = min(self.usage.cached_tokens, self.usage.prompt_tokens)
             self.usage.completion_tokens = max(self.usage.completion_tokens, self._generated)
+        if self._void:
+            self.usage.prompt_tokens = self.usage.cached_tokens = self.usage.completion_tokens = 0
         if self.admission is None:
             return
         rt = self.runtime

@@ -10,7 +10,9 @@ write to a vanished client counts as a disconnect too. (No anyio task group per 
 of a request's CPU.)
 
 ``collect_unless_disconnected`` does the same for non-streamed answers: a client that hangs up while
-waiting aborts the engine work instead of letting it run to the end.
+waiting aborts the engine work instead of letting it run to the end (and is billed for what was
+generated, as a cancelled stream is); one cut by the server at shutdown, which the client sees as a 503
+to retry, is billed nothing (``Generation.void``).
 
 Frames that are ready together are written together: while the generation's next record is already
 buffered (``Generation.ready``: a zero-delay engine's burst, or a backlog after a slow write), frames are
@@ -122,6 +124,13 @@ async def collect_unless_disconnected(receive: Receive, generation: Generation,
     watcher = _watch_disconnect(receive, generation, disconnected)
     try:
         result = await collect()
+    except asyncio.CancelledError:
+        # Only uvicorn cancels a request's task: at shutdown, once the drain timeout has passed. The
+        # client is answered 503 server_shutting_down (gateway.metrics) and retries elsewhere; nothing
+        # of this attempt reached it, so none of it is billed.
+        if not disconnected:
+            generation.void()
+        raise
     finally:
         watcher.cancel()
         with anyio.CancelScope(shield=True):
