@@ -61,12 +61,14 @@ class EngineProcess:
 
 @contextlib.contextmanager
 def synthetic_engine(log: Path, *, token_interval_s: float = 0.01, ttft_s: float = 0.02,
-                     max_model_len: int = 8192) -> Iterator[EngineProcess]:
-    """A synthetic engine replica subprocess."""
+                     max_model_len: int = 8192, **options: float) -> Iterator[EngineProcess]:
+    """A synthetic engine replica subprocess; ``options``: more ``engine.synthetic`` settings (e.g.
+    ``prefill_tokens_per_s`` for a replica that queues prefill)."""
     port = free_port()
+    extra = {"token_interval_s": token_interval_s, "ttft_s": ttft_s, **options}
     code = ("from engine.server import serve; "
             f"serve('synthetic', port={port}, model_name={MODEL!r}, max_model_len={max_model_len}, "
-            f"extra={{'token_interval_s': {token_interval_s}, 'ttft_s': {ttft_s}}})")
+            f"extra={extra!r})")
     proc = spawn([sys.executable, "-c", code], log_path=log,
                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -13,12 +13,8 @@ same tenant is admitted and answered within the priority tier's objective.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import create_api_key, create_price, create_tenant
-from tests.gateway.gateway_processes import MODEL, EngineProcess, _wait, gateway_env, gateway_process
+from tests.gateway.gateway_processes import MODEL, gateway_env, gateway_process, synthetic_engine
 from tollgate.db import Database
-from tollgate.local_services import free_port
-from tollgate.processes import spawn, stop
 from tollgate.settings import default_tiers
 
 pytestmark = pytest.mark.slow
@@ -40,22 +34,6 @@ CHUNK_TOKENS = 100                   # a priority request waits at most one chun
 BACKLOG_REQUESTS, BACKLOG_PROMPT = 20, 1_000  # 20,000 flex tokens: 20 s at the rate
 TIERS = {name: tier.model_dump() for name, tier in default_tiers().items()}  # real SLOs
 FLEX_PRIORITY = TIERS["flex"]["engine_priority"]
-
-
-@contextlib.contextmanager
-def queueing_engine(log: Path) -> Iterator[EngineProcess]:
-    port = free_port()
-    extra = {"token_interval_s": 0.005, "ttft_s": 0.0, "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
-             "prefill_chunk_tokens": CHUNK_TOKENS}
-    code = ("from engine.server import serve; "
-            f"serve('synthetic', port={port}, model_name={MODEL!r}, max_model_len=8192, extra={extra!r})")
-    proc = spawn([sys.executable, "-c", code], log_path=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(f"{url}/health", proc, log)
-        yield EngineProcess(url, proc)
-    finally:
-        stop(proc, timeout=10)
 
 
 async def _seed(database_url: str) -> str:
@@ -93,7 +71,9 @@ async def test_flex_is_shed_before_any_prefill_while_priority_is_served(
         new_database: str, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     key = await _seed(new_database)
     headers = {"Authorization": f"Bearer {key}"}
-    with queueing_engine(tmp_path / "engine.log") as engine:
+    with synthetic_engine(tmp_path / "engine.log", token_interval_s=0.005, ttft_s=0.0,
+                          prefill_tokens_per_s=PREFILL_TOKENS_PER_S,
+                          prefill_chunk_tokens=CHUNK_TOKENS) as engine:
         env = gateway_env(database_url=new_database, redis_url=redis_url, replicas=[engine.url],
                           tokenizer_dir=tiny_model_dir, tiers=TIERS)
         with gateway_process(env, tmp_path / "gateway.log", api_key=key) as gw:
