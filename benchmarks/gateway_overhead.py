@@ -62,21 +62,6 @@ P99_LIMIT_S = 1.0
 # ----------------------------------------------------------------------------- the platform
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not ready:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-
-
 @dataclass
 class Platform:
     """Postgres, Redis, one engine replica and a gateway, started by ``platform()``."""
@@ -145,7 +130,7 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
         find_server_binaries,
         free_port,
     )
-    from tollgate.processes import spawn, stop
+    from tollgate.processes import spawn, stop, wait_http_ok
     from tollgate.settings import Settings
 
     root = Path(tempfile.mkdtemp(prefix="tollgate-bench-"))
@@ -194,7 +179,7 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
         engine = spawn(argv, log_path=engine_log, env={**env, **(engine_env or {})})
         procs.append((engine, 15))
         engine_url = f"http://127.0.0.1:{engine_port}"
-        _wait_http(f"{engine_url}/health", engine, engine_log)
+        wait_http_ok(f"{engine_url}/health", engine, engine_log, 120.0)
 
         tiers = {name: {"engine_priority": prio, "ttft_slo_ms": 600_000, "tpot_slo_ms": 60_000, "rank": rank}
                  for name, prio, rank in (("priority", 0, 3), ("default", 1, 2), ("flex", 2, 1))}
@@ -209,7 +194,7 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
                          "--workers", "1"], log_path=gw_log, env=gw_env)
         procs.append((gateway, 15))
         gateway_url = f"http://127.0.0.1:{gw_port}"
-        _wait_http(f"{gateway_url}/health", gateway, gw_log)
+        wait_http_ok(f"{gateway_url}/health", gateway, gw_log, 120.0)
         yield Platform(root, database_url, rd.url(0), engine_url, gateway_url, gateway.pid, tiny)
     finally:
         for proc, sig in reversed(procs):

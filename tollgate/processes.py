@@ -136,3 +136,22 @@ def stop_pid(pid: int, *, sig: int = signal.SIGTERM, timeout: float = 15.0) -> N
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     signal_group(pid, signal.SIGKILL)
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 90.0) -> None:
+    """Poll ``url`` until it answers 200; raise ``RuntimeError`` with the tail of ``log`` if ``proc``
+    exits first or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready in {timeout_s:.0f}s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.1)

@@ -27,26 +27,13 @@ from typing import Any
 import httpx
 
 from tollgate.local_services import free_port
-from tollgate.processes import spawn, stop
+from tollgate.processes import spawn, stop, wait_http_ok
 
 MODEL = "synthetic"
 START_TIMEOUT_S = 90.0
 # Loose SLOs: these tests are about admission, metering and shutdown, never overload shedding.
 LOOSE_TIERS = {name: {"engine_priority": prio, "ttft_slo_ms": 600_000, "tpot_slo_ms": 60_000, "rank": rank}
                for name, prio, rank in (("priority", 0, 3), ("default", 1, 2), ("flex", 2, 1))}
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not ready in {timeout_s:.0f}s:\n{log.read_text()[-4000:]}")
-        time.sleep(0.1)
 
 
 @dataclass
@@ -73,7 +60,7 @@ def synthetic_engine(log: Path, *, token_interval_s: float = 0.01, ttft_s: float
                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(f"{url}/health", proc, log)
+        wait_http_ok(f"{url}/health", proc, log, START_TIMEOUT_S)
         yield EngineProcess(url, proc)
     finally:
         stop(proc, timeout=10)
@@ -131,7 +118,7 @@ def gateway_process(env: dict[str, str], log: Path, *, workers: int = 1,
     proc = spawn(argv, log_path=log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(f"{url}/health", proc, log)
+        wait_http_ok(f"{url}/health", proc, log, START_TIMEOUT_S)
         if api_key is not None:
             _wait_model_served(url, api_key, proc, log, workers)
         yield GatewayProcess(url, proc, log, env)
