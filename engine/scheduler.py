@@ -279,11 +279,8 @@ class Scheduler:
                 ):
                     continue
                 fair = fair_pass and self._num_running(level, seq.tenant) < share
-                fairness_preemptions = self.num_fairness_preemptions
                 if not self._make_room(seq, level, share if fair else None, step):
                     return False
-                if self.num_fairness_preemptions > fairness_preemptions:
-                    step.fair_level = level
                 self._remove_waiting(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -308,11 +305,8 @@ class Scheduler:
         """
         keep = {seq.seq_id for seq in step.fair_admitted}
         for seq_id, item in list(step.scheduled.items()):
-            seq = item.seq
-            if seq.priority >= level and seq_id not in keep:
-                del step.scheduled[seq_id]
-                step.budget += item.num_tokens
-                self._served[seq.tenant] -= item.num_tokens
+            if item.seq.priority >= level and seq_id not in keep:
+                self._ungrant(item.seq, step)
         for seq in step.fair_admitted:
             admitted = step.scheduled.get(seq.seq_id)
             if admitted is None or step.budget <= 0:
@@ -436,10 +430,7 @@ class Scheduler:
         return bm.num_free_blocks + freed
 
     def _preempt(self, seq: Sequence, step: _Step, fairness: bool = False) -> None:
-        item = step.scheduled.pop(seq.seq_id, None)
-        if item is not None:
-            step.budget += item.num_tokens
-            self._served[seq.tenant] -= item.num_tokens
+        self._ungrant(seq, step)
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -448,8 +439,16 @@ class Scheduler:
         self.num_preemptions += 1
         if fairness:
             self.num_fairness_preemptions += 1
+            step.fair_level = seq.priority  # a fairness preemption never crosses priorities
         step.preempted.append(seq)
         self._push_waiting(seq)
+
+    def _ungrant(self, seq: Sequence, step: _Step) -> None:
+        """Take ``seq``'s tokens out of this step, if it had any: budget and served tokens come back."""
+        item = step.scheduled.pop(seq.seq_id, None)
+        if item is not None:
+            step.budget += item.num_tokens
+            self._served[seq.tenant] -= item.num_tokens
 
     def _grant(self, seq: Sequence, num: int, step: _Step) -> None:
         step.scheduled[seq.seq_id] = ScheduledSeq(seq, num)
