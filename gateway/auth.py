@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admission.limits import TenantLimits
 from gateway.errors import AuthenticationError, ServiceUnavailableError
-from gateway.tenants.keys import parse_key, verify_key
+from gateway.tenants.keys import bearer_token, parse_key, verify_key
 from gateway.tenants.repository import ApiKeyRepository
 from tollgate.settings import Settings
 
@@ -102,11 +102,8 @@ class Authenticator:
 
     # -- public API -----------------------------------------------------------------------------
     async def authenticate(self, authorization: str | None) -> Principal:
-        if not authorization:
-            raise AuthenticationError(_MISSING_KEY, code=None)
-        scheme, _, presented = authorization.partition(" ")
-        presented = presented.strip()
-        if scheme.lower() != "bearer" or not presented:
+        presented = bearer_token(authorization)
+        if presented is None:
             raise AuthenticationError(_MISSING_KEY, code=None)
         try:
             key_id, _ = parse_key(presented)

@@ -63,6 +63,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import AuthenticationError, error_body
+from gateway.tenants.keys import bearer_token
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -301,9 +302,8 @@ async def _scrape_allowed(request: Request, presented: str) -> bool:
 async def metrics_endpoint(request: Request) -> Response:
     """Prometheus text, for a bearer token only (``_scrape_allowed``): the figures (traffic, rejections
     by reason, token volumes) are the operator's, not the public's. Otherwise 401 with OpenAI's body."""
-    scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
-    presented = presented.strip()
-    if scheme.lower() != "bearer" or not presented:
+    presented = bearer_token(request.headers.get("authorization"))
+    if presented is None:
         return AuthenticationError(_METRICS_MISSING, code=None, headers=_METRICS_CHALLENGE).to_response()
     if not await _scrape_allowed(request, presented):
         return AuthenticationError(_METRICS_INVALID, code="invalid_metrics_token",

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.admin.repository import AdminRepository
 from gateway.admin.uow import AdminSession
 from gateway.errors import AuthenticationError, PermissionDeniedError
-from gateway.tenants.keys import hash_key, parse_key, verify_key
+from gateway.tenants.keys import bearer_token, hash_key, parse_key, verify_key
 from gateway.tenants.repository import ApiKeyRepository
 from tollgate.models import Admin
 from tollgate.settings import Settings
@@ -94,9 +94,8 @@ async def _is_tenant_key(session: AsyncSession, presented: str, settings: Settin
 async def current_admin(request: Request, session: AdminSession) -> AdminPrincipal:
     """FastAPI dependency: the admin behind the request's bearer token (401/403 otherwise)."""
     settings: Settings = request.app.state.settings
-    scheme, _, presented = (request.headers.get("authorization") or "").partition(" ")
-    presented = presented.strip()
-    if scheme.lower() != "bearer" or not presented:
+    presented = bearer_token(request.headers.get("authorization"))
+    if presented is None:
         raise AuthenticationError(_MISSING_TOKEN, code=None, headers=_CHALLENGE)
     admin = await authenticate_admin_token(session, presented, settings)
     if admin is not None:

@@ -61,3 +61,11 @@ def verify_key(full_key: str, stored_hash: str, secret_key: str | bytes) -> bool
 def display_prefix(key_id: str) -> str:
     """What dashboards show for a key: enough to recognise it, nothing to use it."""
     return f"{KEY_PREFIX}{key_id}-…"
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value (scheme case-insensitive), or
+    None when the header is missing, of another scheme, or empty."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
