@@ -223,18 +223,14 @@ class AsyncEngine:
                 raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
             if grammar is None:
                 self._streams[request_id] = stream
-                self._adds.append(add)
-                self._cond.notify()
+                self._enqueue(add)
                 return stream
             key, future = grammar.compile_async(params, self._compile_pool)
             if key is None:  # structured implies a key; defensive
                 raise RequestValidationError("the response format has no grammar", "response_format")
             self._streams[request_id] = stream
             if future.done():  # a cached grammar: queue it now
-                grammar.pin(key, future.result())
-                self._pins[request_id] = key
-                self._adds.append(add)
-                self._cond.notify()
+                self._enqueue(add, key, future.result())
                 return stream
             compiling = _Compiling(add, key, future, stream.loop.create_future())
             self._compiling[request_id] = compiling
@@ -308,16 +304,23 @@ class AsyncEngine:
             del self._compiling[request_id]
             exc = future.exception()
             if exc is None and self._grammar is not None:
-                self._grammar.pin(compiling.key, future.result())
-                self._pins[request_id] = compiling.key
-                self._adds.append(compiling.add)
-                self._cond.notify()
+                self._enqueue(compiling.add, compiling.key, future.result())
             else:
                 self._streams.pop(request_id, None)
                 error = (RequestValidationError(str(exc), "response_format") if isinstance(exc, ValueError)
                          else EngineError(f"the grammar compile failed: {exc}"))
         if not _resolve_threadsafe(compiling.waiter, error) and error is None:
             self.abort(request_id)  # its event loop is closed: nobody will read the stream
+
+    def _enqueue(self, add: _Add, key: str | None = None, compiled: Any = None) -> None:
+        """Under ``_cond``: hand the request to the engine thread; a compiled grammar (``key``) stays
+        pinned in the backend's cache until the request ends."""
+        if key is not None:
+            assert self._grammar is not None
+            self._grammar.pin(key, compiled)
+            self._pins[add.request_id] = key
+        self._adds.append(add)
+        self._cond.notify()
 
     def _drop_compile(self, compiling: _Compiling) -> None:
         if self._grammar is not None:
