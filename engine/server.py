@@ -17,6 +17,7 @@ without any model — a stand-in for gateway load tests only, never a default.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -122,6 +123,12 @@ def create_app(engine: ServingEngine) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The model, torch and the server's imports (~270k objects for the tiny checkpoint) live as long
+        # as the process: move them out of the collector's sight, so that a full collection walks only
+        # what requests allocate. Over the whole heap one took ~130 ms on the 2-core dev box, with the
+        # step thread and every stream stopped meanwhile.
+        gc.collect()
+        gc.freeze()
         yield
         engine.shutdown()
 
