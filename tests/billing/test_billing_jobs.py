@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 
-import orjson
 from sqlalchemy import select
 
 from billing import jobs, tasks
@@ -15,6 +14,7 @@ from billing.rollups import hour_of
 from billing.stripe_billing import attach_tenant, make_client, setup_stripe
 from gateway.auth import INVALIDATE_CHANNEL
 from tests.billing.fake_stripe import FakeStripe
+from tests.billing.invalidations import next_invalidation
 from tests.factories import create_tenant, create_usage_event
 from tollgate.db import Database
 from tollgate.models import BudgetAlert, Tenant
@@ -53,11 +53,7 @@ async def test_payment_grace_job_suspends_and_tells_the_gateways(database, redis
     await pubsub.subscribe(INVALIDATE_CHANNEL)
     settings = Settings(environment="test", payment_failed_grace_s=3 * 24 * 3600)
     assert await jobs.enforce_payment_grace_job(database, redis_client, settings) == [late.id]
-    async with asyncio.timeout(5):
-        message = None
-        while message is None:
-            message = await pubsub.get_message(timeout=1.0)
-    assert orjson.loads(message["data"]) == {"tenant_id": late.id}
+    await next_invalidation(pubsub, {"tenant_id": late.id})
     await pubsub.aclose()
     async with database.session() as session:
         assert (await session.get(Tenant, late.id)).suspended_reason == "billing"

@@ -4,7 +4,6 @@ period, paid invoices lift a billing suspension only, and gateways are told."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from billing.suspension import TENANT_INVALIDATION_CHANNEL, enforce_payment_grac
 from gateway.app import create_app
 from gateway.auth import INVALIDATE_CHANNEL
 from tests.billing.fake_stripe import sign_webhook
+from tests.billing.invalidations import next_invalidation
 from tests.factories import create_tenant
 from tollgate.db import Database
 from tollgate.models import StripeEvent, Tenant
@@ -116,8 +116,7 @@ async def test_payment_failed_suspends_after_the_grace_period_and_paid_reactivat
         assert (await post(client, paid)).status_code == 200
         row = await tenant_row(database, tenant.id)
         assert (row.status, row.suspended_reason, row.payment_failed_at) == ("active", None, None)
-        message = await _next_message(pubsub)
-        assert orjson.loads(message["data"]) == {"tenant_id": tenant.id}
+        await next_invalidation(pubsub, {"tenant_id": tenant.id})
 
         # A replay of the old failure after the payment changes nothing either.
         assert (await post(client, failed)).json()["duplicate"] is True
@@ -144,11 +143,3 @@ async def test_no_grace_suspends_at_once_and_paid_never_lifts_an_admin_suspensio
 
         unknown = await post(client, invoice_event("invoice.paid", "cus_nobody"))
         assert unknown.status_code == 200
-
-
-async def _next_message(pubsub: Any) -> dict[str, Any]:
-    async with asyncio.timeout(5):
-        while True:
-            message = await pubsub.get_message(timeout=1.0)
-            if message is not None:
-                return message
