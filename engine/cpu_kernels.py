@@ -125,6 +125,13 @@ static inline vf reduce8(const vf *d) {
     return __builtin_shuffle(s0123, s4567, lo3) + __builtin_shuffle(s0123, s4567, hi3);
 }
 
+/* Lane-wise partial products of one query head (DV vectors) with the key at kp: hsum gives the dot. */
+static inline vf key_dot(const vf *qh, const float *kp, int64_t DV) {
+    vf d = qh[0] * load(kp);
+    for (int64_t j = 1; j < DV; j++) d += qh[j] * load(kp + j * W);
+    return d;
+}
+
 static inline void prefetch_block(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i);
 }
@@ -165,20 +172,10 @@ int tg_paged_decode_f32(const float *q, float *out, const int64_t *rows, const f
                 int64_t i = 0;
                 for (; i + W <= end; i += W) {
                     vf dot[W];
-                    for (int64_t u = 0; u < W; u++) {
-                        const float *kp = kh + (i + u) * token_stride;
-                        vf d = qh[0] * load(kp);
-                        for (int64_t j = 1; j < DV; j++) d += qh[j] * load(kp + j * W);
-                        dot[u] = d;
-                    }
+                    for (int64_t u = 0; u < W; u++) dot[u] = key_dot(qh, kh + (i + u) * token_stride, DV);
                     store(sh + i, reduce8(dot));
                 }
-                for (; i < end; i++) {
-                    const float *kp = kh + i * token_stride;
-                    vf d = qh[0] * load(kp);
-                    for (int64_t j = 1; j < DV; j++) d += qh[j] * load(kp + j * W);
-                    sh[i] = hsum(d);
-                }
+                for (; i < end; i++) sh[i] = hsum(key_dot(qh, kh + i * token_stride, DV));
             }
         }
         for (int64_t h = 0; h < H; h++) {
