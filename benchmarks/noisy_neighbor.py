@@ -236,11 +236,13 @@ def p95(values: list[float]) -> float:
 
 
 def _b_phase(p: Any, url: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
+    started = time.time()
     with _StepTimes(p.engine_url) as steps:
         proc, conn = _spawn("_tenant_b", url, key, args.b_rate, args.b_requests, args.b_tokens)
         result: dict[str, Any] = conn.recv()
         proc.join()
     result["engine_step_ms"] = steps.samples
+    result["window"] = (started, time.time())  # matches B's usage records to this phase
     return result
 
 
@@ -286,17 +288,12 @@ def main() -> None:
         conn.recv()
         proc.join()
 
-        windows: list[tuple[float, float]] = []
         for round_ in range(args.rounds):
-            started = time.time()
             alone_phases.append(_b_phase(p, url, key_b, args))
-            windows.append((started, time.time()))
             stop_file = str(p.root / f"stop-a-{round_}")
             a_proc, a_conn = _spawn("_tenant_a", url, key_a, args.a_streams, args.a_tokens, stop_file)
             time.sleep(3.0)  # let A fill the engine before B starts measuring
-            started = time.time()
             noisy_phases.append(_b_phase(p, url, key_b, args))
-            windows.append((started, time.time()))
             Path(stop_file).touch()
             a_results.append(a_conn.recv())
             a_proc.join()
@@ -304,8 +301,8 @@ def main() -> None:
         # it separates waiting for the engine's scheduler from waiting for CPU in the gateway.
         b_records = [r for r in p.usage_records() if r.tenant_id == p.tenant_ids[key_b] and r.ttft_ms]
         engine_ttft = {r.request_id: r.ttft_ms / 1000 for r in b_records}
-        phases = [phase for pair in zip(alone_phases, noisy_phases, strict=True) for phase in pair]
-        for result, (lo, hi) in zip(phases, windows, strict=True):
+        for result in alone_phases + noisy_phases:
+            lo, hi = result["window"]
             result["engine_ttfts"] = [r.ttft_ms / 1000 for r in b_records
                                       if lo <= r.created_at.timestamp() < hi]
             # Per request: the client's TTFT minus the engine's (gateway, both HTTP hops, the client).
@@ -320,11 +317,11 @@ def main() -> None:
     rows.append(_row("all rounds: B alone", alone))
     ratio = p95(noisy["ttfts"]) / p95(alone["ttfts"])
     rows.append(_row("all rounds: B with A", noisy) + [f"{ratio:.2f}x"])
+    headers = ["phase", "B requests", "B failures", "B TTFT p50 ms", "B TTFT p95 ms",
+               "B engine-side TTFT p95 ms", "B outside-engine p95 ms", "engine step ms", "p95 ratio"]
     for row in rows:
-        row.extend([""] * (9 - len(row)))
-    print(format_table(["phase", "B requests", "B failures", "B TTFT p50 ms", "B TTFT p95 ms",
-                        "B engine-side TTFT p95 ms", "B outside-engine p95 ms", "engine step ms",
-                        "p95 ratio"], rows))
+        row.extend([""] * (len(headers) - len(row)))
+    print(format_table(headers, rows))
     completed = sum(a["completed"] for a in a_results)
     print(f"p95 ratio over all rounds (with A / alone): {ratio:.2f}x (target <= 1.5x); A completed "
           f"{completed} streams of {args.a_tokens} tokens in its {args.rounds} phases")
