@@ -31,6 +31,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # "safetensors": the checkpoint's weights; "random": drawn on the device from config.json alone
+    # (benchmarks of model shapes without a checkpoint, never serving).
+    load_format: str = "safetensors"
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -51,5 +54,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.load_format not in ("safetensors", "random"):
+            raise ValueError(f"load_format must be 'safetensors' or 'random', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

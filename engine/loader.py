@@ -5,6 +5,8 @@ target device in the target dtype, then every parameter is filled from the safet
 HF name; q/k/v and gate/up are copied into their row ranges of the fused ``qkv_proj``/``gate_up_proj``.
 Invariants: every parameter is written exactly once from the checkpoint, shapes must match exactly,
 and a missing or unexpected tensor is a ``ValueError`` naming it (never a silently random weight).
+Random weights only when asked for by name (``load_format="random"``: a ``config.json`` alone, for
+benchmarking model shapes whose checkpoints are not at hand, as vLLM's ``--load-format dummy``).
 The RoPE cache stays float32 whatever the model dtype.
 """
 
@@ -117,6 +119,21 @@ def load_weights(model: nn.Module, args: ModelArgs, model_dir: str | Path) -> No
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}")
 
 
+LOAD_FORMATS = ("safetensors", "random")
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter on its device: norm weights 1 + N(0, 0.1), the rest N(0, 0.02) (the tiny
+    checkpoints' initialisation). Deterministic for a seed and device."""
+    for i, (name, param) in enumerate(model.named_parameters()):
+        gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + i)
+        if name.endswith("norm.weight"):
+            param.normal_(1.0, 0.1, generator=gen)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
 def load_model(
     model_dir: str | Path,
     backend: AttentionBackend,
@@ -125,8 +142,13 @@ def load_model(
     max_positions: int | None = None,
     args: ModelArgs | None = None,
     fused_kernels: bool = False,
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> LlamaForCausalLM:
-    """Construct the checkpoint's model class in ``dtype`` on ``device`` and load its weights."""
+    """Construct the checkpoint's model class in ``dtype`` on ``device`` and load its weights (or draw
+    them, for ``load_format="random"``)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     args = args or ModelArgs.from_pretrained(model_dir)
     cls = model_class(args)
     with torch.device("meta"):
@@ -136,5 +158,9 @@ def load_model(
     for module in model.modules():
         if isinstance(module, _HasDeviceCache):
             module.reset_cache()
-    load_weights(model, args, model_dir)
+    if load_format == "random":
+        init_random_weights(model, seed)
+        model.tie_weights()
+    else:
+        load_weights(model, args, model_dir)
     return model.eval()

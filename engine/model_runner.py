@@ -130,7 +130,8 @@ class ModelRunner:
         # interpreter they would just slow the triton backend's tests down.
         fused = self.device.type == "cuda" and self.attention_backend.name == "triton"
         self.model = load_model(model_dir, self.attention_backend, self.dtype, self.device,
-                                max_positions=self.max_model_len, args=args, fused_kernels=fused)
+                                max_positions=self.max_model_len, args=args, fused_kernels=fused,
+                                load_format=config.load_format, seed=config.seed)
 
         if (model_dir / "tokenizer.json").is_file():
             from engine.tokenizer import Tokenizer

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,23 @@ from triton.runtime.interpreter import InterpretedFunction
 # op name -> number of launcher calls that launched a kernel. Read by tests; reset with
 # reset_launch_counts(). Plain Counter: launches happen on the engine's single stepping thread.
 launch_counts: Counter[str] = Counter()
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How a tiled kernel is launched: its tile sizes (constexprs) and Triton's ``num_warps`` /
+    ``num_stages`` (software-pipelining depth of the loads in its main loop). Each launcher has a choice
+    function returning one (the engine launches nothing else), which the ahead-of-time compile tests
+    enumerate; the launchers also take one explicitly, for tuning (benchmarks/)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def launch_options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 def reset_launch_counts() -> None:

@@ -35,6 +35,7 @@ import triton.language as tl
 from kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    TileConfig,
     check_block_tables,
     check_paged_kv_cache,
     check_tensor,
@@ -44,10 +45,12 @@ from kernels._common import (
 )
 from kernels.paged_decode_attention import gather_paged_kv
 
-# Rows (query tokens x group heads) per program and keys per tile. Untuned (no GPU this session):
-# 64 x 64 tiles with head_dim 128 keep the fp32 accumulator at 32 KiB of registers for 4 warps.
+# Rows (query tokens x group heads) per program, keys per tile, warps and pipeline stages: see
+# extend_tile_config().
 _ROWS = 64
 _BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 3
 _LOG2E = 1.4426950408889634
 
 
@@ -185,6 +188,13 @@ def _extend_attention_kernel(
     tl.store(out_ptr + out_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def extend_tile_config(head_dim: int, group: int, dtype: torch.dtype) -> TileConfig:
+    """The launch of the extend kernel for a model's shape: ``block_m`` is the query *tokens* of a
+    program (its tile has ``block_m * next_power_of_2(group)`` rows), ``block_n`` the keys per tile."""
+    return TileConfig(block_m=max(1, _ROWS // next_power_of_2(group)), block_n=_BLOCK_N,
+                      num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+
+
 def extend_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -196,8 +206,10 @@ def extend_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    tile: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context; returns ``out [T, H, D]``.
+    ``tile`` overrides :func:`extend_tile_config` (for tuning).
 
     ``max_query_len`` must be at least the longest chunk (it sizes the grid; a smaller value would
     leave tokens unwritten), which is why it is required rather than read back from the device.
@@ -228,19 +240,19 @@ def extend_attention(
         return out
 
     group = num_heads // num_kv_heads
-    group_pad = next_power_of_2(group)
-    block_m = max(1, _ROWS // group_pad)
+    tile = tile or extend_tile_config(head_dim, group, dtype)
     count_launch("extend_attention")
-    grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_m))
+    grid = (batch, num_kv_heads, triton.cdiv(max_query_len, tile.block_m))
     launcher_for(_extend_attention_kernel, device, dtype)[grid](
         q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
-        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        GROUP=group, GROUP_PAD=next_power_of_2(group), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=page_size, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        **tile.launch_options,
     )  # fmt: skip
     return out
 

@@ -23,7 +23,8 @@ Design:
   NaN; an empty split (seq shorter than the split start) reports lse = -inf and weighs nothing.
 - The split count is a launch parameter, not derived from data on the device, so the grid is fixed for
   a given batch size (CUDA-graph friendly); each program derives its token range from ``seq_lens`` on
-  the device, so one grid serves every context length.
+  the device, so one grid serves every context length. It is a runtime argument, not a constexpr: one
+  compiled kernel serves every split count (only split / unsplit are two specialisations).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import triton.language as tl
 from kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    TileConfig,
     check_block_tables,
     check_paged_kv_cache,
     check_tensor,
@@ -46,11 +48,13 @@ from kernels._common import (
     next_power_of_2,
 )
 
-# Tokens per K/V tile. Untuned (no GPU was available when this was written): 64 keeps a
-# [64, 128] half-precision K tile at 16 KiB so two stages fit in shared memory on any sm_80+ part.
-# benchmarks/kernels.py reports the fraction of the HBM floor this reaches; tune it there.
+# Tokens per K/V tile, warps and pipeline stages: see decode_tile_config().
 _BLOCK_N = 64
-# A split shorter than this costs more in the merge than it gains in parallelism.
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+# Split-K: aim for this many programs per SM; a split shorter than _MIN_TOKENS_PER_SPLIT costs more
+# in the merge than it gains in parallelism.
+_PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 _LOG2E = 1.4426950408889634
@@ -66,6 +70,7 @@ def _paged_decode_attention_kernel(
     out_ptr,
     lse_ptr,
     sm_scale_log2,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_kc_block,
@@ -86,7 +91,7 @@ def _paged_decode_attention_kernel(
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -95,7 +100,7 @@ def _paged_decode_attention_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     # Splits start on tile boundaries so only the last tile of a split is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -140,7 +145,7 @@ def _paged_decode_attention_kernel(
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + dims[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
-    if NUM_SPLITS > 1:
+    if SPLIT:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + seq * stride_lb + q_heads * stride_lh + split, lse, mask=row_mask)
 
@@ -150,6 +155,7 @@ def _merge_splits_kernel(
     partial_ptr,
     lse_ptr,
     out_ptr,
+    num_splits,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -159,14 +165,13 @@ def _merge_splits_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
     # Every split empty only for seq_len == 0; subtracting 0 then keeps exp2(-inf) = 0 instead of NaN.
@@ -191,11 +196,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def decode_tile_config(head_dim: int, group: int, dtype: torch.dtype) -> TileConfig:
+    """The launch of the decode kernel for a model's shape: ``block_m`` is the query rows of a program
+    (the GQA group padded to 16 for ``tl.dot``), ``block_n`` the keys per tile."""
+    return TileConfig(block_m=max(16, next_power_of_2(group)), block_n=_BLOCK_N, num_warps=_NUM_WARPS,
+                      num_stages=_NUM_STAGES)
+
+
 def default_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs to give every SM two, never splits under 256 tokens."""
+    """Splits per sequence: enough programs for ``_PROGRAMS_PER_SM`` on every SM, never splits under
+    ``_MIN_TOKENS_PER_SPLIT`` tokens."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        target_programs = 2 * _sm_count(index)
+        target_programs = _PROGRAMS_PER_SM * _sm_count(index)
     else:
         # The interpreter runs one program at a time: splitting only adds the merge.
         target_programs = 1
@@ -215,11 +228,13 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    tile: TileConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns ``out [B, H, D]``.
 
     ``num_splits`` fixes the split-K factor (keep it fixed under CUDA-graph capture); ``None`` picks it
-    from ``max_seq_len``, which is read from ``seq_lens`` (a host sync) if not given.
+    from ``max_seq_len``, which is read from ``seq_lens`` (a host sync) if not given. ``tile`` overrides
+    :func:`decode_tile_config` (for tuning).
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device, dtype = q.device, q.dtype
@@ -249,16 +264,18 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
+    tile = tile or decode_tile_config(head_dim, group, dtype)
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     common = dict(
         GROUP=group,
-        GROUP_PAD=max(16, next_power_of_2(group)),
+        GROUP_PAD=tile.block_m,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PAGE_SIZE=page_size,
-        BLOCK_N=_BLOCK_N,
-        NUM_SPLITS=num_splits,
+        BLOCK_N=tile.block_n,
+        SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        **tile.launch_options,
     )
     cache_strides = (
         key_cache.stride(0),
@@ -274,7 +291,7 @@ def paged_decode_attention(
     if num_splits == 1:
         kernel[grid](
             q, key_cache, value_cache, block_tables, seq_lens, out, out,
-            scale * _LOG2E, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+            scale * _LOG2E, 1, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
             **common,
         )  # fmt: skip
@@ -286,15 +303,15 @@ def paged_decode_attention(
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     kernel[grid](
         q, key_cache, value_cache, block_tables, seq_lens, partial, lse,
-        scale * _LOG2E, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+        scale * _LOG2E, num_splits, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         **common,
     )  # fmt: skip
     launcher_for(_merge_splits_kernel, device, dtype)[(batch, num_heads)](
-        partial, lse, out,
+        partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
     )  # fmt: skip
     return out
 

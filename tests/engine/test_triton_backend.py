@@ -1,6 +1,7 @@
 """The engine with ``attention_backend="triton"`` gives the same greedy tokens as the ``torch`` backend.
 
-Tiny random-weight checkpoints, float32. Without a GPU the Triton kernels run in Triton's interpreter:
+Tiny random-weight checkpoints, float32, on the GPU when there is one (compiled kernels, eager steps:
+CUDA graphs have their own test below). Without a GPU the Triton kernels run in Triton's interpreter:
 ``TRITON_INTERPRET`` must be set before ``triton`` is first imported (its library functions are
 decorated at import), hence the assignment above the imports (``kernels`` also sets it on CUDA-less
 hosts). ``kernels.launch_counts`` proves the kernels ran: the torch run launches none, the triton run
@@ -32,6 +33,8 @@ from engine import LLM, SamplingParams  # noqa: E402
 kernels = pytest.importorskip("kernels")
 paged_decode_module = pytest.importorskip("kernels.paged_decode_attention")
 
+# Compiled kernels refuse CPU tensors and the interpreter is off on a CUDA host: run where they run.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_NEW_TOKENS = 10
 TIE_GAP = 1e-4
 PROMPTS = [
@@ -82,7 +85,8 @@ def test_triton_backend_matches_torch_backend(
     results = {}
     for backend in ("torch", "triton"):
         kernels.reset_launch_counts()
-        llm = LLM(str(model_dir), device="cpu", dtype="float32", attention_backend=backend, **CONFIGS[config])
+        llm = LLM(str(model_dir), device=DEVICE, dtype="float32", attention_backend=backend,
+                  enforce_eager=True, **CONFIGS[config])
         first = _generate(llm, PROMPTS, params)
         second = _generate(llm, FOLLOW_UPS, params)
         assert llm.stats.prefix_hit_tokens > 0, "the second round should hit the prefix cache"
@@ -101,7 +105,8 @@ def test_triton_backend_matches_torch_backend(
         _assert_same_tokens(ours, theirs, theirs_logprobs, f"{arch}/{config}/prompt {i}")
 
 
-def _metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int):
+def _metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+              device: str):
     from engine.attention import AttentionMetadata
 
     width = max(len(t) for t in tables)
@@ -113,8 +118,9 @@ def _metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(query_lens), 0, out=starts[1:])
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=starts,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens, block_size=block_size,
     )  # fmt: skip
@@ -137,12 +143,13 @@ def test_backend_forward_matches_torch_backend(query_lens: list[int], seq_lens: 
         need = -(-n // block_size)
         tables.append(ids[:need])
         ids = ids[need:]
-    meta = _metadata(query_lens, seq_lens, tables, block_size)
+    meta = _metadata(query_lens, seq_lens, tables, block_size, DEVICE)
     cache = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=gen)  # "cached prefix"
     num_tokens = sum(query_lens)
     q = torch.randn((num_tokens, num_heads, head_dim), generator=gen)
     k = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen)
     v = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen)
+    cache, q, k, v = (t.to(DEVICE) for t in (cache, q, k, v))
     results = {}
     for name in ("torch", "triton"):
         backend = get_backend(name)(num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
