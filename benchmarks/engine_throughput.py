@@ -67,7 +67,10 @@ class EngineRunner:
 
         self.llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True, enforce_eager=args.enforce_eager,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
+        if args.enforce_eager:
+            self.name += " (eager)"
         self.params_type = SamplingParams
         self.runs = 0
 
@@ -177,6 +180,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Override model dimensions (JSON), e.g. {\"hidden_size\": 256}.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="CUDA: share of free memory for the engine's KV cache. Default 0.9 alone, 0.5 "
+                             "beside transformers (which runs in the same process and needs its own).")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: run every engine step eagerly (no CUDA graphs for decode).")
     parser.add_argument("--repeat", type=int, default=1,
                         help="Run the workload this many times on each side (interleaved); keep the best.")
     parser.add_argument("--out", type=Path, default=None, help="Write the results as JSON here.")
@@ -191,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.max_num_seqs = args.max_num_seqs or (256 if cuda else 64)
     args.max_num_batched_tokens = args.max_num_batched_tokens or (16384 if cuda else 2048)
     args.hf_batch_size = args.hf_batch_size or (64 if cuda else 16)
+    args.gpu_memory_utilization = args.gpu_memory_utilization or (0.9 if args.skip_transformers else 0.5)
 
     import torch
 
