@@ -18,8 +18,10 @@ test can prove that a code path really ran the Triton kernels rather than fallin
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +59,68 @@ def count_launch(op: str) -> None:
     launch_counts[op] += 1
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a launcher made it: the kernel, its grid, positional arguments and
+    keyword arguments (constexprs and launch options)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _Recorder:
+    def __init__(self, kernel: Any, into: list[Launch]) -> None:
+        self._kernel, self._into = kernel, into
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self._into.append(Launch(self._kernel, tuple(grid), args, kwargs))
+
+        return record
+
+
+_recording: list[Launch] | None = None
+_recording_capability: tuple[int, int] | None = None
+
+
+@contextmanager
+def recorded_launches(capability: tuple[int, int] = (9, 0)) -> Iterator[list[Launch]]:
+    """Within the block, launchers record their launches in the yielded list instead of running them
+    (outputs are left unwritten), on any device, choosing their tiles as they would on a GPU of
+    compute ``capability``. ``kernels.aot`` compiles what they record."""
+    global _recording, _recording_capability
+    previous = _recording, _recording_capability
+    _recording, _recording_capability = [], capability
+    try:
+        yield _recording
+    finally:
+        _recording, _recording_capability = previous
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def target_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability a launch on ``device`` compiles for (tile choices depend on it): the
+    GPU's, the recording's under :func:`recorded_launches`, None for the interpreter."""
+    if _recording_capability is not None:
+        return _recording_capability
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def launcher_for(kernel: Any, device: torch.device, dtype: torch.dtype) -> Any:
     """The kernel object to index with a grid for ``dtype`` tensors on ``device``; refuses what cannot
     run correctly: compiled kernels on CPU tensors, and bfloat16 in the interpreter (its NumPy
-    emulation of bfloat16 rounds wrongly, off by several ulps)."""
+    emulation of bfloat16 rounds wrongly, off by several ulps). Under :func:`recorded_launches`, a
+    recorder instead."""
+    if _recording is not None:
+        return _Recorder(kernel, _recording)
     if isinstance(kernel, InterpretedFunction):
         if not isinstance(tl.standard.sum, InterpretedFunction):
             raise RuntimeError(

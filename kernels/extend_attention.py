@@ -42,6 +42,7 @@ from kernels._common import (
     count_launch,
     launcher_for,
     next_power_of_2,
+    target_capability,
 )
 from kernels.paged_decode_attention import gather_paged_kv
 
@@ -188,11 +189,22 @@ def _extend_attention_kernel(
     tl.store(out_ptr + out_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def extend_tile_config(head_dim: int, group: int, dtype: torch.dtype) -> TileConfig:
-    """The launch of the extend kernel for a model's shape: ``block_m`` is the query *tokens* of a
-    program (its tile has ``block_m * next_power_of_2(group)`` rows), ``block_n`` the keys per tile."""
+def extend_tile_config(
+    head_dim: int, group: int, dtype: torch.dtype, capability: tuple[int, int] | None = None
+) -> TileConfig:
+    """The launch of the extend kernel for a model's shape on a GPU of compute ``capability`` (None:
+    the interpreter): ``block_m`` is the query *tokens* of a program (its tile has ``block_m *
+    next_power_of_2(group)`` rows), ``block_n`` the keys per tile.
+
+    sm_90 runs the tile measured best on an H100 (benchmarks/attention_tuning.py). Before Hopper the
+    MMA accumulators and operands live in registers: with head_dim 128 the 4-warp tile needs more than
+    255 registers a thread and spills (ptxas, sm_80: 72 B a thread; tests/kernels/test_aot_compile.py),
+    so 8 warps share it (184-192 registers, no spills). Not timed on an A100: none was available."""
+    warps = _NUM_WARPS
+    if capability is not None and capability[0] < 9 and head_dim > 64:
+        warps = 2 * _NUM_WARPS
     return TileConfig(block_m=max(1, _ROWS // next_power_of_2(group)), block_n=_BLOCK_N,
-                      num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+                      num_warps=warps, num_stages=_NUM_STAGES)  # fmt: skip
 
 
 def extend_attention(
@@ -240,7 +252,7 @@ def extend_attention(
         return out
 
     group = num_heads // num_kv_heads
-    tile = tile or extend_tile_config(head_dim, group, dtype)
+    tile = tile or extend_tile_config(head_dim, group, dtype, target_capability(device))
     count_launch("extend_attention")
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len, tile.block_m))
     launcher_for(_extend_attention_kernel, device, dtype)[grid](

@@ -46,6 +46,7 @@ from kernels._common import (
     count_launch,
     launcher_for,
     next_power_of_2,
+    target_capability,
 )
 
 # Tokens per K/V tile, warps and pipeline stages: see decode_tile_config().
@@ -196,9 +197,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_tile_config(head_dim: int, group: int, dtype: torch.dtype) -> TileConfig:
-    """The launch of the decode kernel for a model's shape: ``block_m`` is the query rows of a program
-    (the GQA group padded to 16 for ``tl.dot``), ``block_n`` the keys per tile."""
+def decode_tile_config(
+    head_dim: int, group: int, dtype: torch.dtype, capability: tuple[int, int] | None = None
+) -> TileConfig:
+    """The launch of the decode kernel for a model's shape on a GPU of compute ``capability`` (None:
+    the interpreter): ``block_m`` is the query rows of a program (the GQA group padded to 16 for
+    ``tl.dot``), ``block_n`` the keys per tile. One tile for every target: the H100 sweep's best
+    (benchmarks/attention_tuning.py), which compiles without spills for sm_80 as well."""
     return TileConfig(block_m=max(16, next_power_of_2(group)), block_n=_BLOCK_N, num_warps=_NUM_WARPS,
                       num_stages=_NUM_STAGES)
 
@@ -264,7 +269,7 @@ def paged_decode_attention(
         return out
 
     group = num_heads // num_kv_heads
-    tile = tile or decode_tile_config(head_dim, group, dtype)
+    tile = tile or decode_tile_config(head_dim, group, dtype, target_capability(device))
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     common = dict(
         GROUP=group,

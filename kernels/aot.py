@@ -1,0 +1,297 @@
+"""Ahead-of-time compilation of the engine's Triton kernels for NVIDIA GPUs, on a machine without one.
+
+``triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32))``
+lowers a kernel to PTX and assembles it with the ``ptxas`` that Triton ships; no GPU or driver is
+involved. What this module adds is *which* specialisations to compile: it calls every launcher the way
+the engine's forward pass does (``store_kv_cache``, ``paged_decode_attention`` at every split count the
+engine can choose, ``extend_attention``, ``rms_norm`` with and without the fused residual and over
+head rows for q/k-norm, ``rotary_embedding``, ``silu_and_mul``) on CPU tensors laid out as the engine
+lays them out (q/k/v views of one qkv projection, a ``[2, blocks, 16, kv_heads, head_dim]`` cache),
+under :func:`kernels._common.recorded_launches`. The launchers' own checks and choice functions
+(``decode_tile_config``, ``extend_tile_config``, block sizes, ``num_warps``) therefore decide what is
+compiled: a change to a launcher is compiled too. Each recorded launch is bound with Triton's own JIT
+binder for the target backend, which yields the signature, constexprs, divisibility attributes and
+options that a real launch of those tensors would compile with.
+
+Each compile is checked against the target's limits: dynamic shared memory within what one block may
+use (:data:`SHARED_MEMORY_LIMIT`), registers per thread within 255 and per block within the SM's 64K,
+and no register spills (ptxas's ``-v`` report on the same PTX).
+
+It must run where Triton compiles rather than interprets: on a host without CUDA, ``kernels`` turns the
+interpreter on unless ``TRITON_INTERPRET`` is already set, so set it to 0 (``tests/kernels`` run
+interpreted, so ``tests/kernels/test_aot_compile.py`` runs this in a subprocess):
+
+    TRITON_INTERPRET=0 python -m kernels.aot            # every served shape, sm_80 + sm_90, bf16 + fp16
+    TRITON_INTERPRET=0 python -m kernels.aot --arch 90 --dtype bfloat16 --shape llama3-8b --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+# Maximum dynamic shared memory one block may opt into (bytes): CUDA C Programming Guide, table of
+# compute capabilities ("maximum amount of shared memory per thread block").
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+REGISTERS_PER_THREAD = 255
+REGISTERS_PER_BLOCK = 64 * 1024
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+BLOCK_SIZE = 16  # the engine's KV block size
+# Split counts paged decode may be launched with: 1 (unsplit), then one per merge-kernel
+# specialisation (SPLITS_PAD = next power of 2) up to the launcher's maximum, plus a count that is a
+# multiple of 16 (Triton specialises integer arguments divisible by 16).
+DECODE_SPLITS = (1, 2, 3, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class ServedShape:
+    """The dimensions of a served model that the kernels are specialised on (from its config.json)."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    qk_norm: bool = False  # Qwen3's per-head RMSNorm of q and k
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+# Head dims 64 and 128 at GQA ratios 1, 2, 4 and 8, each the shape of a published checkpoint.
+SERVED_SHAPES = {
+    s.name: s
+    for s in (
+        ServedShape("llama3-8b", 32, 8, 128, 4096, 14336),
+        ServedShape("qwen3-0.6b", 16, 8, 128, 1024, 3072, qk_norm=True),
+        ServedShape("qwen3-32b", 64, 8, 128, 5120, 25600, qk_norm=True),
+        ServedShape("llama2-7b", 32, 32, 128, 4096, 11008),
+        ServedShape("llama3.2-1b", 32, 8, 64, 2048, 8192),
+        ServedShape("tinyllama-1.1b", 32, 4, 64, 2048, 5632),
+        ServedShape("qwen1.5-0.5b", 16, 16, 64, 1024, 2816),
+    )
+}
+
+
+@dataclass
+class CompileResult:
+    kernel: str
+    shape: str
+    dtype: str
+    arch: int
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    shared_bytes: int = 0
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    def problems(self) -> list[str]:
+        """What is wrong with this compile for its target (empty when it is fit to launch)."""
+        if self.error is not None:
+            return [f"does not compile: {self.error}"]
+        found = []
+        limit = SHARED_MEMORY_LIMIT[self.arch]
+        if self.shared_bytes > limit:
+            found.append(f"shared memory {self.shared_bytes} B > sm_{self.arch}'s {limit} B")
+        if self.registers > REGISTERS_PER_THREAD:
+            found.append(f"{self.registers} registers per thread > {REGISTERS_PER_THREAD}")
+        if self.registers * self.num_warps * 32 > REGISTERS_PER_BLOCK:
+            threads = self.num_warps * 32
+            found.append(f"{self.registers} registers x {threads} threads > {REGISTERS_PER_BLOCK}")
+        if self.spill_stores or self.spill_loads:
+            found.append(f"register spills: {self.spill_stores} B stored, {self.spill_loads} B loaded")
+        return found
+
+    def label(self) -> str:
+        consts = ",".join(f"{k}={v}" for k, v in self.constexprs.items())
+        return f"{self.kernel}[{consts}] {self.shape} {self.dtype} sm_{self.arch}"
+
+
+def require_compiled_triton() -> None:
+    """Refuse to run in a process whose kernels are interpreted (nothing would be compiled)."""
+    from kernels._common import kernels_are_interpreted
+
+    if kernels_are_interpreted():
+        raise RuntimeError(
+            "kernels.aot needs Triton's compiler, but this process interprets the kernels "
+            "(TRITON_INTERPRET=1 when triton was imported); run it in a process with TRITON_INTERPRET=0"
+        )
+
+
+def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> list[Any]:
+    """Every distinct launch the engine's forward makes for ``shape`` in ``dtype`` on an ``sm_{arch}``
+    GPU, recorded from the launchers themselves (a decode step at each split count, a prefill/extend
+    step)."""
+    import kernels
+    from kernels._common import recorded_launches
+
+    h, kvh, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    tokens, seqs, context, max_positions = 5, 3, 100, 4096
+    eps, scale = 1e-6, d**-0.5
+
+    def qkv(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # As the model's attention: views of one fused projection, split then viewed per head.
+        q, k, v = torch.empty((n, (h + 2 * kvh) * d), dtype=dtype).split([h * d, kvh * d, kvh * d], dim=-1)
+        return q.view(n, h, d), k.view(n, kvh, d), v.view(n, kvh, d)
+
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    kv_cache = torch.empty((2, seqs * blocks_per_seq + 1, BLOCK_SIZE, kvh, d), dtype=dtype)
+    block_tables = torch.arange(seqs * blocks_per_seq, dtype=torch.int32).view(seqs, blocks_per_seq)
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+    cos_sin = kernels.rope_cos_sin_cache(d, max_positions, 10000.0)  # float32, as the engine keeps it
+    with recorded_launches(capability=divmod(arch, 10)) as launches:
+        x = torch.empty((tokens, shape.hidden_size), dtype=dtype)
+        residual = torch.empty_like(x)
+        weight = torch.empty(shape.hidden_size, dtype=dtype)
+        kernels.rms_norm(x, weight, eps)
+        kernels.rms_norm(x, weight, eps, residual)
+        q, k, v = qkv(tokens)
+        if shape.qk_norm:
+            head_weight = torch.empty(d, dtype=dtype)
+            q = kernels.rms_norm(q.reshape(-1, d), head_weight, eps).view(tokens, h, d)
+            k = kernels.rms_norm(k.reshape(-1, d), head_weight, eps).view(tokens, kvh, d)
+        kernels.rotary_embedding(q, k, torch.arange(tokens, dtype=torch.int64), cos_sin)
+        kernels.store_kv_cache(k, v, kv_cache[0], kv_cache[1], torch.arange(tokens, dtype=torch.int64))
+        # Prefill / chunked prefill / mixed steps: the extend kernel over the paged context.
+        query_start_loc = torch.tensor([0, 2, 4, tokens], dtype=torch.int32)
+        kernels.extend_attention(q, kv_cache[0], kv_cache[1], block_tables, query_start_loc, seq_lens,
+                                 max_query_len=2, scale=scale)  # fmt: skip
+        # Decode steps: one query token per sequence, at every split count.
+        q, _, _ = qkv(seqs)
+        for splits in DECODE_SPLITS:
+            kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale=scale,
+                                           max_seq_len=context, num_splits=splits)  # fmt: skip
+        kernels.silu_and_mul(torch.empty((tokens, 2 * shape.intermediate_size), dtype=dtype))
+    return launches
+
+
+def _bind(launch: Any, backend: Any) -> tuple[Any, dict, dict, dict]:
+    """What Triton's JIT would compile for this launch on ``backend``'s target: options, signature,
+    constexprs and attributes, from its own binder (the one ``kernel[grid](...)`` runs)."""
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    return kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
+
+
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ptxas ``-v`` on ``ptx``, assembled with
+    the flags Triton's CUDA backend uses."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(arch)}", src,
+               "-o", os.path.join(tmp, "kernel.cubin")]  # fmt: skip
+        log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    registers = max((int(n) for n in _PTXAS_REGISTERS.findall(log)), default=0)
+    spills = [(int(a), int(b)) for a, b in _PTXAS_SPILLS.findall(log)]
+    return registers, sum(a for a, _ in spills), sum(b for _, b in spills)
+
+
+def compile_launch(launch: Any, arch: int, *, shape: str = "", dtype: str = "") -> CompileResult:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    options, signature, constexprs, attrs = _bind(launch, backend)
+    named = {launch.kernel.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+    shown = {k: v for k, v in named.items() if k in launch.kwargs}
+    name = launch.kernel.fn.__name__.strip("_").removesuffix("_kernel")
+    result = CompileResult(kernel=name, shape=shape, dtype=dtype, arch=arch, constexprs=shown,
+                           num_warps=options.num_warps, num_stages=options.num_stages)  # fmt: skip
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - a compile error is this result's finding
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        # Triton's CompilationError: "at LINE:COL:", the source, then the cause on the last line.
+        result.error = f"{type(exc).__name__}: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()
+        return result
+    result.shared_bytes = int(compiled.metadata.shared)
+    result.registers, result.spill_stores, result.spill_loads = ptxas_report(compiled.asm["ptx"], arch)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _launch_key(launch: Any, arch: int) -> str:
+    """Identity of what a launch compiles to, so identical specialisations compile once."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    options, signature, constexprs, attrs = _bind(launch, make_backend(GPUTarget("cuda", arch, 32)))
+    return repr((launch.kernel.fn.__qualname__, signature, sorted(constexprs.items()), sorted(attrs.items()),
+                 sorted(options.__dict__.items())))  # fmt: skip
+
+
+def compile_all(
+    shapes: Iterable[ServedShape], dtypes: Iterable[str], archs: Iterable[int]
+) -> list[CompileResult]:
+    """Every distinct specialisation the engine launches for ``shapes`` x ``dtypes``, compiled for each
+    arch (a specialisation shared by two shapes is compiled once, under the first shape's name)."""
+    require_compiled_triton()
+    results, seen = [], set()
+    for arch in archs:
+        for shape in shapes:
+            for dtype in dtypes:
+                for launch in engine_launches(shape, DTYPES[dtype], arch):
+                    key = _launch_key(launch, arch)
+                    if key not in seen:
+                        seen.add(key)
+                        results.append(compile_launch(launch, arch, shape=shape.name, dtype=dtype))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_MEMORY_LIMIT))
+    parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--shape", nargs="+", default=list(SERVED_SHAPES), choices=list(SERVED_SHAPES))
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    results = compile_all([SERVED_SHAPES[s] for s in args.shape], args.dtype, args.arch)
+    failed = [r for r in results if r.problems()]
+    for r in results:
+        status = "; ".join(r.problems()) or "ok"
+        print(f"{r.label()}: warps={r.num_warps} stages={r.num_stages} smem={r.shared_bytes / 1024:.0f}KiB "
+              f"regs={r.registers} {r.seconds:.1f}s {status}")  # fmt: skip
+    print(f"{len(results)} specialisations compiled, {len(failed)} unfit to launch")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) | {"problems": r.problems()} for r in results], f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

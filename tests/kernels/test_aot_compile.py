@@ -1,0 +1,171 @@
+"""Every Triton kernel the engine launches, compiled ahead of time for sm_80 and sm_90 (no GPU needed).
+
+``kernels.aot`` records each launcher's launches for the served model shapes (head dims 64 and 128,
+GQA 1 to 8, block size 16, bf16 and fp16) and compiles them with Triton's ptxas. This process runs
+the kernels interpreted (conftest sets ``TRITON_INTERPRET=1`` on CPU hosts), so the compiles run in a
+subprocess with ``TRITON_INTERPRET=0``, once per session; the tests read its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import aot
+from kernels._common import recorded_launches
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCHS = (80, 90)
+
+
+def _compiled_env() -> dict[str, str]:
+    return {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.aot", "--arch", *map(str, ARCHS), "--json", str(out)],
+        cwd=ROOT, env=_compiled_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.is_file(), f"kernels.aot wrote nothing (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text())
+
+
+def test_every_engine_kernel_compiles_within_each_architectures_limits(compiled):
+    unfit = [f"{r['kernel']} {r['shape']} {r['dtype']} sm_{r['arch']} {r['constexprs']}: {r['problems']}"
+             for r in compiled if r["problems"]]  # fmt: skip
+    assert not unfit, "\n".join(unfit)
+    assert all(r["shared_bytes"] <= aot.SHARED_MEMORY_LIMIT[r["arch"]] for r in compiled)
+
+
+def test_every_kernel_is_compiled_for_each_arch_and_dtype(compiled):
+    seen = defaultdict(set)
+    for r in compiled:
+        seen[r["kernel"]].add((r["arch"], r["dtype"]))
+    want = {(arch, dtype) for arch in ARCHS for dtype in aot.DTYPES}
+    kernels = {"rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
+               "merge_splits", "extend_attention"}  # fmt: skip
+    assert set(seen) == kernels
+    assert all(seen[k] == want for k in kernels), dict(seen)
+
+
+def test_attention_is_compiled_at_every_head_dim_group_and_split_mode(compiled):
+    for kernel, split_modes in (("paged_decode_attention", {True, False}), ("extend_attention", {None})):
+        found = defaultdict(set)
+        for r in compiled:
+            if r["kernel"] == kernel:
+                c = r["constexprs"]
+                key = (c["HEAD_DIM"], c["GROUP"], c["PAGE_SIZE"], c.get("SPLIT"))
+                found[(r["arch"], r["dtype"])].add(key)
+        want = {(d, g, 16, s) for d in (64, 128) for g in (1, 4, 8) for s in split_modes}
+        assert all(want <= got for got in found.values()), (kernel, dict(found))
+    pads = {r["constexprs"]["SPLITS_PAD"] for r in compiled if r["kernel"] == "merge_splits"}
+    assert pads == {2, 4, 8, 16, 32}
+
+
+def test_the_compiled_tiles_are_the_launchers_choices(compiled):
+    """What was compiled is what ``decode_tile_config``/``extend_tile_config`` choose for the arch."""
+    import importlib
+
+    decode = importlib.import_module("kernels.paged_decode_attention")
+    extend = importlib.import_module("kernels.extend_attention")
+    choosers = {"paged_decode_attention": decode.decode_tile_config,
+                "extend_attention": extend.extend_tile_config}  # fmt: skip
+    for r in compiled:
+        if r["kernel"] in choosers:
+            c = r["constexprs"]
+            dtype, capability = aot.DTYPES[r["dtype"]], divmod(r["arch"], 10)
+            tile = choosers[r["kernel"]](c["HEAD_DIM"], c["GROUP"], dtype, capability)
+            assert (r["num_warps"], r["num_stages"], c["BLOCK_N"]) == (tile.num_warps, tile.num_stages,
+                                                                       tile.block_n), r  # fmt: skip
+            assert c.get("BLOCK_M", c.get("GROUP_PAD")) == tile.block_m, r
+
+
+def test_llama3_8b_and_qwen3_shapes_are_compiled(compiled):
+    shapes = {r["shape"] for r in compiled}
+    assert {"llama3-8b", "qwen3-0.6b"} <= shapes
+    qk_norm_rows = [r for r in compiled if r["kernel"] == "rms_norm" and r["constexprs"]["HIDDEN"] == 128]
+    assert qk_norm_rows, "Qwen3's per-head q/k RMSNorm (rows of head_dim) is not compiled"
+
+
+def test_recorded_launches_run_nothing_and_follow_the_recording_arch():
+    """Under ``recorded_launches`` the launchers validate and choose as usual but launch nothing."""
+    shape = aot.SERVED_SHAPES["llama3-8b"]
+
+    def extend_warps(arch: int) -> int:
+        launches = aot.engine_launches(shape, torch.float16, arch=arch)
+        names = [launch.kernel.fn.__name__ for launch in launches]
+        assert "_paged_decode_attention_kernel" in names
+        return launches[names.index("_extend_attention_kernel")].kwargs["num_warps"]
+
+    assert (extend_warps(80), extend_warps(90)) == (8, 4)  # head_dim 128: see extend_tile_config
+    out = torch.full((2, 8), 7.0)
+    with recorded_launches() as recorded:
+        import kernels
+
+        kernels.silu_and_mul(torch.ones((2, 16)), out=out)
+    assert len(recorded) == 1 and recorded[0].grid[0] == 2
+    assert torch.equal(out, torch.full((2, 8), 7.0))
+
+
+def test_launcher_checks_still_apply_while_recording():
+    import kernels
+
+    with recorded_launches(), pytest.raises(ValueError, match="slot_mapping"):
+        cache = torch.empty((4, 16, 2, 64))
+        kernels.store_kv_cache(torch.empty((3, 2, 64)), torch.empty((3, 2, 64)), cache, cache.clone(),
+                               torch.zeros(2, dtype=torch.int64))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("result", "problem"),
+    [
+        (dict(shared_bytes=228 * 1024), "shared memory"),
+        (dict(registers=168, num_warps=16), "registers x 512 threads"),
+        (dict(spill_stores=72, spill_loads=68), "register spills"),
+        (dict(error="CompilationError: at 3:4"), "does not compile"),
+    ],
+)
+def test_compile_results_outside_the_targets_limits_are_reported(result, problem):
+    fields = dict(kernel="k", shape="s", dtype="bfloat16", arch=90, constexprs={}, num_warps=4, num_stages=3)
+    assert any(problem in p for p in aot.CompileResult(**(fields | result)).problems())
+    assert aot.CompileResult(**fields, shared_bytes=227 * 1024, registers=128).problems() == []
+
+
+def test_a_kernel_that_does_not_compile_for_sm90_is_reported(tmp_path):
+    """The pipeline the suite relies on sees a compile error (here: a shape mismatch in ``tl.dot``)."""
+    (tmp_path / "broken_kernel.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def broken(x_ptr, BLOCK: tl.constexpr):
+            a = tl.load(x_ptr + tl.arange(0, BLOCK)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :])
+            b = tl.load(x_ptr + tl.arange(0, BLOCK))
+            tl.store(x_ptr + tl.arange(0, BLOCK), tl.sum(tl.dot(a, b), axis=0))
+    """))
+    script = textwrap.dedent("""
+        import sys, torch
+        import triton  # before kernels: compiled, not interpreted
+        from broken_kernel import broken
+        from kernels import aot
+        from kernels._common import Launch
+        result = aot.compile_launch(Launch(broken, (1,), (torch.empty(256),), {"BLOCK": 16}), 90)
+        print(result.problems())
+        sys.exit(0 if result.problems() else 1)
+    """)
+    env = _compiled_env() | {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "does not compile" in proc.stdout
