@@ -3,7 +3,7 @@
 #   - Debian packages: postgresql (server binaries), redis-server, acl (setfacl), chromium (dashboard
 #     browser tests)
 #   - a virtualenv at .venv with the project and its test extras
-# On a machine without an NVIDIA GPU torch is pinned to the CPU build through constraints/cpu.txt.
+# Torch and Triton are pinned by constraints/cpu.txt, or constraints/cuda.txt where nvidia-smi exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +37,7 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --upgrade pip
 fi
 
-constraints=()
+constraints=(-c constraints/cuda.txt)
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   constraints=(-c constraints/cpu.txt)
 fi

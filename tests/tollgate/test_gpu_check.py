@@ -1,0 +1,113 @@
+"""scripts/gpu-check on a machine without a GPU: ``--dry-run`` checks its inputs and prints the plan,
+a real run refuses cleanly; scripts/gpu_report.py turns a run's files into the table with targets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ("tests", "kernels", "throughput", "throughput-eager", "decode")
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_report  # noqa: E402
+
+
+def gpu_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+def test_dry_run_checks_its_inputs_and_prints_the_plan(tmp_path):
+    proc = gpu_check("--dry-run", "--python", sys.executable, "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert "GPU: none" in proc.stdout
+    for step in STEPS:
+        assert f"  [{step}] (<= " in proc.stdout
+    assert "scripts/gpu_report.py" in proc.stdout
+    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+
+
+def test_the_plan_keeps_the_whole_run_under_ten_minutes():
+    proc = gpu_check("--dry-run", "--python", sys.executable)
+    plan = [line for line in proc.stdout.splitlines() if "(<= " in line]
+    limits = [int(line.split("(<= ")[1].split("s)")[0]) for line in plan]
+    assert len(limits) == len(STEPS) and sum(limits) <= 540  # a minute left for installs and the report
+
+
+def test_skipped_steps_are_shown_as_skipped():
+    proc = gpu_check("--dry-run", "--python", sys.executable, "--skip", "throughput", "--skip", "tests")
+    assert "[throughput] skipped" in proc.stdout and "[throughput-eager] skipped" in proc.stdout
+    assert "[tests] skipped" in proc.stdout and "[decode] (<= " in proc.stdout
+
+
+def test_without_a_gpu_a_real_run_stops_before_running_anything(tmp_path):
+    proc = gpu_check("--python", sys.executable, "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "no CUDA GPU here" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_python_without_torch_is_refused(tmp_path):
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    proc = gpu_check("--dry-run", "--python", str(bare / "bin" / "python"))
+    assert proc.returncode == 2 and "lacks torch or triton" in proc.stderr
+
+
+def test_unknown_arguments_are_refused():
+    proc = gpu_check("--frobnicate")
+    assert proc.returncode == 2 and "unknown argument --frobnicate" in proc.stderr
+
+
+def _write_run(out: Path, *, long_context_fraction: float, step_fraction: float, failures: int = 0) -> None:
+    cases = "".join(f'<testcase classname="tests.kernels" name="t{i}"/>' for i in range(3))
+    cases += "".join(f'<testcase classname="tests.engine" name="f{i}"><failure/></testcase>'
+                     for i in range(failures))  # fmt: skip
+    (out / "tests.xml").write_text(
+        f'<testsuites><testsuite tests="{3 + failures}" failures="{failures}" errors="0" skipped="1">'
+        f"{cases}</testsuite></testsuites>"
+    )
+    (out / "kernels.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "results": [
+        {"kernel": "paged_decode_attention", "shape": "B=1 ctx=1024", "fraction_of_floor": 0.2},
+        {"kernel": "paged_decode_attention", "shape": "B=1 ctx=32768",
+         "fraction_of_floor": long_context_fraction},
+        {"kernel": "rms_norm", "shape": "T=4096", "fraction_of_floor": 0.9},
+    ]}))  # fmt: skip
+    (out / "decode_step.json").write_text(json.dumps({"model": "llama3-8b", "batch": 64, "context": 2048,
+                                                      "step_ms": 10.72 / step_fraction, "floor_ms": 10.72,
+                                                      "fraction_of_floor": step_fraction}))  # fmt: skip
+    (out / "throughput.json").write_text(json.dumps({"machine": "NVIDIA H100 80GB HBM3",
+                                                     "tollgate": {"tokens_per_s": 12489.0}}))  # fmt: skip
+    (out / "steps.txt").write_text("tests 0 120\nkernels 0 60\n")
+
+
+def test_report_checks_each_figure_against_its_target(tmp_path):
+    _write_run(tmp_path, long_context_fraction=0.68, step_fraction=0.79)
+    report = gpu_report.build(tmp_path)
+    checks = {name: (value, target, ok) for name, value, target, ok in report["checks"]}
+    assert checks["GPU tests"][2] is True
+    assert checks["paged decode attention B=1 ctx=32768"][2] is False  # 68% < 85%
+    assert "paged decode attention B=1 ctx=1024" not in checks  # short context: not the target's
+    assert checks["llama3-8b decode step B=64 ctx=2048"][2] is False
+    value, target, ok = checks["offline throughput, nano-vllm setup, CUDA graphs"]
+    # nano-vllm's 1,434 tok/s on a 256 GB/s RTX 4070 laptop, scaled to the H100's 3.35 TB/s
+    assert report["nano_vllm_scaled_tok_s"] == pytest.approx(1434 * 3.35e12 / 256e9)
+    assert ok is False and "12489 tok/s" in value
+    assert report["steps"][0] == {"step": "tests", "rc": "0", "seconds": "120"}
+    text = gpu_report.markdown(report)
+    assert "| paged decode attention B=1 ctx=32768 | 68% of copy bandwidth | >= 85% | missed |" in text
+
+
+def test_report_exits_non_zero_when_gpu_tests_failed(tmp_path):
+    _write_run(tmp_path, long_context_fraction=0.9, step_fraction=0.85, failures=2)
+    assert gpu_report.main([str(tmp_path)]) == 1
+    written = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert written["tests"]["failed"] == ["tests.engine::f0", "tests.engine::f1"]
+    assert "Failed tests: tests.engine::f0, tests.engine::f1" in (tmp_path / "gpu-check.md").read_text()
+    _write_run(tmp_path, long_context_fraction=0.9, step_fraction=0.85)
+    assert gpu_report.main([str(tmp_path)]) == 0
