@@ -19,23 +19,16 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import logging
-from collections.abc import Callable, Iterable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Literal
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 RequestClass = Literal["interactive", "batch"]
 REQUEST_CLASSES: tuple[str, ...] = ("interactive", "batch")
 PICO_PER_TOKEN_PER_USD_PER_MTOK = 1_000_000  # 1 USD / 1e6 tokens = 1e12 pico-USD / 1e6 tokens
-
-logger = logging.getLogger("tollgate.billing")
 
 
 class PriceNotFound(LookupError):
@@ -175,39 +168,3 @@ class PriceBook:
         if index < 0:
             raise PriceNotFound(f"model {model!r} has no price in effect at {when.isoformat()}")
         return self._prices[model][index]
-
-    @classmethod
-    async def load(cls, session: AsyncSession) -> PriceBook:
-        from billing.repository import all_prices
-
-        return cls(await all_prices(session))
-
-
-SessionFactory = Callable[[], AbstractAsyncContextManager[AsyncSession]]
-
-
-class PriceBookCache:
-    """Holds the current ``PriceBook`` and reloads it every ``refresh_interval_s`` (a background task of
-    the gateway's lifespan). A failed reload keeps the last good book; the first load must succeed."""
-
-    def __init__(self, session_factory: SessionFactory, refresh_interval_s: float = 10.0) -> None:
-        self._session_factory = session_factory
-        self._interval = refresh_interval_s
-        self.book = PriceBook()
-
-    async def refresh(self) -> PriceBook:
-        async with self._session_factory() as session:
-            self.book = await PriceBook.load(session)
-        return self.book
-
-    async def run(self) -> None:
-        """Reload forever (cancel to stop)."""
-        while True:
-            await asyncio.sleep(self._interval)
-            try:
-                await self.refresh()
-            except Exception:
-                logger.exception("price book refresh failed; keeping the previous one")
-
-    def price_for(self, model: str, at: datetime | None = None) -> Price:
-        return self.book.price_for(model, at)

@@ -8,9 +8,8 @@ Invariants:
 - Every change is written to ``audit_log`` (actor ``billing``) in the same transaction; services
   never commit.
 - After the caller commits, ``publish_tenant_changed`` tells every gateway process to drop the
-  tenant's cached limits. It publishes the message ``{"tenant_id": id}`` on ``tollgate:invalidate``,
-  the channel and format that ``gateway.auth`` documents and listens to (``billing`` sits below the
-  gateway and cannot import it; ``tests/billing/test_webhooks.py`` checks the channel is the same).
+  tenant's cached limits, through ``tollgate.redis.publish_invalidation`` (the channel the gateway
+  listens to).
 """
 
 from __future__ import annotations
@@ -18,14 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 
-import orjson
 from redis.asyncio import Redis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tollgate.models import AuditLog, Tenant
+from tollgate.redis import publish_invalidation
 
-TENANT_INVALIDATION_CHANNEL = "tollgate:invalidate"
 ACTOR = "billing"
 
 
@@ -74,4 +72,4 @@ async def lift_billing_suspension(session: AsyncSession, tenant: Tenant, paid_at
 
 async def publish_tenant_changed(redis: Redis, tenant_ids: Iterable[int]) -> None:
     for tenant_id in tenant_ids:
-        await redis.publish(TENANT_INVALIDATION_CHANNEL, orjson.dumps({"tenant_id": tenant_id}))
+        await publish_invalidation(redis, tenant_id=tenant_id)

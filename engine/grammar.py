@@ -25,8 +25,8 @@ Invariants:
   tokens containing one are masked, and after a token ending in the lead byte ``ED`` so are tokens
   starting with ``A0..BF``.
 
-Schemas are validated by :func:`check_json_schema` (used by ``SamplingParams``): a schema that xgrammar
-cannot compile raises ``ValueError``.
+Schemas and regular expressions are validated when ``SamplingParams`` is built, by
+``engine.grammar_check`` (a schema xgrammar cannot compile raises ``ValueError``).
 
 Threads: ``GrammarBackend``'s compile side (``compile``, ``compile_async``, ``withdraw``, ``pin``,
 ``unpin``, ``cached``) may be called from any thread; one lock guards the cache, the in-flight compiles
@@ -49,31 +49,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xgrammar as xgr
 
+from engine.grammar_check import SEPARATORS
+
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
 
-_SEPARATORS = (",", ":")
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
-
-
-def check_json_schema(schema: dict[str, Any]) -> None:
-    """Raise ValueError if the schema cannot be turned into a grammar."""
-    try:
-        xgr.Grammar.from_json_schema(
-            json.dumps(schema), any_whitespace=False, separators=_SEPARATORS, strict_mode=True
-        )
-    except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses from C++
-        raise ValueError(f"json_schema is not a supported JSON Schema: {exc}") from None
-
-
-def check_regex(regex: str) -> None:
-    """Raise ValueError if the regular expression cannot be turned into a grammar."""
-    try:
-        xgr.Grammar.from_regex(regex)
-    except Exception as exc:
-        raise ValueError(f"regex is not supported: {exc}") from None
 
 
 def tokenizer_info_from_json(
@@ -193,7 +176,7 @@ class GrammarBackend:
     def key(params: SamplingParams) -> str | None:
         """The cache key of the request's constraint (canonical JSON of a schema), or None if none."""
         if params.json_schema is not None:
-            return "schema:" + json.dumps(params.json_schema, sort_keys=True, separators=_SEPARATORS)
+            return "schema:" + json.dumps(params.json_schema, sort_keys=True, separators=SEPARATORS)
         if params.json_object:
             return "json_object"
         if params.regex is not None:
@@ -333,11 +316,11 @@ class GrammarBackend:
         try:
             if params.json_schema is not None:
                 return self._compiler.compile_json_schema(
-                    json.dumps(params.json_schema), any_whitespace=False, separators=_SEPARATORS
+                    json.dumps(params.json_schema), any_whitespace=False, separators=SEPARATORS
                 )
             if params.json_object:
                 return self._compiler.compile_json_schema(
-                    _JSON_OBJECT_SCHEMA, any_whitespace=False, separators=_SEPARATORS, strict_mode=False
+                    _JSON_OBJECT_SCHEMA, any_whitespace=False, separators=SEPARATORS, strict_mode=False
                 )
             return self._compiler.compile_regex(params.regex or "")
         except Exception as exc:

@@ -103,7 +103,7 @@ class SamplingParams:
         if self.regex is not None:
             if not isinstance(self.regex, str) or not self.regex:
                 raise ValueError("regex must be a non-empty string")
-            from engine.grammar import check_regex
+            from engine.grammar_check import check_regex
 
             check_regex(self.regex)
         if self.json_schema is not None:
@@ -113,7 +113,7 @@ class SamplingParams:
                 json.dumps(self.json_schema, allow_nan=False)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"json_schema is not serializable as JSON: {exc}") from None
-            from engine.grammar import check_json_schema
+            from engine.grammar_check import check_json_schema
 
             check_json_schema(self.json_schema)
 

@@ -38,11 +38,11 @@ from gateway.admission.limits import TenantLimits
 from gateway.errors import AuthenticationError, ServiceUnavailableError
 from gateway.tenants.keys import bearer_token, parse_key, verify_key
 from gateway.tenants.repository import ApiKeyRepository
+from tollgate.redis import INVALIDATE_CHANNEL
 from tollgate.settings import Settings
 
 logger = logging.getLogger("tollgate.gateway.auth")
 
-INVALIDATE_CHANNEL = "tollgate:invalidate"
 # Unknown key ids are remembered this long at most (a flood of bad keys must not reach Postgres).
 NEGATIVE_TTL_S = 1.0
 LAST_USED_FLUSH_S = 30.0
@@ -256,7 +256,3 @@ class Authenticator:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
 
-
-async def publish_invalidation(redis: Redis, **what: Any) -> None:
-    """Tell every gateway process to drop cached keys (``key_id=``, ``api_key_id=``, ``tenant_id=``)."""
-    await redis.publish(INVALIDATE_CHANNEL, orjson.dumps(what or "*"))

@@ -22,7 +22,7 @@ from fastapi import Depends, Request
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.prices import PriceBookCache
+from billing.price_cache import PriceBookCache
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionController
 from gateway.auth import Authenticator, Principal

@@ -5,6 +5,10 @@ Invariants:
   inspected and a test can tell platform keys from anything else.
 - Clients get short socket timeouts from the settings, so a Redis that is down fails a health check or
   an admission call quickly instead of hanging a request.
+- Key-cache invalidation is one pub/sub channel, ``INVALIDATE_CHANNEL``, with one message format (a
+  JSON object naming ``key_id``, ``api_key_id`` or ``tenant_id``, or ``"*"`` for everything): the
+  gateway listens (``gateway.auth``), admin actions, the CLI and billing's suspensions publish. It lives
+  here because all of them may import this module.
 - Redis must run with ``appendonly yes`` (the usage outbox is durable) and ``maxmemory-policy
   noeviction`` (admission counters and the outbox must never be evicted silently);
   ``check_durability`` reports a server that does not.
@@ -12,12 +16,22 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
+import orjson
 import redis
 import redis.asyncio as aioredis
 
 from tollgate.settings import Settings
 
 KEY_PREFIX = "tollgate:"
+INVALIDATE_CHANNEL = KEY_PREFIX + "invalidate"
+
+
+async def publish_invalidation(client: aioredis.Redis, **what: Any) -> None:
+    """Tell every gateway process to drop cached keys (``key_id=``, ``api_key_id=``, ``tenant_id=``;
+    nothing: all of them)."""
+    await client.publish(INVALIDATE_CHANNEL, orjson.dumps(what or "*"))
 
 
 def redis_url(settings: Settings) -> str:

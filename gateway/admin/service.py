@@ -273,7 +273,7 @@ async def list_prices(session: AsyncSession, model: str | None = None, *,
 async def add_price(session: AsyncSession, data: PriceCreateRequest, *, actor: str,
                     now: datetime | None = None) -> PriceRowOut:
     """Add a price row from ``data.effective_from`` (now when omitted). Gateways pick it up with their
-    periodic price-book refresh (``billing.prices.PriceBookCache``)."""
+    periodic price-book refresh (``billing.price_cache.PriceBookCache``)."""
     now = now or datetime.now(UTC)
     try:
         start = new_price_start(data.effective_from, now)

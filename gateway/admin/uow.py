@@ -2,7 +2,7 @@
 
 Services queue what running gateways must forget (``queue_invalidation(session, tenant_id=3)``,
 ``key_id="<prefix>"``) on the session itself (``session.info``); ``admin_unit_of_work`` commits and only
-then publishes the queued messages on ``tollgate:invalidate`` through ``gateway.auth.publish_invalidation``
+then publishes the queued messages on ``tollgate:invalidate`` through ``tollgate.redis.publish_invalidation``
 (the same channel and format the gateways listen to). So a rolled-back change is never announced, and a
 gateway that reloads on the message sees the committed row.
 
@@ -29,8 +29,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import publish_invalidation
 from tollgate.db import Database
+from tollgate.redis import publish_invalidation
 
 logger = logging.getLogger("tollgate.gateway.admin")
 

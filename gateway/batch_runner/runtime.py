@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.prices import PriceBookCache
+from billing.price_cache import PriceBookCache
 from billing.spend import month_field, month_to_date_spend, record_spend, tenant_tag
 from gateway.admission.limits import Admission, TenantLimits
 from gateway.auth import Authenticator

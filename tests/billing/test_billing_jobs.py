@@ -12,12 +12,12 @@ from sqlalchemy import select
 from billing import jobs, tasks
 from billing.rollups import hour_of
 from billing.stripe_billing import attach_tenant, make_client, setup_stripe
-from gateway.auth import INVALIDATE_CHANNEL
 from tests.billing.fake_stripe import FakeStripe
 from tests.billing.invalidations import next_invalidation
 from tests.factories import create_tenant, create_usage_event
 from tollgate.db import Database
 from tollgate.models import BudgetAlert, Tenant
+from tollgate.redis import INVALIDATE_CHANNEL
 from tollgate.settings import Settings, get_settings
 
 

@@ -13,7 +13,8 @@ from sqlalchemy import func, select
 
 from billing import tasks
 from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
-from billing.prices import Price, PriceBook, PriceBookCache, PriceNotFound
+from billing.price_cache import PriceBookCache, load_price_book
+from billing.prices import Price, PriceNotFound
 from billing.service import DEMO_PRICE, EPOCH, PriceConflict, ensure_price, reconcile_month_spend, set_price
 from billing.spend import (
     MONTH_OF_LUA,
@@ -37,7 +38,7 @@ async def test_price_rows_load_into_a_book_with_effective_dates(db_session) -> N
     old, new = Price.of(input=1_000_000, output=2_000_000), Price.of(input=3_000_000, output=6_000_000)
     await set_price(db_session, "svc-model", old, NOW - timedelta(days=10), now=NOW)
     await set_price(db_session, "svc-model", new, NOW + timedelta(days=10), now=NOW)
-    book = await PriceBook.load(db_session)
+    book = await load_price_book(db_session)
     assert book.price_for("svc-model", NOW) == old
     assert book.price_for("svc-model", NOW + timedelta(days=11)) == new
     with pytest.raises(PriceNotFound):
@@ -52,13 +53,13 @@ async def test_a_price_in_effect_is_never_rewritten_but_a_future_one_may_be(db_s
     future = NOW + timedelta(days=1)
     await set_price(db_session, "m2", price, future, now=NOW)
     await set_price(db_session, "m2", Price.of(input=7, output=7), future, now=NOW)
-    assert (await PriceBook.load(db_session)).price_for("m2", future).input == 7
+    assert (await load_price_book(db_session)).price_for("m2", future).input == 7
 
 
 async def test_ensure_price_seeds_only_an_unpriced_model(db_session) -> None:
     assert await ensure_price(db_session, "tiny-seed", DEMO_PRICE)
     assert not await ensure_price(db_session, "tiny-seed", Price.of(input=1, output=1))
-    book = await PriceBook.load(db_session)
+    book = await load_price_book(db_session)
     assert book.price_for("tiny-seed", EPOCH) == DEMO_PRICE
 
 

@@ -15,14 +15,14 @@ import httpx
 import orjson
 from sqlalchemy import func, select
 
-from billing.suspension import TENANT_INVALIDATION_CHANNEL, enforce_payment_grace
+from billing.suspension import enforce_payment_grace
 from gateway.app import create_app
-from gateway.auth import INVALIDATE_CHANNEL
 from tests.billing.fake_stripe import sign_webhook
 from tests.billing.invalidations import next_invalidation
 from tests.factories import create_tenant
 from tollgate.db import Database
 from tollgate.models import StripeEvent, Tenant
+from tollgate.redis import INVALIDATE_CHANNEL
 from tollgate.settings import Settings
 
 SECRET = "whsec_test_tollgate"
@@ -62,10 +62,6 @@ async def tenant_row(db: Database, tenant_id: int) -> Tenant:
 async def new_tenant(db: Database, **columns: Any) -> Tenant:
     async with db.session() as session:
         return await create_tenant(session, stripe_customer_id=f"cus_{uuid.uuid4().hex[:12]}", **columns)
-
-
-def test_billing_publishes_on_the_channel_the_gateway_listens_to() -> None:
-    assert TENANT_INVALIDATION_CHANNEL == INVALIDATE_CHANNEL
 
 
 async def test_bad_signatures_and_stale_timestamps_are_refused(new_database, database, redis_url) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.grammar import GrammarBackend, check_json_schema, is_terminated, tokenizer_info_from_json
+from engine.grammar import GrammarBackend, is_terminated, tokenizer_info_from_json
+from engine.grammar_check import check_json_schema
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence

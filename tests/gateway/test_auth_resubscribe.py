@@ -17,7 +17,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.auth import INVALIDATE_CHANNEL, Authenticator, _CacheSlot
+from gateway.auth import Authenticator, _CacheSlot
+from tollgate.redis import INVALIDATE_CHANNEL
 from tollgate.settings import Settings
 
 

@@ -15,7 +15,6 @@ import pytest
 import redis.asyncio as aioredis
 from sqlalchemy import update
 
-from gateway.auth import publish_invalidation
 from tests.gateway.conftest import (
     MODEL,
     GatewayUnderTest,
@@ -28,6 +27,7 @@ from tests.gateway.conftest import (
 )
 from tests.openai_schema import assert_conforms
 from tollgate.models import ApiKey
+from tollgate.redis import publish_invalidation
 
 pytestmark = pytest.mark.slow
 

@@ -28,8 +28,7 @@ if TYPE_CHECKING:
 def _announce(settings: Settings, **what: int | str) -> None:
     if not settings.redis_url:
         return
-    from gateway.auth import publish_invalidation
-    from tollgate.redis import create_redis
+    from tollgate.redis import create_redis, publish_invalidation
 
     async def main() -> None:
         redis = create_redis(settings)
