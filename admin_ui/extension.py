@@ -1,4 +1,4 @@
-"""The dashboard as a ``gateway.app`` extension module (listed in ``gateway.app.EXTENSIONS``).
+"""The dashboard as a ``gateway.app`` extension module (listed in ``tollgate.gateway_app.EXTENSIONS``).
 
 - ``install(app)``: serves ``admin_ui/static`` (our stylesheet and script, plus the vendored Pico CSS and
   Chart.js with their licenses; nothing is fetched from a CDN) under ``/admin/static``, and registers

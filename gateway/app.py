@@ -1,20 +1,26 @@
-"""The gateway's ASGI application factory (``uvicorn --factory gateway.app:create_app``).
+"""The gateway's ASGI application, built from the extension modules it is given. Which extensions the
+gateway process runs, and in which order, is composed once in ``tollgate.gateway_app`` (the
+composition root: ``uvicorn --factory tollgate.gateway_app:create_app``).
 
 Invariants:
 - ``app.state.settings``, ``app.state.db`` (``tollgate.db.Database``) and ``app.state.redis`` (asyncio
   Redis) exist for the whole lifespan; clients connect lazily, so the app starts (and ``/health``
   answers 503) while Postgres or Redis is down.
-- Features plug in as *extension modules*, listed in ``EXTENSIONS``; each may define ``install(app)``
-  (middleware, exception handlers; called once at creation), ``router`` (an ``APIRouter``) and
-  ``lifespan(app)`` (an async context manager entered after the shared clients exist and exited, in
-  reverse order, before they close). Adding a feature is one line in ``EXTENSIONS``.
+- An extension module may define ``install(app)`` (middleware, exception handlers, mounts),
+  ``router`` (an ``APIRouter``) and ``lifespan(app)`` (an async context manager). The order of the
+  extensions decides, and only as follows:
+  - ``install`` runs once each, in order. Starlette wraps each middleware added around those added
+    before, so the *last* installed middleware is the *outermost*; a later exception handler for the
+    same exception class replaces an earlier one.
+  - Routers are included in order, and the first matching route answers.
+  - Lifespans are entered in order, after the shared clients exist, and exited in *reverse* order,
+    before the clients close.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import ModuleType
 from typing import Any
@@ -24,22 +30,6 @@ from fastapi import FastAPI
 from tollgate.db import Database
 from tollgate.redis import create_redis
 from tollgate.settings import Settings, get_settings
-
-EXTENSIONS: tuple[str, ...] = (
-    "gateway.health",
-    "gateway.api",
-    "gateway.metrics",
-    "gateway.files.endpoints",
-    "gateway.batches.endpoints",
-    "gateway.admin",
-    "gateway.usage",
-    "billing.webhooks",
-    "admin_ui.extension",
-)
-
-
-def _load_extensions(names: tuple[str, ...]) -> list[ModuleType]:
-    return [importlib.import_module(name) for name in names]
 
 
 def _no_native_telemetry() -> dict[str, Any]:
@@ -51,10 +41,10 @@ def _no_native_telemetry() -> dict[str, Any]:
     return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
 
-def create_app(settings: Settings | None = None, *, extensions: tuple[str, ...] | None = None) -> FastAPI:
-    """The app with ``EXTENSIONS`` (or only the ``extensions`` given, e.g. to test one in isolation)."""
+def create_app(settings: Settings | None, extensions: Sequence[ModuleType]) -> FastAPI:
+    """The app of ``extensions``, in their order (see the module docstring)."""
     settings = settings or get_settings()
-    loaded = _load_extensions(EXTENSIONS if extensions is None else extensions)
+    loaded = list(extensions)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

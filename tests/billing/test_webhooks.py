@@ -15,6 +15,7 @@ import httpx
 import orjson
 from sqlalchemy import func, select
 
+import billing.webhooks
 from billing.suspension import enforce_payment_grace
 from gateway.app import create_app
 from tests.billing.fake_stripe import sign_webhook
@@ -32,7 +33,7 @@ SECRET = "whsec_test_tollgate"
 async def webhook_app(database_url: str, redis_url: str, grace_s: float) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(environment="test", database_url=database_url, redis_url=redis_url,
                         stripe_webhook_secret=SECRET, payment_failed_grace_s=grace_s, database_pool_size=2)
-    app = create_app(settings, extensions=("billing.webhooks",))
+    app = create_app(settings, (billing.webhooks,))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
             yield client

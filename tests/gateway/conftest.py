@@ -118,7 +118,7 @@ def gateway_settings(replicas: list[str], model_dir: Path, database_url: str, re
 @contextlib.asynccontextmanager
 async def run_gateway(settings: Settings) -> AsyncIterator[GatewayUnderTest]:
     """The gateway app under uvicorn on a free port, in the running event loop."""
-    from gateway.app import create_app
+    from tollgate.gateway_app import create_app
 
     db = Database(settings.database_url or "", pool_size=2)
     app = create_app(settings)

@@ -22,11 +22,11 @@ import pytest
 from sqlalchemy import select, text
 
 from gateway.admin import service
-from gateway.app import create_app
 from gateway.auth import Principal
 from gateway.errors import GatewayError
 from tests.factories import create_api_key, create_tenant, create_usage_event
 from tollgate.db import Database
+from tollgate.gateway_app import create_app
 from tollgate.models import Tenant
 from tollgate.settings import Settings
 

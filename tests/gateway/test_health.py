@@ -7,14 +7,16 @@ from contextlib import asynccontextmanager
 
 import httpx
 
+import gateway.health
 from gateway.app import create_app
+from tollgate.gateway_app import EXTENSIONS
 from tollgate.local_services import free_port
 from tollgate.settings import Settings
 
 
 @asynccontextmanager
 async def client_for(settings: Settings, *, only_health: bool = False) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, extensions=("gateway.health",) if only_health else None)
+    app = create_app(settings, (gateway.health,) if only_health else EXTENSIONS)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+import gateway.metrics
 from gateway.admin import service
 from gateway.app import create_app
 from tests.factories import create_api_key, create_tenant
@@ -48,7 +49,7 @@ async def _app(database_url: str, redis_url: str, metrics_token: str | None) -> 
             _, tenant_key = await create_api_key(session, await create_tenant(session), settings=settings)
     finally:
         await db.dispose()
-    app = create_app(settings, extensions=("gateway.metrics",))
+    app = create_app(settings, (gateway.metrics,))
     async with app.router.lifespan_context(app):
         yield App(app, admin_token, tenant_key)
 

@@ -24,11 +24,11 @@ import pytest
 
 from billing.ledger import UsageFlusher
 from billing.outbox import UsageRecord, append_usage
-from gateway.app import create_app
 from tests.factories import create_api_key, create_price, create_tenant
 from tests.gateway.conftest import GatewayUnderTest, run_gateway
 from tests.gateway.gateway_processes import LOOSE_TIERS, MODEL, synthetic_engine
 from tollgate.db import Database
+from tollgate.gateway_app import create_app
 from tollgate.settings import ModelConfig, PoolConfig, Settings, TierConfig
 
 pytestmark = pytest.mark.slow

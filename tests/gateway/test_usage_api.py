@@ -13,6 +13,9 @@ import httpx
 import pytest
 from sqlalchemy import Numeric, cast, func, select
 
+import gateway.admin
+import gateway.api
+import gateway.usage
 from billing.ledger import UsageFlusher
 from billing.outbox import UsageRecord, append_usage
 from billing.prices import Price, cost_pico_usd
@@ -75,7 +78,7 @@ async def usage_app(database_url: str, redis_url: str, redis_client) -> AsyncIte
     for i, row in enumerate(THEIRS):
         await append_usage(redis_client, record(other.id, i, row))
     assert (await UsageFlusher(redis_client, db.session, consumer="usage-api").flush()).inserted == 7
-    app = create_app(settings, extensions=("gateway.api", "gateway.admin", "gateway.usage"))
+    app = create_app(settings, (gateway.api, gateway.admin, gateway.usage))
     try:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)

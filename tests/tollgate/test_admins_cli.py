@@ -13,6 +13,7 @@ from argon2 import PasswordHasher
 from click.testing import CliRunner
 from sqlalchemy import select
 
+import gateway.admin
 from gateway.admin.auth import authenticate_admin_token, hash_admin_token
 from gateway.app import create_app
 from tollgate.cli import main
@@ -49,7 +50,7 @@ def rows(query: Any) -> list[Any]:
 
 def admin_api_status(token: str) -> int:
     async def run() -> int:
-        app = create_app(get_settings(), extensions=("gateway.admin",))
+        app = create_app(get_settings(), (gateway.admin,))
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
                                          headers={"Authorization": f"Bearer {token}"}) as client:

@@ -1,4 +1,5 @@
-"""``tollgate gateway``: the public API server (uvicorn, N worker processes, ``gateway.app:create_app``).
+"""``tollgate gateway``: the public API server (uvicorn, N worker processes,
+``tollgate.gateway_app:create_app``).
 
 - Metrics: every worker writes its Prometheus values into ``PROMETHEUS_MULTIPROC_DIR`` and any worker's
   ``/metrics`` merges them (``gateway.metrics``). The directory is the one the environment names, emptied
@@ -49,7 +50,7 @@ def gateway(host: str | None, port: int | None, workers: int | None) -> None:
 
     settings = get_settings()
     config = uvicorn.Config(
-        "gateway.app:create_app",
+        "tollgate.gateway_app:create_app",
         factory=True,
         host=host or settings.host,
         port=port or settings.port,
