@@ -4,9 +4,10 @@ system-wide queries (claims, leases, sweeps) live in ``gateway.batch_runner.repo
 
 from __future__ import annotations
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.pagination import keyset_page
 from tollgate.models import Batch
 
 
@@ -32,12 +33,9 @@ class BatchRepository:
     async def page(self, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         """Newest first; ``after`` is the id of the last batch of the previous page."""
         statement = select(Batch).where(Batch.tenant_id == self.tenant_id)
+        cursor = None
         if after is not None:
             cursor = await self.get(after)
             if cursor is None:
                 return [], False
-            statement = statement.where(or_(Batch.created_at < cursor.created_at, and_(
-                Batch.created_at == cursor.created_at, Batch.id < cursor.id)))
-        rows = list(await self.session.scalars(
-            statement.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)))
-        return rows[:limit], len(rows) > limit
+        return await keyset_page(self.session, statement, Batch, cursor, limit=limit, descending=True)

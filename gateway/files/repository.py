@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.pagination import keyset_page
 from tollgate.models import File
 
 
@@ -37,19 +38,12 @@ class FileRepository:
         statement = select(File).where(File.tenant_id == self.tenant_id)
         if purpose is not None:
             statement = statement.where(File.purpose == purpose)
+        cursor = None
         if after is not None:
             cursor = await self.get(after)
             if cursor is None:
                 return [], False
-            if descending:
-                statement = statement.where(or_(File.created_at < cursor.created_at, and_(
-                    File.created_at == cursor.created_at, File.id < cursor.id)))
-            else:
-                statement = statement.where(or_(File.created_at > cursor.created_at, and_(
-                    File.created_at == cursor.created_at, File.id > cursor.id)))
-        order = (File.created_at.desc(), File.id.desc()) if descending else (File.created_at, File.id)
-        rows = list(await self.session.scalars(statement.order_by(*order).limit(limit + 1)))
-        return rows[:limit], len(rows) > limit
+        return await keyset_page(self.session, statement, File, cursor, limit=limit, descending=descending)
 
     async def delete(self, file_id: str) -> File | None:
         """Delete the row; returns it (its ``storage_key`` is for the caller to delete after commit)."""
