@@ -31,12 +31,12 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import secrets
 import shutil
 import signal
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -49,6 +49,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 import tollgate.db
+from tests.polling import wait_until
 from tollgate.db import Database
 from tollgate.local_services import (
     POSTGRES_STOP_SIGNAL,
@@ -198,16 +199,23 @@ class _ServerPool:
         with self._locked() as state:
             state["users"] = [pid for pid in state.get("users", []) if pid != self.me]
             owner = state.get("owner") == self.me
-        while owner:  # the servers die with us: wait for the other users to finish, then stop them
-            with self._locked() as state:
-                if not any(pid_alive(pid) for pid in state["users"]):
-                    pg, rd = self.procs or (None, None)
-                    for proc, sig in ((rd, REDIS_STOP_SIGNAL), (pg, POSTGRES_STOP_SIGNAL)):
-                        if proc is not None:
-                            stop(proc, sig=sig, timeout=10)
-                    state.clear()  # removes the directory, under the lock
-                    return
-            time.sleep(0.2)
+        if owner:  # the servers die with us: wait for the other users to finish, then stop them
+            # No deadline: the other processes run their own tests (each bounded by its timeouts), and a
+            # process that dies leaves the list by itself (its pid is no longer alive).
+            wait_until(self._stop_when_unused, "the other pytest processes to finish with the servers",
+                       timeout_s=math.inf, interval_s=0.2)
+
+    def _stop_when_unused(self) -> bool:
+        """Stop the servers (and remove the directory) if no other process uses them; False if one does."""
+        with self._locked() as state:
+            if any(pid_alive(pid) for pid in state["users"]):
+                return False
+            pg, rd = self.procs or (None, None)
+            for proc, sig in ((rd, REDIS_STOP_SIGNAL), (pg, POSTGRES_STOP_SIGNAL)):
+                if proc is not None:
+                    stop(proc, sig=sig, timeout=10)
+            state.clear()  # removes the directory, under the lock
+            return True
 
 
 def _stop_leftover(state_path: Path) -> None:

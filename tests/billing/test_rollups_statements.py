@@ -8,9 +8,12 @@ import asyncio
 import csv
 import io
 import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Numeric, cast, delete, func, select, text, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.ledger import UsageFlusher
 from billing.outbox import UsageRecord, append_usage
@@ -81,28 +84,53 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
         records = make_records(tenants, 600, seed=1)
         for rec in records + records[:50]:  # some appended twice (gateway retries)
             await append_usage(redis_client, rec)
-        flushers = [UsageFlusher(redis_client, db.session, consumer=f"w{i}", batch_size=25) for i in range(4)]
-        done = asyncio.Event()
+        # Every flusher transaction is counted; after the first one commits, the flushers start no other
+        # until a reconcile run has begun: so at least one run happens amid the flush, with some batches
+        # committed and others not, whatever the speed of the machine.
+        commits = 0
+        changed = asyncio.Event()  # a flusher committed, or the flush is over
+        reconciled_amid_flush = asyncio.Event()
 
+        @asynccontextmanager
+        async def flusher_session() -> AsyncIterator[AsyncSession]:
+            nonlocal commits
+            if commits:
+                await reconciled_amid_flush.wait()
+            async with db.session() as session:
+                yield session
+            commits += 1
+            changed.set()
+
+        flushers = [UsageFlusher(redis_client, flusher_session, consumer=f"w{i}", batch_size=25)
+                    for i in range(4)]
+        done = asyncio.Event()
+        runs: list[int] = []  # flusher commits before each reconcile run began
         seen_mismatches: list = []
 
-        async def reconcile_meanwhile() -> int:
-            runs = 0
-            while not done.is_set() or runs == 0:
+        async def reconcile_meanwhile() -> None:
+            while True:  # a run at once, another after each new commit, and a last one after the flush
+                changed.clear()
+                over = done.is_set()
+                runs.append(commits)
+                if commits:
+                    reconciled_amid_flush.set()
                 async with db.session() as session:  # the lock-free check never sees half a write
                     await session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
                     seen_mismatches.extend(await find_rollup_mismatches(
                         session, MONTH_START, MONTH_START + timedelta(days=32)))
                 async with db.session() as session:
                     await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32))
-                runs += 1
-                await asyncio.sleep(0)
-            return runs
+                if over:
+                    return
+                await changed.wait()
 
         reconciler = asyncio.create_task(reconcile_meanwhile())
         results = await asyncio.gather(*(f.flush() for f in flushers))
         done.set()
-        assert await reconciler >= 1 and seen_mismatches == []
+        changed.set()
+        await reconciler
+        assert seen_mismatches == []
+        assert runs[0] == 0 and any(0 < n < commits for n in runs) and runs[-1] == commits
         assert sum(r.inserted for r in results) == 600
         async with db.session() as session:
             ledger = await ledger_buckets(session, tenants)

@@ -24,7 +24,6 @@ import os
 import secrets
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from tests.factories import (
     create_tenant,
 )
 from tests.gateway.gateway_processes import MODEL, gateway_env, gateway_process, synthetic_engine
+from tests.polling import eventually
 from tollgate import schema
 from tollgate.db import Database
 from tollgate.local_services import POSTGRES_STOP_SIGNAL, LocalPostgres, find_server_binaries, free_port
@@ -54,6 +54,9 @@ from tollgate.models import UsageEvent
 from tollgate.processes import spawn, stop
 from tollgate.settings import Settings
 
+# Not on the session's shared platform (tests/e2e/conftest.py), and in no xdist group: stopping Postgres
+# under it would fail the other tests' requests, so this test runs a platform of its own (Postgres it
+# may stop, Redis, gateway, a synthetic engine whose paced tokens let a client abandon a stream midway).
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PRICE = Price.of(input=DEFAULT_INPUT_PRICE, output=DEFAULT_OUTPUT_PRICE)
@@ -156,23 +159,26 @@ async def _mixed_run(url: str, books: list[TenantBook], tokenizer: Tokenizer, ph
         await asyncio.gather(*jobs)
 
 
-async def _flush_all(redis_url: str, db: Database, timeout_s: float = 60.0) -> None:
+async def _flush_all(redis_url: str, db: Database) -> None:
     """Flush until the outbox is empty (retrying while Postgres is still coming back)."""
     redis = aioredis.Redis.from_url(redis_url)
     try:
         flusher = UsageFlusher(redis, db.session, consumer="ledger-equality")
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        async def drained() -> bool:
             try:
                 await flusher.flush()
             except LedgerUnavailable:
                 pass
-            if await redis.xlen(USAGE_STREAM) == 0:
-                return
-            assert time.monotonic() < deadline, "the outbox never drained into the ledger"
-            await asyncio.sleep(0.2)
+            return await redis.xlen(USAGE_STREAM) == 0
+
+        await eventually(drained, "the outbox to drain into the ledger", interval_s=0.2)
     finally:
         await redis.aclose()
+
+
+async def _xlen_at_least(redis: aioredis.Redis, count: int) -> bool:
+    return await redis.xlen(USAGE_STREAM) >= count
 
 
 async def _assert_ledger_matches(db: Database, books: list[TenantBook], tenant_ids: list[int]) -> None:
@@ -237,10 +243,9 @@ async def test_ledger_equals_what_clients_were_told(own_postgres: OwnPostgres, p
                 redis = aioredis.Redis.from_url(private_redis.url)
                 try:
                     # Every request of the outage is waiting in the outbox (an abandoned stream's record
-                    # lands a moment after its client hung up: poll).
-                    deadline = time.monotonic() + 10
-                    while await redis.xlen(USAGE_STREAM) < 7 * len(books) and time.monotonic() < deadline:
-                        await asyncio.sleep(0.05)
+                    # lands a moment after its client hung up: wait for it).
+                    await eventually(lambda: _xlen_at_least(redis, 7 * len(books)),
+                                     "every record of the outage in the outbox")
                     assert await redis.xlen(USAGE_STREAM) == 7 * len(books)
                     flusher = UsageFlusher(redis, db.session, consumer="ledger-equality")
                     with pytest.raises(LedgerUnavailable):

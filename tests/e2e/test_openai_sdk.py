@@ -1,80 +1,29 @@
 """The official ``openai`` SDK, unchanged, against the whole platform started by ``tollgate up``.
 
-One ``tollgate up`` per module (private Postgres and Redis, tiny engine, gateway, worker, beat) in a
-fresh data directory; the SDK reads nothing but ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` from the
-``env`` file it writes. Usage must reach the Postgres ledger through the outbox and the worker.
+The session's shared platform (``tests/e2e/conftest.py``: ``tollgate up``'s gateway, worker and beat, and
+a tiny engine replica); the SDK reads nothing but ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` from the
+``env`` file ``tollgate up`` writes (its demo key). Usage must reach the Postgres ledger through the
+outbox and the worker.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import psycopg
 import pydantic
 import pytest
 
-from tollgate.local_services import free_port
+from tests.e2e.platform_harness import MODEL, PLATFORM_GROUP, Platform
+from tests.polling import wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-STARTUP_TIMEOUT_S = 240.0
-MODEL = "tiny"
-
-
-def _env_file(path: Path) -> dict[str, str]:
-    env = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("export "):
-            name, _, value = line.removeprefix("export ").partition("=")
-            env[name] = value
-    return env
-
-
-@pytest.fixture(scope="module")
-def platform() -> Iterator[dict[str, str]]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    # Not under pytest's basetemp (0700), which the postgres user could not enter.
-    root = Path(tempfile.mkdtemp(prefix="tollgate-sdk-e2e-"))
-    os.chmod(root, 0o755)
-    data_dir = root / "data"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "OPENAI_"))}
-    out = root / "up.out"
-    with out.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tollgate", "up", "--data-dir", str(data_dir),
-                                 "--port", str(free_port()), "--engine-port", str(free_port())],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while "tollgate is up" not in out.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"tollgate up did not start:\n{out.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.2)
-        platform_env = _env_file(data_dir / "env")
-        yield platform_env
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        shutil.rmtree(root, ignore_errors=True)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(PLATFORM_GROUP)]
 
 
 @pytest.fixture
-def client(platform: dict[str, str]) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=platform["OPENAI_BASE_URL"], api_key=platform["OPENAI_API_KEY"], max_retries=0)
+def client(platform: Platform) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=platform.openai_base_url, api_key=platform.api_key, max_retries=0)
     yield c
     c.close()
 
@@ -121,22 +70,19 @@ def test_tools_completions_models_and_errors(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
 
 
-def _ledger_row(platform: dict[str, str], request_id: str) -> tuple:
+def _ledger_row(platform: Platform, request_id: str) -> tuple:
     """The ledger row of ``request_id`` once the worker has flushed it from the outbox."""
-    deadline = time.monotonic() + 60
-    with psycopg.connect(platform["TOLLGATE_DATABASE_URL"], autocommit=True) as conn:
-        while time.monotonic() < deadline:
-            row = conn.execute(
+    with psycopg.connect(platform.database_url, autocommit=True) as conn:
+        def row() -> tuple | None:
+            return conn.execute(
                 "SELECT status, prompt_tokens, cached_tokens, completion_tokens, cost_pico_usd, created_at"
                 " FROM usage_events WHERE request_id = %s", (request_id,)).fetchone()
-            if row is not None:
-                return row
-            time.sleep(0.2)
-    raise AssertionError(f"usage of {request_id} never reached the ledger")
+
+        return wait_until(row, f"the usage of {request_id} to reach the ledger", interval_s=0.05)
 
 
-def _price_at(platform: dict[str, str], when: object) -> tuple[int, int, int]:
-    with psycopg.connect(platform["TOLLGATE_DATABASE_URL"], autocommit=True) as conn:
+def _price_at(platform: Platform, when: object) -> tuple[int, int, int]:
+    with psycopg.connect(platform.database_url, autocommit=True) as conn:
         row = conn.execute("SELECT input, cached_input, output FROM prices WHERE model = %s"
                            " AND effective_from <= %s ORDER BY effective_from DESC LIMIT 1",
                            (MODEL, when)).fetchone()
@@ -144,14 +90,7 @@ def _price_at(platform: dict[str, str], when: object) -> tuple[int, int, int]:
     return row
 
 
-def _cli(platform: dict[str, str], *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "OPENAI_"))}
-    done = subprocess.run([sys.executable, "-m", "tollgate", *args], env={**env, **platform},
-                          check=True, capture_output=True, text=True)
-    return done.stdout
-
-
-def test_usage_reaches_the_ledger(client: openai.OpenAI, platform: dict[str, str]) -> None:
+def test_usage_reaches_the_ledger(client: openai.OpenAI, platform: Platform) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "ledger"}], max_tokens=3)
     usage = raw.parse().usage
@@ -161,7 +100,7 @@ def test_usage_reaches_the_ledger(client: openai.OpenAI, platform: dict[str, str
 
 
 def test_repeated_long_prompt_is_billed_at_the_cached_price(client: openai.OpenAI,
-                                                            platform: dict[str, str]) -> None:
+                                                            platform: Platform) -> None:
     prompt = "An agent resends its long instructions every turn. " * 20
     messages = [{"role": "user", "content": prompt}]
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
@@ -180,10 +119,10 @@ def test_repeated_long_prompt_is_billed_at_the_cached_price(client: openai.OpenA
                     + completion_tokens * output_price)
 
 
-def test_rate_limited_tenant_gets_rate_limit_error_with_headers(platform: dict[str, str]) -> None:
-    _cli(platform, "tenants", "create", "one-rpm", "--rpm", "1")
-    key = _cli(platform, "keys", "create", "one-rpm").strip().splitlines()[-1]
-    limited = openai.OpenAI(base_url=platform["OPENAI_BASE_URL"], api_key=key, max_retries=0)
+def test_rate_limited_tenant_gets_rate_limit_error_with_headers(platform: Platform) -> None:
+    platform.cli("tenants", "create", "one-rpm", "--rpm", "1")
+    key = platform.cli("keys", "create", "one-rpm").strip().splitlines()[-1]
+    limited = openai.OpenAI(base_url=platform.openai_base_url, api_key=key, max_retries=0)
     try:
         first = limited.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)

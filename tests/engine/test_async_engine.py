@@ -13,6 +13,7 @@ from engine.async_engine import AsyncEngine, EngineError
 from engine.config import EngineConfig
 from engine.outputs import RequestDelta, RequestValidationError
 from engine.sampling_params import SamplingParams
+from tests.polling import eventually
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -136,12 +137,12 @@ async def test_a_streams_first_delta_is_handed_over_before_running_streams(async
         async_engine._streams.update(streams)
     try:
         async_engine._deliver([RequestDelta(rid, []) for rid in streams])
-        await asyncio.sleep(0.01)
+        await eventually(lambda: len(order) >= len(streams), "the step's deltas to be handed over")
         assert order == ["new-1", "new-2", "run-1", "run-2", "run-3"]
         assert all(s.delivered for s in streams.values())
         order.clear()
         async_engine._deliver([RequestDelta(rid, []) for rid in streams])
-        await asyncio.sleep(0.01)
+        await eventually(lambda: len(order) >= len(streams), "the step's deltas to be handed over")
         assert order == list(streams)
     finally:
         with async_engine._cond:

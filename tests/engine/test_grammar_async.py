@@ -6,10 +6,11 @@ request's own ``response_format`` error, and concurrent requests with one schema
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,24 @@ from engine.grammar import GrammarBackend
 from engine.outputs import RequestDelta, RequestValidationError
 from engine.sampling_params import SamplingParams
 from engine.server import create_app
+from tests.polling import eventually, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# One order over what the test's threads record (compiles, engine steps, deltas, engine adds): where an
+# event lies relative to another is decided by these numbers, never by reading a clock.
+_EVENTS = itertools.count()
+
+
+def _mark() -> int:
+    return next(_EVENTS)  # atomic under the GIL, from any thread
 
 
 def slow_schema(tag: str, n: int = 50) -> dict[str, Any]:
     """An object of ``n`` required properties mixing bounded integers, patterned and length-bounded
-    strings and bounded arrays: with the tiny checkpoint's 3k vocabulary xgrammar needs ~250 ms (n=50,
-    one idle core) to compile it; length-bounded string rules are what makes it slow. ``tag`` renames
-    the properties so that every test compiles its own schema (no cache hit)."""
+    strings and bounded arrays: with the tiny checkpoint's 3k vocabulary xgrammar takes a while to
+    compile it; length-bounded string rules are what makes it slow. ``tag`` renames the properties so
+    that every test compiles its own schema (no cache hit)."""
     kinds = [
         lambda i: {"type": "integer", "minimum": -i, "maximum": 1000 + i},
         lambda i: {"type": "string", "pattern": f"[a-z]{{2,{3 + i % 5}}}"},
@@ -57,8 +67,11 @@ def _backend(engine: AsyncEngine) -> GrammarBackend:
 
 
 class _Compiler:
-    """Wraps the backend's xgrammar compiler: records where and when each compile ran, and can hold
-    compiles of schemas whose first property starts with ``gated`` until ``release`` is set."""
+    """Wraps the backend's xgrammar compiler: records on which thread each compile ran and where it began
+    and ended among the other events (``_mark``; also the instants ``began_at`` / ``ended_at``, on the
+    engine's clock, for the request's timings). It can hold compiles of schemas whose first property
+    starts with ``gated`` until ``release`` is set, and runs ``during(first property, start event)``, if
+    set, inside each compile before xgrammar's."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -66,9 +79,12 @@ class _Compiler:
         self.started = threading.Semaphore(0)
         self.release = threading.Event()
         self.fail_tags: set[str] = set()
+        self.during: Callable[[str, int], None] | None = None
 
     def _record(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
-        call = {"what": what, "thread": threading.current_thread().name, "start": time.perf_counter()}
+        call: dict[str, Any] = {"what": what, "thread": threading.current_thread().name}
+        call["began_at"] = time.monotonic()
+        call["start"] = _mark()
         self.calls.append(call)
         first = next(iter(json.loads(what).get("properties", {})), "") if what.startswith("{") else ""
         try:
@@ -77,9 +93,12 @@ class _Compiler:
                 assert self.release.wait(60), "the test never released a gated compile"
             if first.split("_")[0] in self.fail_tags:
                 raise RuntimeError("injected compile failure")
+            if self.during is not None:
+                self.during(first, call["start"])
             return fn(*args, **kwargs)
         finally:
-            call["end"] = time.perf_counter()
+            call["end"] = _mark()
+            call["ended_at"] = time.monotonic()
 
     def compile_json_schema(self, schema: str, *args: Any, **kwargs: Any) -> Any:
         return self._record(schema, self.inner.compile_json_schema, schema, *args, **kwargs)
@@ -95,33 +114,35 @@ def compiler(async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setattr(backend, "_compiler", recorder)
     yield recorder
     recorder.release.set()
-    _wait_until(lambda: backend.num_compiling == 0, "the background compiles to finish")
+    wait_until(lambda: backend.num_compiling == 0, "the background compiles to finish")
 
 
 @pytest.fixture
-def steps(async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float]]:
-    """Every engine step as (thread name, start, end)."""
+def steps(async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Every engine step as (thread name, start event, end event)."""
     engine = async_engine.engine
     original = engine.step
-    recorded: list[tuple[str, float, float]] = []
+    recorded: list[tuple[str, int, int]] = []
 
     def step() -> list[RequestDelta]:
-        start = time.perf_counter()
+        start = _mark()
         try:
             return original()
         finally:
-            recorded.append((threading.current_thread().name, start, time.perf_counter()))
+            recorded.append((threading.current_thread().name, start, _mark()))
 
     monkeypatch.setattr(engine, "step", step)
     return recorded
 
 
 class _Adds(list):
-    """The request ids the engine thread handed to ``LLMEngine.add_request``, and when."""
+    """The request ids the engine thread handed to ``LLMEngine.add_request``, the event of each hand-over
+    and the arrival time it passed (where the request's timings count from)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.times: dict[str, float] = {}
+        self.events: dict[str, int] = {}
+        self.arrivals: dict[str, float] = {}
 
 
 @pytest.fixture
@@ -132,34 +153,20 @@ def engine_adds(async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> _
 
     def add_request(request_id: str, *args: Any, **kwargs: Any) -> None:
         added.append(request_id)
-        added.times[request_id] = time.perf_counter()
+        added.events[request_id] = _mark()
+        added.arrivals[request_id] = kwargs["arrival_time"]
         original(request_id, *args, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", add_request)
     return added
 
 
-def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
-async def _await_until(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
-async def _consume(stream: RequestStream, arrivals: list[float]) -> list[RequestDelta]:
+async def _consume(stream: RequestStream, arrivals: list[int]) -> list[RequestDelta]:
+    """The stream's deltas; ``arrivals`` gets the event of each one's arrival."""
     deltas = []
     async with stream:
         async for delta in stream:
-            arrivals.append(time.perf_counter())
+            arrivals.append(_mark())
             deltas.append(delta)
     return deltas
 
@@ -179,11 +186,20 @@ def _assert_idle(engine: AsyncEngine) -> None:
 async def test_a_slow_compile_runs_off_the_engine_thread_while_another_stream_steps(
     async_engine: AsyncEngine, compiler: _Compiler, steps: list, engine_adds: _Adds
 ) -> None:
-    arrivals: list[float] = []
+    arrivals: list[int] = []
     streaming = await async_engine.add_request("streaming", list(range(5, 40)), _long())
     consumer = asyncio.create_task(_consume(streaming, arrivals))
-    await _await_until(lambda: len(arrivals) >= 2, "the first stream's first tokens")
+    await eventually(lambda: len(arrivals) >= 2, "the first stream's first tokens")
 
+    def hold_the_slow_compile(first: str, began: int) -> None:
+        # The compile does not end before whole engine steps ran and the other stream got deltas since it
+        # began: if the step loop waited for the compile (or ran it), this would never happen.
+        if first.startswith("slow"):
+            wait_until(lambda: len([s for s in steps if s[1] > began]) >= 3
+                       and len([t for t in arrivals if t > began]) >= 3,
+                       "engine steps and the other stream's deltas while the schema compiles")
+
+    compiler.during = hold_the_slow_compile
     constrained = SamplingParams(json_schema=slow_schema("slow"), temperature=0.0, max_tokens=6)
     stream = await async_engine.add_request("constrained", [5, 6, 7], constrained)
     # add_request returned: the grammar is compiled and the request is queued for the engine.
@@ -191,25 +207,28 @@ async def test_a_slow_compile_runs_off_the_engine_thread_while_another_stream_st
     assert call["thread"].startswith("grammar-compile"), call["thread"]
     start, end = call["start"], call["end"]
     during = [s for s in steps if start < s[1] and s[2] < end]
-    tokens_during = [t for t in arrivals if start < t < end]
-    print(f"compile {1000 * (end - start):.0f} ms on {call['thread']}: {len(during)} engine steps and "
-          f"{len(tokens_during)} deltas of the other stream meanwhile")
+    deltas_during = [t for t in arrivals if start < t < end]
     # The step loop kept going while the schema compiled: whole steps ran inside the compile's window
-    # and the other stream received deltas in it (not a wall-clock bound: an ordering of events).
-    assert len(during) >= 3 and len(tokens_during) >= 3
+    # and the other stream received deltas in it (an ordering of events).
+    assert len(during) >= 3 and len(deltas_during) >= 3
     assert all(name == "engine-loop" for name, _, _ in steps)
     # The request reached the engine only after its compile ended, and was served.
     deltas = [d async for d in stream]
-    assert engine_adds.times["constrained"] > end
+    assert engine_adds.events["constrained"] > end
     assert deltas[-1].finished and deltas[-1].finish_reasons in (["length"], ["stop"])
     assert sum(len(c.token_ids) for d in deltas for c in d.completions) >= 1
-    assert deltas[-1].timings is not None and deltas[-1].timings.queued >= end - start
+    # Its timings count from add_request, the compile included: the arrival time the engine got was
+    # taken before the compile began, and it was first scheduled (arrival + queued) after the compile
+    # ended (instants on the engine's clock, in order; no duration is bounded).
+    timings, arrival = deltas[-1].timings, engine_adds.arrivals["constrained"]
+    assert timings is not None and arrival <= call["began_at"]
+    assert arrival + timings.queued >= call["ended_at"]
     # No compile ever ran on the engine thread (its look-ups hit the pinned grammar).
     assert all(c["thread"].startswith("grammar-compile") for c in compiler.calls)
     assert async_engine.abort("streaming")
     result = await consumer
     assert result[-1].finish_reasons == ["abort"]
-    await _await_until(lambda: async_engine.engine.num_requests == 0, "the abort to be applied")
+    await eventually(lambda: async_engine.engine.num_requests == 0, "the abort to be applied")
     _assert_idle(async_engine)
 
 
@@ -250,7 +269,7 @@ async def test_abort_while_compiling_never_reaches_the_engine(
     # The id is free again at once; the running compile finishes (into the cache) after the release.
     other = await async_engine.add_request("doomed", [5, 6], SamplingParams(max_tokens=2))
     compiler.release.set()
-    await _await_until(lambda: _backend(async_engine).num_compiling == 0, "the compile to finish")
+    await eventually(lambda: _backend(async_engine).num_compiling == 0, "the compile to finish")
     assert [d async for d in other][-1].finished
     # One more engine round trip after the compile ended: the aborted request was never added.
     follow = await async_engine.add_request("follow", [5], SamplingParams(max_tokens=1))
@@ -271,7 +290,7 @@ async def test_cancelling_add_request_while_compiling_cancels_a_queued_compile(
         assert await asyncio.to_thread(compiler.started.acquire, True, 30)
     queued = SamplingParams(json_schema=slow_schema("queued", n=4), max_tokens=2)
     task = asyncio.create_task(async_engine.add_request("queued", [5, 6], queued))
-    await _await_until(lambda: "queued" in async_engine._compiling, "the third request to be compiling")
+    await eventually(lambda: "queued" in async_engine._compiling, "the third request to be compiling")
     task.cancel()  # the caller goes away (a server's handler cancelled)
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -279,7 +298,7 @@ async def test_cancelling_add_request_while_compiling_cancels_a_queued_compile(
     compiler.release.set()
     for blocker in blockers:
         assert [d async for d in await blocker][-1].finished
-    await _await_until(lambda: _backend(async_engine).num_compiling == 0, "the compiles to finish")
+    await eventually(lambda: _backend(async_engine).num_compiling == 0, "the compiles to finish")
     # Withdrawn before it started: never compiled, never cached, never added.
     assert not [c for c in compiler.calls if "queued_0" in c["what"]]
     assert _backend(async_engine).cached(GrammarBackend.key(queued)) is None
@@ -290,7 +309,7 @@ async def test_cancelling_add_request_while_compiling_cancels_a_queued_compile(
 async def test_a_compile_failure_is_that_requests_error_only(
     async_engine: AsyncEngine, compiler: _Compiler
 ) -> None:
-    arrivals: list[float] = []
+    arrivals: list[int] = []
     streaming = await async_engine.add_request("bystander", list(range(5, 30)), _long(40))
     consumer = asyncio.create_task(_consume(streaming, arrivals))
     compiler.fail_tags.add("broken")
@@ -348,7 +367,7 @@ async def test_shutdown_while_compiling_fails_the_waiting_request(tiny_qwen2_dir
     finally:
         recorder.release.set()
         engine.shutdown()
-    _wait_until(lambda: backend.num_compiling == 0, "the compile to finish")
+    wait_until(lambda: backend.num_compiling == 0, "the compile to finish")
 
 
 # ---- GrammarBackend's compile side on its own ---------------------------------------------------------
@@ -399,7 +418,7 @@ def test_compile_async_shares_one_compile_and_cancels_when_every_waiter_withdraw
     results: list[Any] = []
     waiter = threading.Thread(target=lambda: results.append(backend.compile(_params("a"))))
     waiter.start()
-    _wait_until(lambda: backend._inflight[key].waiters == 2, "the synchronous caller to wait")
+    wait_until(lambda: backend._inflight[key].waiters == 2, "the synchronous caller to wait")
     backend.withdraw(key, future)  # the async waiter leaves; the synchronous one keeps it alive
     assert not future.cancelled()
     executor.run_all()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import uvicorn
 from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, InfoResponse, LoadReport, parse_record
 from engine.server import build_engine, create_app
 from engine.synthetic import FIRST_WORD_ID
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,11 +34,9 @@ class _Server:
 
     def __enter__(self) -> _Server:
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        wait_until(lambda: self._server.started or not self._thread.is_alive(), "uvicorn to start")
+        if not self._server.started:
+            raise RuntimeError("uvicorn did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -48,14 +46,6 @@ class _Server:
 
 def _records(response: httpx.Response) -> list:
     return [parse_record(line) for line in response.iter_lines() if line]
-
-
-def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 # ---- synthetic engine (no model) ----------------------------------------------------------------
@@ -175,7 +165,7 @@ def test_disconnect_aborts_and_frees_blocks_while_others_are_served(model_server
             second = parse_record(next(lines))
             assert isinstance(second, DeltaRecord)
         # Leaving the `with` closed the connection: the engine aborts and frees every block.
-        _wait_for(lambda: LoadReport(**client.get("/load").json()).running == 0, "the abort")
+        wait_until(lambda: LoadReport(**client.get("/load").json()).running == 0, "the abort")
         load = LoadReport(**client.get("/load").json())
         assert load.free_kv_blocks == total and load.kv_usage == 0.0
         assert 'reason="abort"' in client.get("/metrics").text

@@ -1,25 +1,75 @@
 """The synthetic engine's opt-in prefill queue (``prefill_tokens_per_s``) and what a replica reports about
 its backlog: ``GET /load`` breaks ``pending_prefill_tokens`` down by engine priority, ``GET /metrics``
-has that gauge and the fairness-preemption counter. No model, no torch."""
+has that gauge and the fairness-preemption counter. No model, no torch.
+
+The tests finish the prefill chunks themselves (``ChunkPacing``): they prove which prompt each chunk goes
+to, what the engine reports between chunks and whose first token comes when, never how long anything took.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import synthetic
 from engine.metrics import EngineMetrics
-from engine.outputs import EngineStats
+from engine.outputs import EngineStats, RequestDelta
 from engine.protocol import LoadReport
 from engine.sampling_params import SamplingParams
 from engine.server import build_engine, create_app
 from engine.synthetic import SyntheticEngine
+from tests.polling import eventually
 
 RATE = 2_000.0  # prompt tokens per second
-CHUNK = 100     # one chunk: 50 ms
+CHUNK = 100     # one chunk: 50 ms at the rate
+PREFILL_TASK = "synthetic-prefill"
+
+
+class ChunkPacing:
+    """Stands in for ``asyncio`` inside ``engine.synthetic``. The prefill loop's pause for a chunk records
+    the seconds it asks for (the chunk's tokens at the rate) and lasts until the test finishes the chunk
+    (``finish_chunks``); everything else (the token timer, events, tasks) is the real ``asyncio``."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self.in_chunk = False
+        self._finish = asyncio.Semaphore(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float, result: Any = None) -> Any:
+        task = asyncio.current_task()
+        if task is None or task.get_name() != PREFILL_TASK:
+            return await asyncio.sleep(delay, result)  # not a wait: the synthetic engine's own token pacing
+        self.pauses.append(delay)
+        self.in_chunk = True
+        try:
+            await self._finish.acquire()
+        finally:
+            self.in_chunk = False
+        return result
+
+    async def finish_chunks(self, engine: SyntheticEngine, count: int) -> None:
+        """Let the prefill loop finish ``count`` chunks, one at a time; returns once the engine accounted
+        for the last one (by then it is in its next chunk, or waits for work)."""
+        for _ in range(count):
+            await eventually(lambda: self.in_chunk, "the prefill loop to be in a chunk")
+            steps = engine.stats().num_steps
+            self._finish.release()
+            await eventually(lambda steps=steps: engine.stats().num_steps > steps,
+                             "the chunk to be accounted for")
+
+
+@pytest.fixture
+def pacing(monkeypatch: pytest.MonkeyPatch) -> ChunkPacing:
+    stand_in = ChunkPacing()
+    monkeypatch.setattr(synthetic, "asyncio", stand_in)
+    return stand_in
 
 
 def _engine(**kwargs: float) -> SyntheticEngine:
@@ -27,51 +77,75 @@ def _engine(**kwargs: float) -> SyntheticEngine:
                            prefill_chunk_tokens=CHUNK, cache_blocks=0, **kwargs)
 
 
-async def _drain(stream) -> tuple[float, object]:
-    """(seconds until the first token, the final delta)."""
-    started = time.monotonic()
-    first = None
-    async for delta in stream:
-        if first is None and any(c.token_ids for c in delta.completions):
-            first = time.monotonic() - started
-        if delta.finished:
-            return (first if first is not None else time.monotonic() - started), delta
-    raise AssertionError("the stream ended without a final delta")
+def _has_delta(stream) -> bool:
+    return not stream.queue.empty()
 
 
-async def test_backlog_is_reported_by_priority_and_drains_at_the_rate() -> None:
+async def _final(stream, what: str) -> RequestDelta:
+    """The stream's final delta (``what`` names the request for a timeout)."""
+    await eventually(lambda: _has_delta(stream), f"{what}'s first delta")
+    deltas = [delta async for delta in stream]
+    assert deltas and deltas[-1].finished
+    return deltas[-1]
+
+
+async def test_backlog_is_reported_by_priority_and_prefilled_best_first_chunk_by_chunk(
+        pacing: ChunkPacing) -> None:
     engine = _engine()
     params = SamplingParams(max_tokens=1)
-    flex = [await engine.add_request(f"flex-{i}", list(range(1, 401)), params, priority=2) for i in range(3)]
-    default = await engine.add_request("default", list(range(1, 201)), params, priority=1)
+    streams = {f"flex-{i}": await engine.add_request(f"flex-{i}", list(range(1, 401)), params, priority=2)
+               for i in range(3)}
+    streams["default"] = await engine.add_request("default", list(range(1, 201)), params, priority=1)
     stats = engine.stats()
     assert stats.pending_prefill_tokens == 1_400
     assert stats.pending_prefill_tokens_by_priority == {2: 1_200, 1: 200}
     assert stats.num_waiting == 4
-    await asyncio.sleep(0.01)
-    # The earlier flex arrival took the first chunk; the default request goes next, ahead of flex.
-    (default_ttft, _), *flex_done = await asyncio.gather(_drain(default), *(_drain(s) for s in flex))
-    assert default_ttft < 0.5 * max(t for t, _ in flex_done)
+    # The default request goes first, ahead of the earlier flex arrivals, then flex in arrival order, each
+    # prompt in chunks of CHUNK tokens. Once a prompt's last chunk is done its first token comes without
+    # another chunk, and no prompt behind it has one yet.
+    served: list[str] = []
+    for rid, chunks, backlog in (("default", 2, {2: 1_200}), ("flex-0", 4, {2: 800}),
+                                 ("flex-1", 4, {2: 400}), ("flex-2", 4, {})):
+        assert not _has_delta(streams[rid])
+        await pacing.finish_chunks(engine, chunks)
+        assert engine.stats().pending_prefill_tokens_by_priority == backlog
+        await eventually(lambda rid=rid: _has_delta(streams[rid]), f"{rid}'s first token")
+        served.append(rid)
+        assert {r for r, stream in streams.items() if _has_delta(stream)} == set(served)
+    for rid, stream in streams.items():
+        final = await _final(stream, rid)
+        assert final.finish_reasons == ["length"] and final.usage.completion_tokens == 1
     stats = engine.stats()
     assert stats.pending_prefill_tokens == 0 and stats.pending_prefill_tokens_by_priority == {}
-    assert stats.computed_prefill_tokens == 1_400 and stats.tokens_per_s == RATE
-    assert stats.step_time_s == pytest.approx(CHUNK / RATE)
+    assert stats.computed_prefill_tokens == 1_400 and stats.num_steps == 14
+    # Paced at the rate: every chunk asked for its tokens' time at RATE.
+    assert pacing.pauses == [CHUNK / RATE] * 14
+    assert stats.tokens_per_s == RATE and stats.step_time_s == pytest.approx(CHUNK / RATE)
     engine.shutdown()
 
 
-async def test_a_better_priority_waits_at_most_one_chunk() -> None:
+async def test_a_better_priority_waits_at_most_one_chunk(pacing: ChunkPacing) -> None:
     engine = _engine()
     params = SamplingParams(max_tokens=1)
     backlog = [await engine.add_request(f"b{i}", list(range(1, 1_001)), params, priority=2) for i in range(4)]
-    await asyncio.sleep(0.12)  # mid-backlog: 4,000 tokens = 2 s at the rate
-    ttft, final = await _drain(await engine.add_request("urgent", [1, 2, 3], params, priority=0))
-    assert ttft < 2 * CHUNK / RATE + 0.1, ttft
-    assert final.usage.prompt_tokens == 3
-    assert engine.stats().pending_prefill_tokens_by_priority.get(2, 0) > 2_000
+    await pacing.finish_chunks(engine, 3)  # mid-backlog: b0 had 3 of its 10 chunks and is in its 4th
+    urgent = await engine.add_request("urgent", [1, 2, 3], params, priority=0)
+    assert engine.stats().pending_prefill_tokens_by_priority == {2: 3_700, 0: 3}
+    # The chunk in progress ends; the very next chunk is the urgent prompt's (its 3 tokens), ahead of b0's.
+    await pacing.finish_chunks(engine, 1)
+    assert engine.stats().pending_prefill_tokens_by_priority == {2: 3_600, 0: 3}
+    assert pacing.in_chunk and pacing.pauses[-1] == 3 / RATE
+    await pacing.finish_chunks(engine, 1)
+    final = await _final(urgent, "urgent")  # its first token: no other chunk ran
+    assert final.usage.prompt_tokens == 3 and final.finish_reasons == ["length"]
+    assert engine.stats().num_steps == 5
+    assert engine.stats().pending_prefill_tokens_by_priority == {2: 3_600}
     for i, _ in enumerate(backlog):
         engine.abort(f"b{i}")
-    await asyncio.sleep(0.1)
+    for i, stream in enumerate(backlog):
+        assert (await _final(stream, f"b{i}")).finish_reasons == ["abort"]
     assert engine.stats().pending_prefill_tokens == 0  # aborted prompts leave the backlog
+    assert engine.stats().pending_prefill_tokens_by_priority == {}
     engine.shutdown()
 
 
@@ -79,8 +153,9 @@ async def test_without_a_rate_nothing_queues() -> None:
     engine = SyntheticEngine(token_interval_s=0.001, ttft_s=0.0)
     stream = await engine.add_request("r", list(range(1, 1_001)), SamplingParams(max_tokens=2), priority=2)
     assert engine.stats().pending_prefill_tokens == 0 and engine.stats().tokens_per_s == 0.0
-    _, final = await _drain(stream)
+    final = await _final(stream, "r")
     assert final.usage.completion_tokens == 2
+    assert engine.stats().num_steps == 0  # no prefill chunk ran
     engine.shutdown()
 
 
@@ -92,8 +167,8 @@ def test_engine_kwargs_pass_the_queue_settings() -> None:
         SyntheticEngine(prefill_chunk_tokens=0)
 
 
-async def test_load_and_metrics_report_the_backlog_by_priority() -> None:
-    engine = _engine()
+async def test_load_and_metrics_report_the_backlog_by_priority(pacing: ChunkPacing) -> None:
+    engine = _engine()  # no chunk finishes while the test reads the backlog
     app = create_app(engine)
     params = SamplingParams(max_tokens=1)
     streams = [await engine.add_request(f"r{i}", list(range(1, 1_001)), params, priority=p)

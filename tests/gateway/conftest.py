@@ -18,7 +18,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import pytest
 import uvicorn
 
 from tests.factories import create_api_key, create_price, create_tenant
+from tests.polling import DEFAULT_TIMEOUT_S, eventually, wait_until
 from tollgate.db import Database
 from tollgate.local_services import free_port
 from tollgate.settings import ModelConfig, PoolConfig, Settings, default_tiers
@@ -56,17 +56,20 @@ def run_engine(model_dir: Path, log: Path) -> Iterator[tuple[str, subprocess.Pop
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+        return False
+
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        try:
+            wait_until(healthy, "the engine to answer /health", timeout_s=ENGINE_START_TIMEOUT_S,
+                       interval_s=0.1)
+        except AssertionError as exc:
+            raise RuntimeError(f"engine did not start ({exc}):\n{log.read_text()[-3000:]}") from None
         yield url, proc
     finally:
         proc.terminate()
@@ -126,10 +129,14 @@ async def run_gateway(settings: Settings) -> AsyncIterator[GatewayUnderTest]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))
     task = asyncio.create_task(server.serve())
-    while not server.started:
+
+    def started() -> bool:
         if task.done():
-            task.result()
-        await asyncio.sleep(0.02)
+            task.result()  # serve() failed (e.g. the lifespan raised): its error, not a timeout
+            raise RuntimeError("uvicorn stopped before it started serving")
+        return server.started
+
+    await eventually(started, "the gateway's uvicorn to start")
     try:
         yield GatewayUnderTest(f"http://127.0.0.1:{port}", app, settings, db)
     finally:
@@ -192,18 +199,15 @@ async def usage_records(redis_client: Any, request_id: str) -> list[dict[str, An
     return [r.row() for r in records if r.request_id == request_id]
 
 
-async def wait_for_usage(redis_url: str, request_id: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+async def wait_for_usage(redis_url: str, request_id: str,
+                         timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Outbox entries of ``request_id``, once at least one exists (the gateway appends after the
-    response, e.g. after a disconnect); polls the stream instead of sleeping a fixed time."""
+    response, e.g. after a disconnect); ``AssertionError`` if none comes (``timeout_s`` bounds a hang)."""
     import redis.asyncio as aioredis
 
     client = aioredis.Redis.from_url(redis_url)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = await usage_records(client, request_id)
-            if found or time.monotonic() > deadline:
-                return found
-            await asyncio.sleep(0.05)
+        return await eventually(lambda: usage_records(client, request_id),
+                                f"the usage record of {request_id}", timeout_s=timeout_s, interval_s=0.05)
     finally:
         await client.aclose()

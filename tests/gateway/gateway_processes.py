@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from tests.polling import wait_until
 from tollgate.local_services import free_port
 from tollgate.processes import spawn, stop, wait_http_ok
 
@@ -129,17 +129,24 @@ def gateway_process(env: dict[str, str], log: Path, *, workers: int = 1,
 def _wait_model_served(url: str, api_key: str, proc: subprocess.Popen[bytes], log: Path,
                        workers: int) -> None:
     """Until ``workers * 4`` consecutive fresh connections find the model's replica healthy."""
-    deadline = time.monotonic() + START_TIMEOUT_S
     body = {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}
-    streak = 0
-    while streak < workers * 4:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"gateway never served {MODEL}:\n{log.read_text()[-4000:]}")
-        try:
-            status = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10.0,
-                                headers={"Authorization": f"Bearer {api_key}"}).status_code
-        except httpx.HTTPError:
-            status = 0
-        streak = streak + 1 if status == 200 else 0
-        if status != 200:
-            time.sleep(0.1)
+
+    def served() -> bool:
+        """One try: ``workers * 4`` requests in a row, each on a fresh connection, all answered 200."""
+        for _ in range(workers * 4):
+            if proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                status = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10.0,
+                                    headers={"Authorization": f"Bearer {api_key}"}).status_code
+            except httpx.HTTPError:
+                status = 0
+            if status != 200:
+                return False
+        return True
+
+    try:
+        wait_until(served, f"every gateway worker to serve {MODEL}", timeout_s=START_TIMEOUT_S,
+                   interval_s=0.1)
+    except AssertionError as exc:
+        raise RuntimeError(f"gateway never served {MODEL} ({exc}):\n{log.read_text()[-4000:]}") from None

@@ -1,9 +1,14 @@
 """Admission against a real Redis: RPM/TPM buckets, reservation reconcile, leases, monthly budget,
-tenant status, headers."""
+tenant status, headers.
+
+The buckets refill with Redis ``TIME``, so time passing between two calls changes what a test reads. Where
+a test asserts exact levels or retry times it freezes the bucket first (``freeze_bucket``), and where it
+needs time to pass it moves the bucket's clock back (``backdate_bucket``, ``set_bucket_age``) instead of
+sleeping: the results do not depend on how fast this machine runs the test.
+"""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime
 
 import pytest
@@ -32,25 +37,51 @@ async def backdate_bucket(redis_client, key: str, seconds: float) -> None:
     await redis_client.hset(key, "ts", ts - int(seconds * 1_000_000))
 
 
+async def redis_now_us(redis_client) -> int:
+    """Redis ``TIME`` in microseconds: the clock the admission scripts read."""
+    seconds, micros = await redis_client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+async def set_bucket_age(redis_client, key: str, seconds: float) -> int:
+    """The bucket was last touched ``seconds`` before now (Redis ``TIME``, returned in microseconds)."""
+    now = await redis_now_us(redis_client)
+    await redis_client.hset(key, "ts", now - int(seconds * 1_000_000))
+    return now
+
+
+async def freeze_bucket(redis_client, key: str, level: int | None = None) -> None:
+    """No refill from now on, however much time passes: the bucket's ``ts`` an hour ahead of Redis
+    ``TIME`` (the scripts refill only for time past it, until one of them stores the bucket again), and
+    no expiry. ``level``: set it too; otherwise the stored level stays."""
+    fields = {"ts": await redis_now_us(redis_client) + 3600 * 1_000_000}
+    if level is not None:
+        fields["level"] = level
+    await redis_client.hset(key, mapping=fields)
+    await redis_client.persist(key)
+
+
 async def test_unlimited_tenant_is_admitted_without_rate_limit_headers(controller) -> None:
     admission = await controller.admit(limits(), "req-1", 10**9, 0)
     assert admission.headers == {}
     await controller.settle(admission, 10, 0)
 
 
-async def test_rpm_rejects_the_request_over_the_limit_with_retry_after(controller) -> None:
+async def test_rpm_rejects_the_request_over_the_limit_with_retry_after(controller, redis_client) -> None:
     tenant = limits(rpm=3)
+    rpm_key, _, _, _ = admission_keys(1)
     for i in range(3):
         admission = await controller.admit(tenant, f"req-{i}", 1, 0)
         assert admission.headers["x-ratelimit-remaining-requests"] == str(2 - i)
         assert admission.headers["x-ratelimit-limit-requests"] == "3"
+        await freeze_bucket(redis_client, rpm_key)  # no refill between requests: it ends exactly empty
     with pytest.raises(AdmissionRejected) as rejected:
         await controller.admit(tenant, "req-4", 1, 0)
     error = rejected.value
     assert error.status == 429 and error.type == "requests" and error.code == "rate_limit_exceeded"
     assert "Limit 3" in error.message
-    # One request refills in window/3 = 20 s: retry in about that, never "no retry".
-    assert 19_000 <= int(error.headers["retry-after-ms"]) <= 20_000
+    # One request refills in window/3 = 20 s: retry in that, never "no retry".
+    assert error.headers["retry-after-ms"] == "20000"
     assert error.headers["retry-after"] == "20"
     assert "x-should-retry" not in error.headers
     assert error.headers["x-ratelimit-remaining-requests"] == "0"
@@ -59,28 +90,35 @@ async def test_rpm_rejects_the_request_over_the_limit_with_retry_after(controlle
 async def test_tpm_bucket_refills_continuously(controller, redis_client) -> None:
     tenant = limits(tpm=6_000)  # refills 100 tokens per second with the 60 s window
     await controller.admit(tenant, "a", 6_000, 0)
+    _, tpm_key, _, _ = admission_keys(1)
+    await freeze_bucket(redis_client, tpm_key)  # empty, and it stays so
     with pytest.raises(AdmissionRejected) as rejected:
         await controller.admit(tenant, "b", 1_000, 0)
     assert rejected.value.type == "tokens"
-    assert 9_900 <= int(rejected.value.headers["retry-after-ms"]) <= 10_000
-    _, tpm_key, _, _ = admission_keys(1)
-    await backdate_bucket(redis_client, tpm_key, 10.0)  # 10 s later: 1,000 tokens are back
+    assert rejected.value.headers["retry-after-ms"] == "10000"
+    since = await set_bucket_age(redis_client, tpm_key, 10.0)  # 10 s later: 1,000 tokens are back
     admission = await controller.admit(tenant, "b", 1_000, 0)
-    assert int(admission.headers["x-ratelimit-remaining-tokens"]) <= 5  # only what refilled meanwhile
+    meanwhile = (await redis_now_us(redis_client) - since) * 100 // 1_000_000  # 100 tokens per second
+    assert int(admission.headers["x-ratelimit-remaining-tokens"]) <= meanwhile  # only what refilled since
     await backdate_bucket(redis_client, tpm_key, 3600.0)  # a long idle time never overfills
     admission = await controller.admit(tenant, "c", 1, 0)
     assert admission.headers["x-ratelimit-remaining-tokens"] == "5999"
 
 
 @pytest.mark.settings(rate_limit_window_s=0.5)
-async def test_retry_after_is_honest_with_a_shortened_window(controller, settings: Settings) -> None:
-    tenant = limits(tpm=1_000)
-    await controller.admit(tenant, "a", 1_000, 0)
+async def test_retry_after_is_honest_with_a_shortened_window(controller, redis_client,
+                                                             settings: Settings) -> None:
+    tenant = limits(tpm=1_000)  # refills 2 tokens per millisecond with the 0.5 s window
+    assert (await controller.admit(tenant, "a", 1_000, 0)).headers["x-ratelimit-remaining-tokens"] == "0"
+    _, tpm_key, _, _ = admission_keys(1)
+    # The empty bucket "a" left, frozen (set outright: with this window the key expires 1.5 s after "a").
+    await freeze_bucket(redis_client, tpm_key, level=0)
     with pytest.raises(AdmissionRejected) as rejected:
         await controller.admit(tenant, "b", 500, 0)
     retry_ms = int(rejected.value.headers["retry-after-ms"])
-    assert 0 < retry_ms <= 250
-    await asyncio.sleep(retry_ms / 1000)  # the client waits exactly what it was told
+    assert retry_ms == 250  # 500 tokens at 2 per ms: sub-second, not rounded up to a whole second
+    # The client waits exactly what it was told: the bucket was last touched retry_ms ago.
+    await set_bucket_age(redis_client, tpm_key, retry_ms / 1000)
     await controller.admit(tenant, "b", 500, 0)
 
 
@@ -92,19 +130,25 @@ async def test_request_larger_than_the_bucket_is_rejected_without_retry(controll
     assert "Requested 1001" in rejected.value.message
 
 
-async def test_settle_refunds_unused_reservation_and_charges_overshoot(controller) -> None:
+async def test_settle_refunds_unused_reservation_and_charges_overshoot(controller, redis_client) -> None:
     tenant = limits(tpm=10_000)
+    _, tpm_key, _, _ = admission_keys(1)
+    # The bucket is frozen after every step that stores it: the levels below are exact (no refill).
     first = await controller.admit(tenant, "a", 4_000, 0)  # prompt 1,000 + max_tokens 3,000
     assert first.headers["x-ratelimit-remaining-tokens"] == "6000"
+    await freeze_bucket(redis_client, tpm_key)
     await controller.settle(first, 1_500, 0)  # used 1,500: 2,500 come back
+    await freeze_bucket(redis_client, tpm_key)
     second = await controller.admit(tenant, "b", 8_000, 0)
-    assert 500 <= int(second.headers["x-ratelimit-remaining-tokens"]) <= 510
+    assert second.headers["x-ratelimit-remaining-tokens"] == "500"
+    await freeze_bucket(redis_client, tpm_key)
     await controller.settle(second, 9_500, 0)  # overshoot of 1,500 leaves the bucket in debt
+    await freeze_bucket(redis_client, tpm_key)
     with pytest.raises(AdmissionRejected) as rejected:
         await controller.admit(tenant, "c", 1, 0)
     assert rejected.value.headers["x-ratelimit-remaining-tokens"] == "0"
-    # Debt of ~1,000 tokens + 1 at 10,000 per 60 s ≈ 6 s.
-    assert 5_900 <= int(rejected.value.headers["retry-after-ms"]) <= 6_100
+    # Debt of 1,000 tokens + 1 at 10,000 per 60 s: 6.006 s.
+    assert rejected.value.headers["retry-after-ms"] == "6006"
     await controller.settle(second, 0, 0)  # settling twice changes nothing
     with pytest.raises(AdmissionRejected):
         await controller.admit(tenant, "c", 1, 0)

@@ -11,6 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.admission.resp import LeanRedis, _Incomplete, _parse, encode_command
+from tests.polling import eventually
 from tollgate.local_services import free_port
 
 
@@ -41,11 +42,20 @@ async def test_lean_connection_against_redis(redis_url: str) -> None:
             await lean.call("INCR", "lean:k")  # not an integer
         ok, bad = await lean.pipeline(("GET", "lean:k"), ("HGET", "lean:k", "f"))
         assert ok == b"v" and isinstance(bad, ResponseError)
-        # A caller cancelled mid-flight does not shift replies onto the next caller.
-        slow = asyncio.create_task(lean.call("EVAL", "local t = redis.call('TIME') return 'slow'", 0))
-        await asyncio.sleep(0)
+        # A caller cancelled mid-flight does not shift replies onto the next caller. BLPOP holds its reply
+        # (and, the connection's replies being in order, every later one) until the list gets an element.
+        def in_flight(count: int) -> bool:
+            return lean._protocol is not None and len(lean._protocol.pending) == count
+
+        await client.delete("lean:list")
+        slow = asyncio.create_task(lean.call("BLPOP", "lean:list", 0))
+        await eventually(lambda: in_flight(1), "the BLPOP sent")
         slow.cancel()
-        assert await lean.call("GET", "lean:k") == b"v"
+        following = asyncio.create_task(lean.call("GET", "lean:k"))
+        await eventually(lambda: in_flight(2), "the GET sent behind the cancelled BLPOP")
+        await client.rpush("lean:list", "x")  # the BLPOP's reply comes now, then the GET's
+        assert await following == b"v"
+        assert slow.cancelled()
         assert await client.get("lean:k") == b"v"  # the same database as the redis-py client
     finally:
         lean.close()

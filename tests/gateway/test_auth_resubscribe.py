@@ -18,17 +18,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.auth import Authenticator, _CacheSlot
+from tests.polling import DEFAULT_TIMEOUT_S, eventually
 from tollgate.redis import INVALIDATE_CHANNEL
 from tollgate.settings import Settings
-
-
-async def _eventually(predicate: Any, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 @pytest.mark.parametrize("client_retries", [False, True], ids=["error-surfaces", "redis-py-reconnects"])
@@ -42,21 +34,25 @@ async def test_cache_flushed_when_the_subscription_comes_back(private_redis: Any
     auth = Authenticator(None, client, Settings(environment="test"))  # type: ignore[arg-type]
     listener = asyncio.create_task(auth._listen())
     try:
-        await asyncio.wait_for(auth.subscribed.wait(), 5)
-        auth._cache["cached"] = _CacheSlot(None, time.monotonic() + 60)
-        await asyncio.sleep(0.2)
-        assert "cached" in auth._cache  # nothing flushes it but a reconnect (or a message)
+        await asyncio.wait_for(auth.subscribed.wait(), DEFAULT_TIMEOUT_S)
+        auth._cache["cached"] = _CacheSlot(None, time.monotonic() + 3600)
+        # Nothing flushes it but a reconnect (or a message): once the listener has applied a message
+        # published after it (messages are applied in order), it is still there.
+        auth._cache["marker"] = _CacheSlot(None, time.monotonic() + 3600)
+        server.publish(INVALIDATE_CHANNEL, b'{"key_id": "marker"}')
+        await eventually(lambda: "marker" not in auth._cache, "the listener to apply the marker message")
+        assert "cached" in auth._cache
 
         assert server.client_kill_filter(_type="pubsub") == 1
-        assert await _eventually(lambda: "cached" not in auth._cache), "stale cache kept after reconnect"
-        assert await _eventually(lambda: server.pubsub_numsub(INVALIDATE_CHANNEL)[0][1] == 1)
+        await eventually(lambda: "cached" not in auth._cache, "the stale cache flushed after the reconnect")
+        await eventually(lambda: server.pubsub_numsub(INVALIDATE_CHANNEL)[0][1] == 1, "one subscriber again")
         assert auth.subscribed.is_set()
 
         # Subscribed again: messages are applied (and a single key is dropped, not the whole cache).
         auth._cache["a"] = _CacheSlot(None, time.monotonic() + 60)
         auth._cache["b"] = _CacheSlot(None, time.monotonic() + 60)
         server.publish(INVALIDATE_CHANNEL, b'{"key_id": "a"}')
-        assert await _eventually(lambda: "a" not in auth._cache)
+        await eventually(lambda: "a" not in auth._cache, "the listener to drop key a")
         assert "b" in auth._cache
     finally:
         listener.cancel()

@@ -13,6 +13,7 @@ import pytest
 from engine.protocol import DeltaRecord, FinalRecord, GenerateRequest
 from gateway.engine_client import EngineClient, EngineStreamError, EngineUnavailable
 from gateway.errors import InvalidRequestError
+from tests.polling import DEFAULT_TIMEOUT_S, eventually
 from tollgate.local_services import free_port
 
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -95,7 +96,7 @@ async def stream_answer(writer: asyncio.StreamWriter, body: bytes, tokens: int =
     data = b"".join(delta(request_id, i) for i in range(tokens)) + final(request_id, tokens)
     writer.write(chunk(data[:7]) + chunk(data[7:60]))
     await writer.drain()
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # not a wait: the fake engine's pacing (the rest mostly in a later read)
     writer.write(chunk(data[60:]) + b"0\r\n\r\n")
     await writer.drain()
 
@@ -209,12 +210,11 @@ async def test_interrupt_closes_the_connection_and_ends_the_stream_quietly() -> 
                     records.append(record)
 
             task = asyncio.create_task(consume())
-            while not records:
-                await asyncio.sleep(0.01)
+            await eventually(lambda: records, "the first record")
             assert not stream.buffered()  # waiting on the engine
             stream.interrupt()
-            await asyncio.wait_for(task, 2)  # no error
-            await asyncio.wait_for(server.closed.wait(), 2)
+            await asyncio.wait_for(task, DEFAULT_TIMEOUT_S)  # no error
+            await asyncio.wait_for(server.closed.wait(), DEFAULT_TIMEOUT_S)
             assert stream.closed
         finally:
             await client.aclose()

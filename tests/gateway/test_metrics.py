@@ -18,6 +18,7 @@ from gateway.logging import JsonFormatter
 from gateway.middleware import request_id_var
 from tests.factories import create_api_key, create_price, create_tenant
 from tests.gateway.gateway_processes import MODEL, gateway_env, gateway_process, synthetic_engine
+from tests.polling import wait_until
 from tollgate.db import Database
 
 pytestmark = pytest.mark.slow
@@ -118,24 +119,27 @@ async def test_metrics_merge_workers_and_match_usage(new_database: str, redis_ur
                                    timeout=30.0).status_code for _ in range(2)]
             assert statuses == [200, 429]
 
-            # The last scrape may run before the other worker wrote its final values: poll briefly.
-            deadline = asyncio.get_running_loop().time() + 10
-            while True:
-                after = scrape(gw.url)
-                done = value(after, "tollgate_gateway_generations_total", model=MODEL, tier="default",
-                             status="completed") - value(before, "tollgate_gateway_generations_total",
-                                                         model=MODEL, tier="default", status="completed")
-                idle = value(after, "tollgate_gateway_requests_in_flight") == 1  # the scrape itself
-                if (done >= 16 and idle) or asyncio.get_running_loop().time() > deadline:
-                    break
-                await asyncio.sleep(0.05)
+            def completed(samples: dict) -> float:
+                return value(samples, "tollgate_gateway_generations_total", model=MODEL, tier="default",
+                             status="completed")
+
+            def settled() -> dict | None:
+                """A scrape once both workers wrote their final values (a worker may still be finishing
+                a request after its response went out): every generation counted, only the scrape itself
+                in flight."""
+                samples = scrape(gw.url)
+                idle = value(samples, "tollgate_gateway_requests_in_flight") == 1
+                return samples if idle and completed(samples) - completed(before) >= 16 else None
+
+            after = wait_until(settled, "the 16 generations counted and nothing but the scrape in flight",
+                               interval_s=0.05)
             # Either worker answers the same view (scrapes count themselves: leave those out).
             assert without_scrapes(scrape(gw.url)) == without_scrapes(after)
 
             def delta(name: str, **labels: str) -> float:
                 return value(after, name, **labels) - value(before, name, **labels)
 
-            assert done == 16
+            assert completed(after) - completed(before) == 16
             for kind, field in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
                 assert delta("tollgate_gateway_tokens_total", kind=kind, model=MODEL, tier="default") == sum(
                     u[field] for u in usages)
@@ -149,7 +153,6 @@ async def test_metrics_merge_workers_and_match_usage(new_database: str, redis_ur
             assert delta("tollgate_gateway_requests_total", route="/v1/chat/completions", method="POST",
                          status="429") == 1
             assert delta("tollgate_gateway_rejections_total", reason="rpm", tier="flex") == 1
-            assert idle
             httpx.get(f"{gw.url}/no/such/path/{'x' * 8}", timeout=10.0)
             assert value(scrape(gw.url), "tollgate_gateway_requests_total", route="unmatched", method="GET",
                          status="404") >= 1

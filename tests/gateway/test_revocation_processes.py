@@ -1,15 +1,15 @@
 """Key revocation reaches every gateway process, with real processes and servers.
 
 - Three ``tollgate gateway`` processes (each its own key cache) share Postgres and Redis; a key used on
-  each is revoked through the admin API of one of them, and every process refuses it within
-  ``REVOCATION_DEADLINE_S``. The key cache TTL is a minute, so a refusal that soon can only come from
-  the ``tollgate:invalidate`` message; another key of the same tenant keeps working (the message drops
-  only what it names).
+  each is revoked through the admin API of one of them, and every process refuses it. The key cache
+  TTL is an hour and the test waits at most ``REFUSAL_TIMEOUT_S`` (a bound on a hang, not a speed), so
+  a refusal can only come from the ``tollgate:invalidate`` message; another key of the same tenant
+  keeps working (the message drops only what it names).
 - A revocation published while a gateway's subscription is down is lost (pub/sub does not queue). The
   gateway is frozen (SIGSTOP), its subscription killed on the Redis server (``CLIENT KILL TYPE pubsub``),
   the key revoked (nobody subscribed: the message goes nowhere), then the gateway resumes: its Redis
-  client reconnects and resubscribes, and the cache must be flushed then, so the key is refused within
-  seconds rather than after the TTL. A private Redis, so the kill touches no other test's gateways.
+  client reconnects and resubscribes, and the cache must be flushed then, so the key is refused long
+  before the TTL. A private Redis, so the kill touches no other test's gateways.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -33,6 +32,7 @@ from gateway.admin import service
 from gateway.admin.uow import admin_unit_of_work
 from tests.factories import create_api_key, create_tenant
 from tests.gateway.gateway_processes import GatewayProcess, gateway_env, gateway_process
+from tests.polling import eventually
 from tollgate.db import Database
 from tollgate.local_services import free_port
 from tollgate.redis import create_redis
@@ -40,9 +40,8 @@ from tollgate.settings import DEV_SECRET, Settings
 
 pytestmark = pytest.mark.slow
 
-REVOCATION_DEADLINE_S = 1.0
-RECONNECT_DEADLINE_S = 10.0  # redis-py's reconnect backoff, then the flush
-KEY_CACHE_TTL_S = 60  # far beyond both deadlines: only an invalidation or a flush explains a refusal
+REFUSAL_TIMEOUT_S = 120.0  # a hang guard: how fast a revocation arrives is not this test's business
+KEY_CACHE_TTL_S = 3600  # far beyond the guard: only an invalidation or a flush explains a refusal
 GATEWAYS = 3
 
 
@@ -83,19 +82,13 @@ async def _status(client: httpx.AsyncClient, url: str, key: str) -> int:
     return (await client.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})).status_code
 
 
-async def _seconds_until_refused(client: httpx.AsyncClient, url: str, key: str, deadline_s: float,
-                                 since: float) -> float:
-    while True:
-        status = await _status(client, url, key)
-        if status == 401:
-            return time.monotonic() - since
-        assert status == 200, status
-        if time.monotonic() - since > deadline_s:
-            return time.monotonic() - since
-        await asyncio.sleep(0.01)
+async def _refused(client: httpx.AsyncClient, url: str, key: str) -> bool:
+    status = await _status(client, url, key)
+    assert status in (200, 401), status
+    return status == 401
 
 
-async def test_revocation_reaches_every_gateway_process_within_a_second(
+async def test_revocation_reaches_every_gateway_process(
         new_database: str, redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     seed = await _seed(_settings(new_database, redis_url))
     with _gateways(_env(new_database, redis_url, tiny_model_dir), tmp_path, GATEWAYS) as gateways:
@@ -107,11 +100,10 @@ async def test_revocation_reaches_every_gateway_process_within_a_second(
                 f"{gateways[0].url}/admin/v1/tenants/{seed['tenant_id']}/keys/{seed['key_id']}/revoke",
                 headers={"Authorization": f"Bearer {seed['admin_token']}"})
             assert revoked.status_code == 200, revoked.text
-            since = time.monotonic()
-            waits = await asyncio.gather(*(
-                _seconds_until_refused(client, gw.url, seed["key"], REVOCATION_DEADLINE_S, since)
+            await asyncio.gather(*(
+                eventually(lambda gw=gw: _refused(client, gw.url, seed["key"]),
+                           f"{gw.url} to refuse the revoked key", timeout_s=REFUSAL_TIMEOUT_S)
                 for gw in gateways))
-            assert max(waits) <= REVOCATION_DEADLINE_S, waits
             for gw in gateways:
                 assert await _status(client, gw.url, seed["key"]) == 401
                 assert await _status(client, gw.url, seed["other_key"]) == 200
@@ -119,13 +111,6 @@ async def test_revocation_reaches_every_gateway_process_within_a_second(
 
 def _pubsub_clients(client: redis.Redis) -> int:
     return len(client.client_list(_type="pubsub"))
-
-
-async def _wait_for(predicate: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def test_cache_is_flushed_when_the_subscription_reconnects(
@@ -140,7 +125,7 @@ async def test_cache_is_flushed_when_the_subscription_reconnects(
         with gateway_process(env, tmp_path / "gw.log") as gw:
             async with httpx.AsyncClient(timeout=10.0) as client:
                 assert await _status(client, gw.url, seed["key"]) == 200  # cached for a minute
-                await _wait_for(lambda: _pubsub_clients(server) == 1, 10)
+                await eventually(lambda: _pubsub_clients(server) == 1, "the gateway subscribed")
                 os.killpg(gw.proc.pid, signal.SIGSTOP)  # the gateway and its workers
                 try:
                     assert server.client_kill_filter(_type="pubsub") == 1
@@ -151,13 +136,12 @@ async def test_cache_is_flushed_when_the_subscription_reconnects(
                                                  settings=settings, actor="test")
                 finally:
                     os.killpg(gw.proc.pid, signal.SIGCONT)
-                since = time.monotonic()
-                waited = await _seconds_until_refused(client, gw.url, seed["key"], RECONNECT_DEADLINE_S,
-                                                      since)
-                assert waited <= RECONNECT_DEADLINE_S, f"still accepted {waited:.1f}s after the reconnect"
+                # redis-py reconnects (with its backoff), resubscribes, and the cache is flushed.
+                await eventually(lambda: _refused(client, gw.url, seed["key"]),
+                                 "the revoked key refused after the reconnect", timeout_s=REFUSAL_TIMEOUT_S)
                 assert await _status(client, gw.url, seed["other_key"]) == 200
                 # Resubscribed: later revocations arrive as messages again.
-                await _wait_for(lambda: _pubsub_clients(server) == 1, 10)
+                await eventually(lambda: _pubsub_clients(server) == 1, "the gateway subscribed")
     finally:
         await publisher.aclose()
         await db.dispose()

@@ -26,6 +26,7 @@ import psycopg
 import pytest
 import redis
 
+from tests.polling import wait_until
 from tollgate.local_services import free_port
 from tollgate.processes import pid_alive
 from tollgate.worker import beat_name, read_heartbeat, worker_name
@@ -115,15 +116,21 @@ class UpProcess:
             return {}
 
     def wait_for(self, condition, what: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
+        """Wait until ``condition()`` holds; fails at once if ``tollgate up`` exits meanwhile."""
+
+        def reached() -> bool:
+            if condition():
+                return True
             if self.proc.poll() is not None:
                 pytest.fail(
                     f"tollgate up exited ({self.proc.returncode}) waiting for {what}:\n{self.output()}"
                 )
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out waiting for {what}:\n{self.output()}")
-            time.sleep(0.1)
+            return False
+
+        try:
+            wait_until(reached, what, timeout_s=timeout, interval_s=0.1)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}:\n{self.output()}")
 
     def wait_ready(self) -> None:
         self.wait_for(
@@ -214,10 +221,8 @@ def check_sigterm_stops_every_process(platform: UpProcess) -> None:
     tree = descendants(platform.proc.pid)
     assert len(tree) >= 6
     assert platform.terminate() == 0
-    deadline = time.monotonic() + 15
-    while any(pid_alive(pid) for pid in tree) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in tree if pid_alive(pid)]
+    wait_until(lambda: not any(pid_alive(pid) for pid in tree), "every process of the platform to be gone",
+               interval_s=0.1)
     for port in (platform.port, platform.engine_port):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0
