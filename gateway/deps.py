@@ -13,10 +13,9 @@ stay one-liners.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Self
 
 from fastapi import Depends, Request
 from redis.asyncio import Redis
@@ -24,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.price_cache import PriceBookCache
 from engine.tokenizer import Tokenizer
-from gateway.admission import AdmissionController
+from gateway.admission import AdmissionController, AdmissionPolicy
 from gateway.auth import Authenticator, Principal
 from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
@@ -36,6 +35,16 @@ logger = logging.getLogger("tollgate.gateway")
 PRICE_REFRESH_INTERVAL_S = 10.0
 
 
+def create_engine_client(settings: Settings) -> EngineClient:
+    if settings.engine_http_client == "aiohttp":
+        from gateway.engine_client_aiohttp import AiohttpEngineClient
+
+        return AiohttpEngineClient(request_timeout_s=settings.request_timeout_s,  # type: ignore[return-value]
+                                   connect_timeout_s=settings.health_check_timeout_s)
+    return EngineClient(request_timeout_s=settings.request_timeout_s,
+                        connect_timeout_s=settings.health_check_timeout_s)
+
+
 @dataclass(eq=False)
 class GatewayRuntime:
     settings: Settings
@@ -44,39 +53,56 @@ class GatewayRuntime:
     engine: EngineClient
     router: Router
     auth: Authenticator
-    admission: AdmissionController
+    admission: AdmissionPolicy
     prices: PriceBookCache
     tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
     # What generations on this runtime are metered and priced as (the batch tier's runtime: "batch").
     request_class: str = "interactive"
+    # Whether requests authenticate with API keys here (the key cache and its invalidation listener
+    # run); batch lines carry their tenant instead.
+    authenticates: bool = True
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
-    def create(cls, settings: Settings, redis: Redis,
-               sessions: async_sessionmaker[AsyncSession]) -> GatewayRuntime:
-        engine = EngineClient(request_timeout_s=settings.request_timeout_s,
-                              connect_timeout_s=settings.health_check_timeout_s)
-        return cls(
-            settings=settings, redis=redis, sessions=sessions, engine=engine,
-            router=Router(settings, engine), auth=Authenticator(sessions, redis, settings),
-            admission=AdmissionController(redis, settings),
-            prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S),
-        )
+    def create(cls, settings: Settings, redis: Redis, sessions: async_sessionmaker[AsyncSession]) -> Self:
+        """The runtime's parts for ``settings`` (a subclass adapts them: ``configure``, ``router_for``,
+        ``admission_for``)."""
+        settings = cls.configure(settings)
+        engine = create_engine_client(settings)
+        return cls(settings=settings, redis=redis, sessions=sessions, engine=engine,
+                   router=cls.router_for(settings, engine), auth=Authenticator(sessions, redis, settings),
+                   admission=cls.admission_for(redis, settings),
+                   prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S))  # fmt: skip
+
+    @classmethod
+    def configure(cls, settings: Settings) -> Settings:
+        return settings
+
+    @classmethod
+    def router_for(cls, settings: Settings, engine: EngineClient) -> Router:
+        return Router(settings, engine)
+
+    @classmethod
+    def admission_for(cls, redis: Redis, settings: Settings) -> AdmissionPolicy:
+        return AdmissionController(redis, settings)
 
     async def start(self) -> None:
+        """Price book, tokenizers, replica polling and, where requests authenticate, the key cache."""
         await self.prices.refresh()
         await asyncio.gather(*(self._load_tokenizer(route) for route in self.router.models.values()))
         await self.router.start()
-        await self.auth.start()
-        self._tasks.append(asyncio.create_task(self.prices.run(), name="tollgate-price-refresh"))
+        if self.authenticates:
+            await self.auth.start()
+        self._tasks.append(asyncio.create_task(self.prices.run(),
+                                               name=f"tollgate-{self.request_class}-price-refresh"))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        await self.auth.stop()
+        if self.authenticates:
+            await self.auth.stop()
         await self.router.stop()
         await self.engine.aclose()
 

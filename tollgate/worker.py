@@ -31,7 +31,7 @@ logger = logging.getLogger("tollgate.worker")
 
 TASK_MODULES: tuple[str, ...] = (
     "billing.tasks",
-    "gateway.batch_runner.tasks",
+    "gateway.batches.tasks",
 )
 WORKER_NAME_PREFIX = "tollgate-worker"
 

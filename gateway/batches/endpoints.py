@@ -17,7 +17,7 @@ import orjson
 from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import Response
 
-from gateway.batch_runner.dispatch import BatchDispatcher
+from gateway.batches.dispatch import BatchDispatcher
 from gateway.batches.schemas import CreateBatchRequest, ListBatchesQuery
 from gateway.batches.service import BatchService
 from gateway.deps import CurrentPrincipal

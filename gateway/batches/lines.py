@@ -7,10 +7,11 @@ the batch's endpoint, a ``body`` the endpoint's own pydantic schema accepts (plu
 ``check()``), no ``stream``, a model this key may use, one model per batch. Errors are OpenAI's
 ``BatchError`` (code, message, param, 1-based line).
 
-Execution (``execute_line``) calls the same service function as the HTTP route
-(``create_chat_completion`` / ``create_completion``) with a request-scoped receive channel: it reports
-``http.disconnect`` when the runner stops the line (cancel, expiry, lost lease), which aborts the engine
-work exactly as a client hang-up does. The response body is the interactive API's bytes, parsed once.
+Execution (``execute_line``) starts the line with the same service function as the HTTP route
+(``start_chat_completion`` / ``start_completion``) and collects the answer's body until the runner
+stops the line (cancel, expiry, lost lease), which aborts the engine work exactly as a client hang-up
+does. The body is the object the interactive API would have sent; the generation says what it cost
+and which pool ran it.
 """
 
 from __future__ import annotations
@@ -23,23 +24,23 @@ from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
-from starlette.types import Message
 
 from gateway.auth import Principal
-from gateway.batch_runner.runtime import BatchDeferred, BatchRuntime, LineContext, current_line
-from gateway.chat.service import create_chat_completion
-from gateway.completions.service import create_completion
+from gateway.batches.runtime import BatchDeferred, BatchRuntime
+from gateway.chat.schemas import ChatCompletionRequest
+from gateway.chat.service import start_chat_completion
+from gateway.completions.schemas import CompletionRequest
+from gateway.completions.service import start_completion
 from gateway.errors import GatewayError, InvalidRequestError, from_pydantic
-from gateway.openai.chat_schemas import ChatCompletionRequest
-from gateway.openai.completion_schemas import CompletionRequest
+from gateway.openai.answers import Answer
+from gateway.openai.streaming import collect_until
 
 MAX_REPORTED_ERRORS = 1000
 
-Handler = Callable[[BatchRuntime, Principal, str, Any, Request], Awaitable[Any]]
-ENDPOINTS: dict[str, tuple[type[BaseModel], Handler]] = {
-    "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
-    "/v1/completions": (CompletionRequest, create_completion),
+Start = Callable[[BatchRuntime, Principal, str, Any], Awaitable[Answer]]
+ENDPOINTS: dict[str, tuple[type[BaseModel], Start]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, start_chat_completion),
+    "/v1/completions": (CompletionRequest, start_completion),
 }
 
 
@@ -154,7 +155,8 @@ class LineResult:
     status_code: int | None = None
     body: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    context: LineContext = field(default_factory=LineContext)
+    served_pool: str | None = None
+    cost_pico_usd: int = 0
 
     @property
     def succeeded(self) -> bool:
@@ -167,44 +169,36 @@ class LineResult:
         return int(usage.get("prompt_tokens") or 0), int(cached), int(usage.get("completion_tokens") or 0)
 
 
-def _receive_until(stop: asyncio.Event) -> Callable[[], Awaitable[Message]]:
-    async def receive() -> Message:
-        await stop.wait()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
 async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: str, request_id: str,
                        body: dict[str, Any], stop: asyncio.Event) -> LineResult:
-    context = LineContext()
-    token = current_line.set(context)
+    schema, start = ENDPOINTS[endpoint]
     try:
-        schema, handler = ENDPOINTS[endpoint]
-        try:
-            request_body = schema.model_validate(body)
-        except ValidationError as exc:
-            err = from_pydantic(exc)
-            return LineResult(status_code=err.status, body=err.body(), context=context)
-        scope = {"type": "http", "method": "POST", "path": endpoint, "headers": [], "query_string": b""}
-        try:
-            response = await handler(runtime, principal, request_id, request_body,
-                                     Request(scope, _receive_until(stop)))
-        except BatchDeferred:
-            return LineResult(deferred=DEFER_LIMITS, context=context)
-        except GatewayError as exc:  # raised before the engine accepted anything
-            if exc.status == 429:
-                return LineResult(deferred=DEFER_LIMITS, context=context)
-            if exc.status == 503 or exc.param == "request_id":
-                # No replica can take it now; or the engine still runs an earlier attempt of this line
-                # (its worker died a moment ago) until it notices the dropped connection.
-                return LineResult(deferred=DEFER_CAPACITY, context=context)
-            return LineResult(status_code=exc.status, body=exc.body(), context=context)
-        if response.status_code == 499 or stop.is_set():
-            return LineResult(context=context)
-        return LineResult(status_code=response.status_code, body=orjson.loads(response.body), context=context)
-    finally:
-        current_line.reset(token)
+        request_body = schema.model_validate(body)
+    except ValidationError as exc:
+        err = from_pydantic(exc)
+        return LineResult(status_code=err.status, body=err.body())
+    try:
+        answer = await start(runtime, principal, request_id, request_body)
+    except BatchDeferred:
+        return LineResult(deferred=DEFER_LIMITS)
+    except GatewayError as exc:  # raised before the engine accepted anything
+        if exc.status == 429:
+            return LineResult(deferred=DEFER_LIMITS)
+        if exc.status == 503 or exc.param == "request_id":
+            # No replica can take it now; or the engine still runs an earlier attempt of this line
+            # (its worker died a moment ago) until it notices the dropped connection.
+            return LineResult(deferred=DEFER_CAPACITY)
+        return LineResult(status_code=exc.status, body=exc.body())
+    generation = answer.generation
+    try:
+        response = await collect_until(stop.wait, generation, answer.body)
+    except GatewayError as exc:  # the engine failed the line after it started
+        return LineResult(status_code=exc.status, body=exc.body(), served_pool=generation.served_pool,
+                          cost_pico_usd=generation.cost_pico_usd)
+    if response is None or stop.is_set():
+        return LineResult()
+    return LineResult(status_code=200, body=response, served_pool=generation.served_pool,
+                      cost_pico_usd=generation.cost_pico_usd)
 
 
 def output_record(item: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The batch runner: validate a batch, run chunks of its lines, finalize it, sweep.
 
-Called by the Celery tasks (``gateway.batch_runner.tasks``), one unit of work per step; every step is
+Called by the Celery tasks (``gateway.batches.tasks``), one unit of work per step; every step is
 idempotent, so a redelivered or duplicated task is harmless.
 
 - ``validate``: reads the input file line by line (``LineValidator``); any error → ``failed`` with the
@@ -38,9 +38,9 @@ import orjson
 
 from gateway.admission.limits import TenantLimits
 from gateway.auth import Principal
-from gateway.batch_runner import repository as repo
-from gateway.batch_runner.dispatch import BatchDispatcher
-from gateway.batch_runner.lines import (
+from gateway.batches import repository as repo
+from gateway.batches.dispatch import BatchDispatcher
+from gateway.batches.lines import (
     DEFER_CAPACITY,
     LineResult,
     LineValidator,
@@ -50,7 +50,7 @@ from gateway.batch_runner.lines import (
     line_request_id,
     output_record,
 )
-from gateway.batch_runner.runtime import BatchRuntime
+from gateway.batches.runtime import BatchRuntime
 from gateway.batches.schemas import FINAL_STATUSES
 from gateway.files.repository import FileRepository
 from gateway.files.service import FileService, delete_expired, new_file_id, storage_key
@@ -361,9 +361,9 @@ class _Chunk:
                 session, self.batch_id, line.id, self.owner,
                 status="completed" if result.succeeded else "failed", finished_at=datetime.now(UTC),
                 response_status=result.status_code, response=result.body,
-                served_pool=result.context.served_pool,
+                served_pool=result.served_pool,
                 tokens=result.usage() if result.succeeded else None,
-                cost_pico_usd=result.context.cost_pico_usd)
+                cost_pico_usd=result.cost_pico_usd)
         if recorded:
             self.finished += 1
         else:

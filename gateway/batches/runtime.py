@@ -12,28 +12,21 @@
   separate from TPM), its status and monthly budget; a line that does not fit now is *deferred*
   (``BatchDeferred``), never failed. Spend is added to the month (``billing.spend.record_spend``)
   exactly once per line request id.
-
-``LineContext`` (a context variable set per line) receives what the pipeline decided for that line:
-the pool that served it and the billed cost.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from redis.asyncio import Redis
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.price_cache import PriceBookCache
+from billing.outbox import UsageRecord, append_usage
 from billing.spend import month_field, month_to_date_spend, record_spend, tenant_tag
 from gateway.admission.limits import Admission, TenantLimits
-from gateway.auth import Authenticator
-from gateway.deps import PRICE_REFRESH_INTERVAL_S, GatewayRuntime
+from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineClient
 from gateway.errors import GatewayError, ServiceUnavailableError
 from gateway.routing import INTERACTIVE_POOL, ModelRoute, Replica, Router
@@ -79,17 +72,6 @@ class BatchDeferred(GatewayError):
 
     status = 429
     type = "batch_deferred"
-
-
-@dataclass
-class LineContext:
-    served_pool: str | None = None
-    cost_pico_usd: int = 0
-    billed_tokens: int = 0
-
-
-current_line: contextvars.ContextVar[LineContext | None] = contextvars.ContextVar(
-    "tollgate_batch_line", default=None)
 
 
 def batch_priority(settings: Settings) -> int:
@@ -139,13 +121,11 @@ class BatchRouter(Router):
         return min(candidates, key=lambda r: (r.pool == INTERACTIVE_POOL, r.load_score))
 
     def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
-        line = current_line.get()
-        if line is not None:
-            line.served_pool = replica.pool
+        """No prefix affinity to remember for batch lines."""
 
 
 class BatchAdmission:
-    """``AdmissionController``'s interface for batch lines (see the module docstring)."""
+    """The ``AdmissionPolicy`` of batch lines (see the module docstring)."""
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
@@ -171,15 +151,24 @@ class BatchAdmission:
         if admission.settled:
             return
         admission.settled = True
-        line = current_line.get()
-        if line is not None:
-            line.cost_pico_usd = cost_pico_usd
-            line.billed_tokens = used_tokens
         await self.redis.hincrby(tpd_key(admission.tenant_id), admission.lease_id,
                                  used_tokens - admission.reserved_tokens)
         # Month-to-date spend once per line, however often the line was generated.
         if await self.redis.set(billed_key(admission.request_id), 1, nx=True, ex=BILLED_TTL_S):
             await record_spend(self.redis, admission.tenant_id, cost_pico_usd)
+
+    async def settle_and_append(self, admission: Admission, used_tokens: int, cost_pico_usd: int,
+                                record: UsageRecord) -> tuple[Exception | None, Exception | None]:
+        settle_error = append_error = None
+        try:
+            await self.settle(admission, used_tokens, cost_pico_usd)
+        except Exception as exc:
+            settle_error = exc
+        try:
+            await append_usage(self.redis, record)
+        except Exception as exc:
+            append_error = exc
+        return settle_error, append_error
 
     async def renew_lease(self, admission: Admission) -> None:
         """Batch lines hold no concurrency lease."""
@@ -187,30 +176,18 @@ class BatchAdmission:
 
 @dataclass(eq=False)
 class BatchRuntime(GatewayRuntime):
+    request_class: str = BATCH_REQUEST_CLASS
+    authenticates: bool = False  # lines carry their tenant: no key cache
+
     @classmethod
-    def create(cls, settings: Settings, redis: Redis,  # type: ignore[override]
-               sessions: async_sessionmaker[AsyncSession]) -> BatchRuntime:
-        settings = batch_settings(settings)
-        engine = EngineClient(request_timeout_s=settings.request_timeout_s,
-                              connect_timeout_s=settings.health_check_timeout_s)
-        return cls(settings=settings, redis=redis, sessions=sessions, engine=engine,
-                   router=BatchRouter(settings, engine), auth=Authenticator(sessions, redis, settings),
-                   admission=BatchAdmission(redis),  # type: ignore[arg-type]
-                   prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S),
-                   request_class=BATCH_REQUEST_CLASS)
+    def configure(cls, settings: Settings) -> Settings:
+        return batch_settings(settings)
 
-    async def start(self) -> None:
-        """Price book, tokenizers and replica polling (no key cache: lines carry their tenant)."""
-        await self.prices.refresh()
-        await asyncio.gather(*(self._load_tokenizer(route) for route in self.router.models.values()))
-        await self.router.start()
-        self._tasks.append(asyncio.create_task(self.prices.run(), name="tollgate-batch-price-refresh"))
+    @classmethod
+    def router_for(cls, settings: Settings, engine: EngineClient) -> Router:
+        return BatchRouter(settings, engine)
 
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-        await self.router.stop()
-        await self.engine.aclose()
+    @classmethod
+    def admission_for(cls, redis: Redis, settings: Settings) -> BatchAdmission:  # type: ignore[override]
+        return BatchAdmission(redis)
 

@@ -2,7 +2,7 @@
 ``beat_schedule``):
 
 - ``batches.validate(batch_id)``: sent by the gateway after a batch is committed.
-- ``batches.run(batch_id, slot, token)``: one chunk of a run chain (``gateway.batch_runner.dispatch``).
+- ``batches.run(batch_id, slot, token)``: one chunk of a run chain (``gateway.batches.dispatch``).
 - ``batches.finalize(batch_id)``: sent after a cancel; also called by runs and the sweep.
 - ``batches.sweep`` every ``batch_sweep_interval_s`` (beat): stale leases, expiry, kicks, retention.
 
@@ -23,15 +23,15 @@ from typing import Any, TypeVar
 
 from celery import current_app, shared_task
 
-from gateway.batch_runner.dispatch import (
+from gateway.batches.dispatch import (
     FINALIZE_TASK,
     RUN_TASK,
     SWEEP_TASK,
     VALIDATE_TASK,
     BatchDispatcher,
 )
-from gateway.batch_runner.runtime import BatchRuntime
-from gateway.batch_runner.service import BatchRunner
+from gateway.batches.runner import BatchRunner
+from gateway.batches.runtime import BatchRuntime
 from gateway.files.storage import create_storage
 from tollgate.process_runtime import PerProcess, ProcessRuntime
 from tollgate.settings import Settings

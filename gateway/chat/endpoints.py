@@ -10,10 +10,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from gateway.chat.service import create_chat_completion
+from gateway.chat.schemas import ChatCompletionRequest
+from gateway.chat.service import start_chat_completion
 from gateway.deps import CurrentPrincipal, RequestId, Runtime
 from gateway.errors import parse_request_body
-from gateway.openai.chat_schemas import ChatCompletionRequest
+from gateway.openai.answers import respond
 from gateway.openai.schemas import openapi_request_body
 
 router = APIRouter()
@@ -24,4 +25,5 @@ router = APIRouter()
 async def chat_completions(request: Request, runtime: Runtime, principal: CurrentPrincipal,
                            request_id: RequestId) -> Any:
     body = parse_request_body(ChatCompletionRequest, await request.body())
-    return await create_chat_completion(runtime, principal, request_id, body, request)
+    answer = await start_chat_completion(runtime, principal, request_id, body)
+    return await respond(answer, request, stream=bool(body.stream))

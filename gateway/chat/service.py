@@ -22,30 +22,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 
 from engine.protocol import DeltaRecord
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
-from gateway.chat.tools import ParsedCall, ToolCallParser, forced_call_schema
-from gateway.deps import GatewayRuntime
-from gateway.errors import InvalidRequestError
-from gateway.openai.chat_schemas import (
+from gateway.chat.schemas import (
     ChatCompletionRequest,
     NamedToolChoice,
     to_template_dict,
 )
-from gateway.openai.encoding import chat_token_logprobs, completion_id, system_fingerprint
-from gateway.openai.generation import (
-    Generation,
-    check_context_length,
-    lookup_model,
-    resolve_tier,
-    sampling_fields,
-)
+from gateway.chat.tools import ParsedCall, ToolCallParser, forced_call_schema
+from gateway.deps import GatewayRuntime
+from gateway.errors import InvalidRequestError
+from gateway.generation.requests import check_context_length, lookup_model, resolve_tier, sampling_fields
+from gateway.generation.service import Generation, run_generation
+from gateway.openai.answers import Answer
+from gateway.openai.encoding import chat_token_logprobs, completion_id, completion_usage, system_fingerprint
 from gateway.openai.schemas import ResponseFormatJsonObject, ResponseFormatJsonSchema
-from gateway.openai.streaming import DONE_FRAME, EventStreamResponse, collect_unless_disconnected, json_frame
+from gateway.openai.streaming import DONE_FRAME, json_frame
 
 # Prompts longer than this (characters) are rendered and tokenized in a worker thread.
 OFFLOAD_CHARS = 32_000
@@ -68,8 +62,9 @@ async def _render(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list
         raise InvalidRequestError(f"Invalid 'messages': {exc}", param="messages") from None
 
 
-async def create_chat_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
-                                 body: ChatCompletionRequest, request: Request) -> Any:
+async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
+                                body: ChatCompletionRequest) -> Answer:
+    """The chat completion, started (``gateway.openai.answers``); raises what to answer instead."""
     body.check()
     route = lookup_model(runtime, principal, body.model)
     tokenizer = runtime.tokenizer(route.name)
@@ -97,10 +92,9 @@ async def create_chat_completion(runtime: GatewayRuntime, principal: Principal, 
 
     n = body.n or 1
     tier = resolve_tier(runtime, principal, body.service_tier)
-    generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
-                            prompts=[prompt], sampling=sampling, n=n, max_tokens=max_tokens, tier=tier)
     try:
-        await generation.start()
+        generation = await run_generation(runtime, principal, route, request_id, [prompt], sampling, n=n,
+                                          max_tokens=max_tokens, tier=tier)
     except InvalidRequestError as exc:
         if exc.param in ("json_schema", "response_format"):  # the engine names its own field
             exc.param = "tools" if forced else "response_format"
@@ -110,21 +104,18 @@ async def create_chat_completion(runtime: GatewayRuntime, principal: Principal, 
     response_id = completion_id("chatcmpl")
     created = int(time.time())
     fingerprint = system_fingerprint(route)
-    if body.stream:
-        frames = _stream(generation, tokenizer, parsers, response_id, created, fingerprint,
-                         include_usage=body.include_usage, logprobs=bool(body.logprobs))
-        return EventStreamResponse(frames, generation, headers=generation.headers)
-
-    async def collect() -> Response:
-        return await _complete(generation, tokenizer, parsers, response_id, created, fingerprint,
-                               logprobs=bool(body.logprobs))
-
-    response = await collect_unless_disconnected(request.receive, generation, collect)
-    return response if response is not None else Response(status_code=499)
+    logprobs = bool(body.logprobs)
+    return Answer(
+        generation,
+        body=lambda: _complete(generation, tokenizer, parsers, response_id, created, fingerprint,
+                               logprobs=logprobs),
+        frames=lambda: _stream(generation, tokenizer, parsers, response_id, created, fingerprint,
+                               include_usage=body.include_usage, logprobs=logprobs),
+    )
 
 
 async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[ToolCallParser | None],
-                    response_id: str, created: int, fingerprint: str, *, logprobs: bool) -> Response:
+                    response_id: str, created: int, fingerprint: str, *, logprobs: bool) -> dict[str, Any]:
     n = generation.n
     texts: list[list[str]] = [[] for _ in range(n)]
     token_logprobs: list[list] = [[] for _ in range(n)]
@@ -133,7 +124,7 @@ async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[
         if logprobs and record.logprobs:
             token_logprobs[record.index].extend(record.logprobs)
     if generation.error is not None:
-        return generation.error.to_response()
+        raise generation.error
     choices = []
     for i in range(n):
         text = "".join(texts[i])
@@ -153,12 +144,11 @@ async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[
                          if logprobs else None),
             "finish_reason": _finish_reason(generation.finish_reasons.get(i), bool(calls)),
         })
-    body = {
+    return {
         "id": response_id, "object": "chat.completion", "created": created, "model": generation.route.name,
-        "choices": choices, "usage": generation.usage.as_openai(), "service_tier": generation.tier,
+        "choices": choices, "usage": completion_usage(generation.usage), "service_tier": generation.tier,
         "system_fingerprint": fingerprint,
     }
-    return Response(orjson.dumps(body), media_type="application/json", headers=generation.headers)
 
 
 async def _stream(generation: Generation, tokenizer: Tokenizer, parsers: list[ToolCallParser | None],
@@ -208,7 +198,7 @@ async def _stream(generation: Generation, tokenizer: Tokenizer, parsers: list[To
         yield json_frame({"id": response_id, "object": "chat.completion.chunk", "created": created,
                           "model": generation.route.name, "service_tier": generation.tier,
                           "system_fingerprint": fingerprint, "choices": [],
-                          "usage": generation.usage.as_openai()})
+                          "usage": completion_usage(generation.usage)})
     yield DONE_FRAME
 
 

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.openai.chat_schemas import FunctionTool
+from gateway.chat.schemas import FunctionTool
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"

@@ -6,10 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from gateway.completions.service import create_completion
+from gateway.completions.schemas import CompletionRequest
+from gateway.completions.service import start_completion
 from gateway.deps import CurrentPrincipal, RequestId, Runtime
 from gateway.errors import parse_request_body
-from gateway.openai.completion_schemas import CompletionRequest
+from gateway.openai.answers import respond
 from gateway.openai.schemas import openapi_request_body
 
 router = APIRouter()
@@ -20,4 +21,5 @@ router = APIRouter()
 async def completions(request: Request, runtime: Runtime, principal: CurrentPrincipal,
                       request_id: RequestId) -> Any:
     body = parse_request_body(CompletionRequest, await request.body())
-    return await create_completion(runtime, principal, request_id, body, request)
+    answer = await start_completion(runtime, principal, request_id, body)
+    return await respond(answer, request, stream=bool(body.stream))

@@ -17,23 +17,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
+from gateway.completions.schemas import CompletionRequest
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError
-from gateway.openai.completion_schemas import CompletionRequest
-from gateway.openai.encoding import CompletionLogprobs, completion_id, system_fingerprint
-from gateway.openai.generation import (
-    Generation,
-    check_context_length,
-    lookup_model,
-    resolve_tier,
-    sampling_fields,
-)
-from gateway.openai.streaming import DONE_FRAME, EventStreamResponse, collect_unless_disconnected, json_frame
+from gateway.generation.requests import check_context_length, lookup_model, resolve_tier, sampling_fields
+from gateway.generation.service import Generation, run_generation
+from gateway.openai.answers import Answer
+from gateway.openai.encoding import CompletionLogprobs, completion_id, completion_usage, system_fingerprint
+from gateway.openai.streaming import DONE_FRAME, json_frame
 
 
 def _finish_reason(engine_reason: str | None) -> str:
@@ -63,8 +57,9 @@ def _tokenize(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[list
     return out
 
 
-async def create_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
-                            body: CompletionRequest, request: Request) -> Any:
+async def start_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
+                           body: CompletionRequest) -> Answer:
+    """The completion, started (``gateway.openai.answers``); raises what to answer instead."""
     body.check()
     if body.max_tokens == 0:
         raise InvalidRequestError(
@@ -86,30 +81,25 @@ async def create_completion(runtime: GatewayRuntime, principal: Principal, reque
     if body.logprobs is not None:
         sampling["logprobs"] = True
         sampling["top_logprobs"] = body.logprobs
-    generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
-                            prompts=prompts, sampling=sampling, n=n, max_tokens=max_tokens,
-                            tier=resolve_tier(runtime, principal, body.service_tier))
-    await generation.start()
+    tier = resolve_tier(runtime, principal, body.service_tier)
+    generation = await run_generation(runtime, principal, route, request_id, prompts, sampling, n=n,
+                                      max_tokens=max_tokens, tier=tier)
     response_id = completion_id("cmpl")
     created = int(time.time())
     fingerprint = system_fingerprint(route)
     logprob_builders = ([CompletionLogprobs(tokenizer, len(echo_texts[i // n]) if echo_texts else 0)
                          for i in range(n * len(prompts))] if body.logprobs is not None else None)
-    if body.stream:
-        frames = _stream(generation, response_id, created, fingerprint, echo_texts, logprob_builders,
-                         include_usage=body.include_usage)
-        return EventStreamResponse(frames, generation, headers=generation.headers)
-
-    async def collect() -> Response:
-        return await _complete(generation, response_id, created, fingerprint, echo_texts, logprob_builders)
-
-    response = await collect_unless_disconnected(request.receive, generation, collect)
-    return response if response is not None else Response(status_code=499)
+    return Answer(
+        generation,
+        body=lambda: _complete(generation, response_id, created, fingerprint, echo_texts, logprob_builders),
+        frames=lambda: _stream(generation, response_id, created, fingerprint, echo_texts, logprob_builders,
+                               include_usage=body.include_usage),
+    )
 
 
 async def _complete(generation: Generation, response_id: str, created: int, fingerprint: str,
                     echo_texts: list[str] | None,
-                    logprob_builders: list[CompletionLogprobs] | None) -> Response:
+                    logprob_builders: list[CompletionLogprobs] | None) -> dict[str, Any]:
     count = generation.n * len(generation.prompts)
     texts: list[list[str]] = [[echo_texts[i // generation.n]] if echo_texts else [] for i in range(count)]
     async for record in generation.records():
@@ -117,16 +107,15 @@ async def _complete(generation: Generation, response_id: str, created: int, fing
         if logprob_builders is not None and record.logprobs:
             logprob_builders[record.index].add(record.logprobs)
     if generation.error is not None:
-        return generation.error.to_response()
+        raise generation.error
     choices = [{
         "text": "".join(texts[i]), "index": i,
         "logprobs": logprob_builders[i].as_openai() if logprob_builders is not None else None,
         "finish_reason": _finish_reason(generation.finish_reasons.get(i)),
     } for i in range(count)]
-    body = {"id": response_id, "object": "text_completion", "created": created,
+    return {"id": response_id, "object": "text_completion", "created": created,
             "model": generation.route.name, "system_fingerprint": fingerprint, "choices": choices,
-            "usage": generation.usage.as_openai()}
-    return Response(orjson.dumps(body), media_type="application/json", headers=generation.headers)
+            "usage": completion_usage(generation.usage)}
 
 
 async def _stream(generation: Generation, response_id: str, created: int, fingerprint: str,
@@ -159,5 +148,5 @@ async def _stream(generation: Generation, response_id: str, created: int, finger
     if include_usage:
         yield json_frame({"id": response_id, "object": "text_completion", "created": created,
                           "model": generation.route.name, "system_fingerprint": fingerprint, "choices": [],
-                          "usage": generation.usage.as_openai()})
+                          "usage": completion_usage(generation.usage)})
     yield DONE_FRAME

@@ -1,4 +1,5 @@
-"""One generation from admission to settlement, shared by chat and text completions.
+"""One generation from admission to settlement: the one service that chat, completions and batch lines
+call (``run_generation``), whatever wire format they answer in.
 
 ``Generation`` runs the request path after validation and tokenization (ARCHITECTURE.md steps 4-7):
 price → shed check → admission (reserve prompt + max_tokens) → route (prefix affinity, retry on
@@ -20,7 +21,10 @@ Invariants:
   concurrently; their records are merged and re-indexed as ``prompt_index * n + i``; usage is summed.
 - Prices, the ledger's ``request_class`` and admission come from the runtime: a ``GatewayRuntime``
   meters ``interactive``; the batch tier runs the same pipeline on a runtime whose ``request_class`` is
-  ``batch`` (``gateway.batch_runner.runtime``).
+  ``batch`` (``gateway.batches.runtime``). Admission is an ``AdmissionPolicy``: the service calls the
+  same four methods on either, and never asks which one it has.
+- After ``finish()``, ``cost_pico_usd`` is what the request was billed and ``served_pool`` the pool of
+  the replica that ran it (what a batch line records); wire formats live with the endpoints.
 - The engine request id is the gateway request id (suffixed ``-<prompt index>`` for several prompts),
   so logs on both sides join on it.
 """
@@ -40,17 +44,18 @@ from typing import Any
 
 import anyio
 
-from billing.outbox import UsageRecord, append_usage
+from billing.outbox import UsageRecord
 from billing.prices import PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.block_hash import prefix_block_hashes
 from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
-from gateway.admission import Admission, AdmissionController
+from gateway.admission import Admission
 from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
-from gateway.errors import GatewayError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
+from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.generation.usage import Usage
 from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
 
@@ -64,57 +69,6 @@ STATUS_CANCELLED = "cancelled"
 def cache_salt(secret: str, tenant_id: int) -> str:
     """Per-tenant prefix-cache salt: an HMAC of the tenant id, so no tenant can guess another's salt."""
     return hmac.new(secret.encode(), f"tenant:{tenant_id}".encode(), hashlib.sha256).hexdigest()[:32]
-
-
-def resolve_tier(runtime: GatewayRuntime, principal: Principal, requested: str | None) -> str:
-    """The tier a request runs at: the tenant's, or a lower one it asks for (never a higher one).
-    ``auto``, ``None`` and tiers this platform does not define mean the tenant's tier."""
-    tiers = runtime.settings.tiers
-    own = principal.tenant.tier if principal.tenant.tier in tiers else next(iter(tiers))
-    if requested is None or requested == "auto" or requested not in tiers:
-        return own
-    return requested if tiers[requested].rank <= tiers[own].rank else own
-
-
-def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> ModelRoute:
-    route = runtime.router.models.get(model)
-    if route is None or not principal.may_use(model):
-        raise ModelNotFoundError(model)
-    return route
-
-
-def sampling_fields(body: Any) -> dict[str, Any]:
-    """Engine sampling arguments common to both endpoints (OpenAI defaults: temperature 1, top_p 1)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if top_p == 0.0:  # OpenAI accepts 0: only the most likely token remains, i.e. greedy decoding
-        temperature, top_p = 0.0, 1.0
-    return {
-        "temperature": temperature, "top_p": top_p,
-        "presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
-        "seed": body.seed, "stop": body.stop_list,
-    }
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def as_openai(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "audio_tokens": 0},
-            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
-                                          "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
-        }
 
 
 @dataclass
@@ -133,6 +87,7 @@ class Generation:
     status: str = STATUS_COMPLETED
     error: GatewayError | None = None
     admission: Admission | None = None
+    cost_pico_usd: int = 0  # billed, once finish() ran
     _streams: list[tuple[EngineStream, Replica]] = field(default_factory=list)
     _finals: int = 0
     _generated: int = 0
@@ -148,6 +103,11 @@ class Generation:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def served_pool(self) -> str | None:
+        """The pool of the replica that ran the (first) prompt; None if none did."""
+        return self._streams[0][1].pool if self._streams else None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -363,6 +323,7 @@ class Generation:
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
             cost = 0
+        self.cost_pico_usd = cost
         if not self._streams:
             try:
                 await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
@@ -379,23 +340,11 @@ class Generation:
             completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
             ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at,
         )
-        if isinstance(rt.admission, AdmissionController):
-            # Settle and meter in one Redis round trip.
-            settle_error, append_error = await rt.admission.settle_and_append(
-                self.admission, self.usage.total_tokens, cost, record)
-            if settle_error is not None:
-                logger.error("settling request %s failed (its lease will expire): %r", self.request_id,
-                             settle_error)
-        else:
-            try:
-                await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
-            except Exception:
-                logger.exception("settling request %s failed (its lease will expire)", self.request_id)
-            append_error = None
-            try:
-                await append_usage(rt.redis, record)
-            except Exception as exc:
-                append_error = exc
+        settle_error, append_error = await rt.admission.settle_and_append(
+            self.admission, self.usage.total_tokens, cost, record)
+        if settle_error is not None:
+            logger.error("settling request %s failed (its lease will expire): %r", self.request_id,
+                         settle_error)
         observe_generation(model=record.model, tier=self.tier, status=self.status,
                            prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens,
                            completion_tokens=record.completion_tokens, tpot_s=(self._tpot_ms or 0) / 1000,
@@ -405,18 +354,12 @@ class Generation:
             logger.error("USAGE NOT RECORDED for request %s: %r (%r)", self.request_id, record, append_error)
 
 
-def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int | None, what: str) -> None:
-    info = route.info()
-    if info is None:
-        return
-    limit = info.max_model_len
-    wanted = prompt_tokens + (max_tokens or 0)
-    if prompt_tokens >= limit or wanted > limit:
-        detail = f"{prompt_tokens} in the {what}"
-        if max_tokens:
-            detail += f", {max_tokens} in the completion"
-        raise InvalidRequestError(
-            f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
-            f"({detail}). Please reduce the length of the {what} or completion.",
-            param="messages" if what == "messages" else "prompt", code="context_length_exceeded",
-        )
+async def run_generation(runtime: GatewayRuntime, principal: Principal, route: ModelRoute, request_id: str,
+                         prompts: list[list[int]], sampling: dict[str, Any], *, n: int,
+                         max_tokens: int | None, tier: str) -> Generation:
+    """A started generation (see the module invariants): the engine has accepted every prompt, or this
+    raised the error to answer with, and nothing is left to settle."""
+    generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
+                            prompts=prompts, sampling=sampling, n=n, max_tokens=max_tokens, tier=tier)
+    await generation.start()
+    return generation

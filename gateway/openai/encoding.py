@@ -1,4 +1,4 @@
-"""Response pieces shared by the endpoints: ids, fingerprints, log-probabilities.
+"""Response pieces shared by the endpoints: ids, fingerprints, usage, log-probabilities.
 
 Log-probabilities come from the engine as token ids; their text and bytes come from the model's
 tokenizer (``token_text`` replaces an incomplete UTF-8 sequence with U+FFFD; ``bytes`` keeps the raw
@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.protocol import TokenLogprob
 from engine.tokenizer import Tokenizer
+from gateway.generation.usage import Usage
 from gateway.routing import ModelRoute
 
 
@@ -33,6 +34,18 @@ def system_fingerprint(route: ModelRoute) -> str:
 def _fingerprint(name: str, path: str | None, max_model_len: int, vocab_size: int) -> str:
     basis = f"{name}|{path}|{max_model_len}|{vocab_size}"
     return "fp_" + hashlib.sha256(basis.encode()).hexdigest()[:10]
+
+
+def completion_usage(usage: Usage) -> dict[str, Any]:
+    """OpenAI's ``CompletionUsage`` (chat and text completions)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                      "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
+    }
 
 
 def chat_token_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob]) -> list[dict[str, Any]]:

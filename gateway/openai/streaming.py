@@ -9,10 +9,10 @@ cancellation — the iterator is closed and ``Generation.finish()`` runs (engine
 write to a vanished client counts as a disconnect too. (No anyio task group per request: it cost ~5%
 of a request's CPU.)
 
-``collect_unless_disconnected`` does the same for non-streamed answers: a client that hangs up while
-waiting aborts the engine work instead of letting it run to the end (and is billed for what was
-generated, as a cancelled stream is); one cut by the server at shutdown, which the client sees as a 503
-to retry, is billed nothing (``Generation.void``).
+``collect_until`` does the same for non-streamed answers: a client that hangs up while waiting
+(``client_gone``), or a batch line its runner stops, aborts the engine work instead of letting it run
+to the end (and is billed for what was generated, as a cancelled stream is); one cut by the server at
+shutdown, which the client sees as a 503 to retry, is billed nothing (``Generation.void``).
 
 Frames that are ready together are written together: while the generation's next record is already
 buffered (``Generation.ready``: a zero-delay engine's burst, or a backlog after a slow write), frames are
@@ -35,7 +35,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.openai.generation import Generation
+from gateway.generation.service import Generation
 
 T = TypeVar("T")
 
@@ -52,20 +52,28 @@ def json_frame(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _watch_disconnect(receive: Receive, generation: Generation, seen: list[bool]) -> asyncio.Task[None]:
-    """A task that waits for ``http.disconnect``; then it marks the generation cancelled and interrupts
-    its engine streams (closing their connections aborts the engine work within one step), which ends
+def client_gone(receive: Receive) -> Callable[[], Awaitable[None]]:
+    """Waits until the client has disconnected (``http.disconnect`` on the request's channel)."""
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return gone
+
+
+def _watch(gone: Callable[[], Awaitable[None]], generation: Generation,
+           seen: list[bool]) -> asyncio.Task[None]:
+    """A task that waits for ``gone()``; then it marks the generation cancelled and interrupts its
+    engine streams (closing their connections aborts the engine work within one step), which ends
     whatever is reading them. No task group and no cancellation of the request's own task: the
     request's code runs to its end, quickly, and its cleanup is never cut short."""
 
     async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                seen.append(True)
-                generation.cancel()
-                generation.interrupt()
-                return
+        await gone()
+        seen.append(True)
+        generation.cancel()
+        generation.interrupt()
 
     return asyncio.get_running_loop().create_task(watch())
 
@@ -87,7 +95,7 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         generation = self.generation
         disconnected: list[bool] = []
-        watcher = _watch_disconnect(receive, generation, disconnected)
+        watcher = _watch(client_gone(receive), generation, disconnected)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             # Coalesce: frames whose records were already buffered go out in one write; a frame is
@@ -116,12 +124,13 @@ class EventStreamResponse(Response):
                 await generation.finish()
 
 
-async def collect_unless_disconnected(receive: Receive, generation: Generation,
-                                      collect: Callable[[], Awaitable[T]]) -> T | None:
-    """Run ``collect()``; if the client disconnects first, the generation is interrupted (engine work
-    aborted) and None is returned. Always finishes the generation (shielded)."""
+async def collect_until(gone: Callable[[], Awaitable[None]], generation: Generation,
+                        collect: Callable[[], Awaitable[T]]) -> T | None:
+    """Run ``collect()``; if ``gone()`` returns first (the client disconnected, the batch line was
+    stopped), the generation is interrupted (engine work aborted) and None is returned. Always finishes
+    the generation (shielded)."""
     disconnected: list[bool] = []
-    watcher = _watch_disconnect(receive, generation, disconnected)
+    watcher = _watch(gone, generation, disconnected)
     try:
         result = await collect()
     except asyncio.CancelledError:

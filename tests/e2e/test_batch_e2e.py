@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 
 from billing.prices import Price, cost_pico_usd
 from billing.spend import month_field, month_to_date_spend
-from gateway.batch_runner.lines import line_request_id
+from gateway.batches.lines import line_request_id
 from gateway.batches.schemas import FINAL_STATUSES
 from tests.e2e.platform_harness import MODEL, PLATFORM_GROUP, Platform
 from tests.openai_schema import assert_conforms

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from sqlalchemy import select, update
 
-from gateway.batch_runner.dispatch import BatchDispatcher, chain_key
-from gateway.batch_runner.runtime import BatchRuntime, tpd_key
-from gateway.batch_runner.service import BatchRunner
+from gateway.batches.dispatch import BatchDispatcher, chain_key
+from gateway.batches.runner import BatchRunner
+from gateway.batches.runtime import BatchRuntime, tpd_key
 from gateway.files.storage import LocalFileStorage
 from tests.factories import create_price
 from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key

@@ -7,8 +7,8 @@ import json
 import jsonschema
 import pytest
 
+from gateway.chat.schemas import FunctionTool
 from gateway.chat.tools import ToolCallParser, forced_call_schema
-from gateway.openai.chat_schemas import FunctionTool
 
 TEXT = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'

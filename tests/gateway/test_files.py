@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.batch_runner.dispatch import BatchDispatcher
-from gateway.batch_runner.service import BatchRunner
+from gateway.batches.dispatch import BatchDispatcher
+from gateway.batches.runner import BatchRunner
 from gateway.files.storage import LocalFileStorage
 from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key, run_gateway
 from tests.openai_schema import assert_conforms

@@ -1,0 +1,59 @@
+"""What every endpoint decides about a request before it becomes a generation, the same way for chat,
+completions, responses and batch lines: the model (one this key may use), the tier (the tenant's, or a
+lower one it asks for), the engine's sampling arguments (OpenAI's defaults), and the context length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.auth import Principal
+from gateway.deps import GatewayRuntime
+from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.routing import ModelRoute
+
+
+def resolve_tier(runtime: GatewayRuntime, principal: Principal, requested: str | None) -> str:
+    """The tier a request runs at: the tenant's, or a lower one it asks for (never a higher one).
+    ``auto``, ``None`` and tiers this platform does not define mean the tenant's tier."""
+    tiers = runtime.settings.tiers
+    own = principal.tenant.tier if principal.tenant.tier in tiers else next(iter(tiers))
+    if requested is None or requested == "auto" or requested not in tiers:
+        return own
+    return requested if tiers[requested].rank <= tiers[own].rank else own
+
+
+def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> ModelRoute:
+    route = runtime.router.models.get(model)
+    if route is None or not principal.may_use(model):
+        raise ModelNotFoundError(model)
+    return route
+
+
+def sampling_fields(body: Any) -> dict[str, Any]:
+    """Engine sampling arguments every endpoint shares (OpenAI defaults: temperature 1, top_p 1)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0.0:  # OpenAI accepts 0: only the most likely token remains, i.e. greedy decoding
+        temperature, top_p = 0.0, 1.0
+    return {
+        "temperature": temperature, "top_p": top_p,
+        "presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
+        "seed": body.seed, "stop": body.stop_list,
+    }
+
+
+def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int | None, what: str) -> None:
+    info = route.info()
+    if info is None:
+        return
+    limit = info.max_model_len
+    wanted = prompt_tokens + (max_tokens or 0)
+    if prompt_tokens >= limit or wanted > limit:
+        detail = f"{prompt_tokens} in the {what}"
+        if max_tokens:
+            detail += f", {max_tokens} in the completion"
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
+            f"({detail}). Please reduce the length of the {what} or completion.",
+            param="messages" if what == "messages" else "prompt", code="context_length_exceeded",
+        )
