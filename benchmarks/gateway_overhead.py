@@ -73,24 +73,7 @@ class Platform:
     gateway_url: str
     gateway_pid: int
     tokenizer_dir: Path
-    gateway_env: dict[str, str] = field(default_factory=dict)
     tenant_ids: dict[str, int] = field(default_factory=dict)  # API key -> tenant id
-    procs: list[tuple[subprocess.Popen[bytes], int]] = field(default_factory=list)
-
-    def start_gateway(self, extra_env: dict[str, str], name: str) -> tuple[str, int]:
-        """Another one-worker gateway on the same Postgres, Redis and engine, with ``extra_env`` on top
-        of the first one's environment; stopped with the platform. Returns (url, pid)."""
-        from tollgate.local_services import free_port
-        from tollgate.processes import spawn, wait_http_ok
-
-        port = free_port()
-        log = self.root / f"gateway-{name}.log"
-        proc = spawn([sys.executable, "-m", "tollgate", "gateway", "--port", str(port), "--workers", "1"],
-                     log_path=log, env={**self.gateway_env, **extra_env})
-        self.procs.append((proc, 15))
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ok(f"{url}/health", proc, log, 120.0)
-        return url, proc.pid
 
     def create_tenant_key(self, **tenant_columns: Any) -> str:
         """A committed tenant (with these columns) and an API key for it."""
@@ -212,8 +195,7 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
         procs.append((gateway, 15))
         gateway_url = f"http://127.0.0.1:{gw_port}"
         wait_http_ok(f"{gateway_url}/health", gateway, gw_log, 120.0)
-        yield Platform(root, database_url, rd.url(0), engine_url, gateway_url, gateway.pid, tiny,
-                       gateway_env=gw_env, procs=procs)
+        yield Platform(root, database_url, rd.url(0), engine_url, gateway_url, gateway.pid, tiny)
     finally:
         for proc, sig in reversed(procs):
             stop(proc, sig=sig, timeout=20)
@@ -404,66 +386,6 @@ def sustained(result: dict[str, Any]) -> bool:
             and result["late_fraction"] < 0.1)  # the generator kept its schedule
 
 
-# ----------------------------------------------------------------------------- the clients' trial
-
-# The gateway's hand-written protocol clients against the libraries they replaced (settings
-# ``admission_redis_client`` and ``engine_http_client``).
-CLIENT_VARIANTS = {
-    "hand-written (lean RESP + lean HTTP)": {},
-    "redis-py (hiredis) for admission": {"TOLLGATE_ADMISSION_REDIS_CLIENT": "redis-py"},
-    "aiohttp for the engine": {"TOLLGATE_ENGINE_HTTP_CLIENT": "aiohttp"},
-    "both libraries": {"TOLLGATE_ADMISSION_REDIS_CLIENT": "redis-py",
-                       "TOLLGATE_ENGINE_HTTP_CLIENT": "aiohttp"},
-}
-
-
-def clients_trial(p: Platform, args: argparse.Namespace) -> dict[str, Any]:
-    """Each variant's gateway (one worker each, all running side by side) under the same open-loop load
-    at ``--clients-rate``, in rotating order for ``--rounds`` rounds, streamed and not: the gateway
-    worker's CPU per request, and the latency the client saw."""
-    key = p.create_tenant_key(rpm_limit=10**9, tpm_limit=10**12)
-    headers = {"Authorization": f"Bearer {key}"}
-    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS}
-    gateways = {name: p.start_gateway(env, f"v{i}") for i, (name, env) in enumerate(CLIENT_VARIANTS.items())}
-    for url, _ in gateways.values():  # connections, caches, the price book, the Lua scripts
-        run_load(LoadSpec(f"{url}/v1/chat/completions", chat, headers, 50, 2, False))
-    samples: dict[str, dict[str, list[dict[str, Any]]]] = {
-        n: {"non-stream": [], "stream": []} for n in gateways
-    }
-    names = list(gateways)
-    for round_ in range(args.rounds):
-        order = names[round_ % len(names):] + names[:round_ % len(names)]
-        for stream in (False, True):
-            mode = "stream" if stream else "non-stream"
-            body = {**chat, "stream": True} if stream else chat
-            for name in order:
-                url, pid = gateways[name]
-                step = run_load(LoadSpec(f"{url}/v1/chat/completions", body, headers, args.clients_rate,
-                                         args.duration, stream), measured_pid=pid)
-                samples[name][mode].append(step)
-                print(f"round {round_ + 1} {mode:10} {name:38} cpu {step['cpu_ms_per_request']:.3f} ms/req "
-                      f"p50 {step['p50_ms']:.1f} ms p99 {step['p99_ms']:.1f} ms err {step['error_rate']:.1%}",
-                      flush=True)
-    base = names[0]
-    rows, summary = [], {}
-    for mode in ("non-stream", "stream"):
-        base_cpu = statistics.median(s["cpu_ms_per_request"] for s in samples[base][mode])
-        for name in names:
-            cpus = [s["cpu_ms_per_request"] for s in samples[name][mode]]
-            cpu = statistics.median(cpus)
-            p99 = statistics.median(s["p99_ms"] for s in samples[name][mode])
-            errors = max(s["error_rate"] for s in samples[name][mode])
-            summary.setdefault(name, {})[mode] = {"cpu_ms_per_request": cpu, "cpu_samples": cpus,
-                                                  "p99_ms": p99, "max_error_rate": errors}
-            saving = "-" if name == base else f"{(cpu - base_cpu) / cpu:+.1%}"
-            rows.append([mode, name, f"{cpu:.3f}", f"{min(cpus):.3f}-{max(cpus):.3f}", saving,
-                         f"{p99:.1f}", f"{errors:.1%}"])
-    print(format_table(["mode", "gateway clients", "CPU ms/req (median)", "range", "hand-written saves",
-                        "p99 ms", "errors"], rows))
-    return {"rate": args.clients_rate, "duration_s": args.duration, "rounds": args.rounds,
-            "variants": summary}
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -474,21 +396,9 @@ def main() -> None:
     parser.add_argument("--rates", default="100,200,300,400,500,600,800,1000",
                         help="RPS steps of the sustained-throughput search")
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway during the --rate step")
-    parser.add_argument("--clients", action="store_true",
-                        help="only the trial of the hand-written protocol clients against the libraries")
-    parser.add_argument("--clients-rate", type=float, default=300.0, help="RPS of the clients' trial")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the clients' trial")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    if args.clients:
-        with platform() as p:
-            trial = clients_trial(p, args)
-        if args.out:
-            trial.update(machine=f"{os.cpu_count()}-core CPU", load_average=os.getloadavg(),
-                         date=datetime.now(UTC).isoformat(timespec="seconds"))
-            write_json(args.out, trial)
-        return
 
     with platform() as p:
         key = p.create_tenant_key(rpm_limit=10**9, tpm_limit=10**12)

@@ -35,16 +35,6 @@ logger = logging.getLogger("tollgate.gateway")
 PRICE_REFRESH_INTERVAL_S = 10.0
 
 
-def create_engine_client(settings: Settings) -> EngineClient:
-    if settings.engine_http_client == "aiohttp":
-        from gateway.engine_client_aiohttp import AiohttpEngineClient
-
-        return AiohttpEngineClient(request_timeout_s=settings.request_timeout_s,  # type: ignore[return-value]
-                                   connect_timeout_s=settings.health_check_timeout_s)
-    return EngineClient(request_timeout_s=settings.request_timeout_s,
-                        connect_timeout_s=settings.health_check_timeout_s)
-
-
 @dataclass(eq=False)
 class GatewayRuntime:
     settings: Settings
@@ -68,7 +58,8 @@ class GatewayRuntime:
         """The runtime's parts for ``settings`` (a subclass adapts them: ``configure``, ``router_for``,
         ``admission_for``)."""
         settings = cls.configure(settings)
-        engine = create_engine_client(settings)
+        engine = EngineClient(request_timeout_s=settings.request_timeout_s,
+                              connect_timeout_s=settings.health_check_timeout_s)
         return cls(settings=settings, redis=redis, sessions=sessions, engine=engine,
                    router=cls.router_for(settings, engine), auth=Authenticator(sessions, redis, settings),
                    admission=cls.admission_for(redis, settings),

@@ -88,10 +88,6 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     health_poll_interval_s: float = 1.0
-    # The gateway's protocol clients on trial (benchmarks/gateway_overhead.py --clients): the
-    # hand-written ones ("lean") or the libraries (redis-py for admission/settle, aiohttp for engines).
-    admission_redis_client: Literal["lean", "redis-py"] = "lean"
-    engine_http_client: Literal["lean", "aiohttp"] = "lean"
     # Bearer token a Prometheus scrape presents at the gateway's ``GET /metrics`` (the scrape config's
     # ``authorization: {credentials: ...}``); an admin API token is accepted too. None: admin tokens only.
     metrics_token: SecretStr | None = None

@@ -83,7 +83,7 @@ class AdmissionController:
         self._renew = redis.register_script(_script("renew.lua"))
         # The two per-request round trips (admit; settle + usage record) go over a lean connection
         # where the client allows it (``gateway.admission.resp``); everything else uses redis-py.
-        self._lean = LeanRedis.for_client(redis) if settings.admission_redis_client == "lean" else None
+        self._lean = LeanRedis.for_client(redis)
 
     async def admit(self, limits: TenantLimits, request_id: str, reserved_tokens: int,
                     estimated_cost_pico_usd: int) -> Admission:
