@@ -1,11 +1,11 @@
 """Validate response bodies against OpenAI's published API description.
 
 ``assert_conforms(body, "CreateChatCompletionResponse")`` validates with JSON Schema draft 2020-12
-against ``../shared/reference/openai-openapi.yaml`` (relative to the repository root). The file marks
-nullable fields the OpenAPI 3.0 way; they are rewritten to ``anyOf: [schema, {type: null}]``, and a
-null for a property the schema does not require is read as leaving it out (OpenAI sends such nulls).
-The parsed and rewritten document is cached (in memory and as a pickle next to pytest's cache) because
-parsing 3 MB of YAML takes seconds.
+against ``tests/data/openai-openapi.yaml`` (OpenAI's published description, MIT licence; see
+tests/data/README.md). It marks nullable fields the OpenAPI 3.0 way; they are rewritten to
+``anyOf: [schema, {type: null}]``, and a null for a property the schema does not require is read as
+leaving it out (OpenAI sends such nulls). The parsed and rewritten document is cached (in memory and as
+a pickle next to pytest's cache) because parsing 3 MB of YAML takes seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jsonschema
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SPEC_PATH = (REPO_ROOT / ".." / "shared" / "reference" / "openai-openapi.yaml").resolve()
+SPEC_PATH = REPO_ROOT / "tests" / "data" / "openai-openapi.yaml"
 _CACHE_DIR = REPO_ROOT / ".pytest_cache" / "openai-schema"
 
 
