@@ -2,7 +2,8 @@
 
 - ``install(app)``: the request-context middleware (``x-request-id``, body size limit → 413, last-resort
   500) and the exception handlers that render every error in OpenAI's body.
-- ``router``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/models/{model}``.
+- ``router``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models``,
+  ``/v1/models/{model}``.
 - ``lifespan(app)``: builds the process's ``GatewayRuntime`` on the app's shared Redis client and
   database (price book, tokenizers, replica poller, key-invalidation listener, engine HTTP pool) and
   stores it on ``app.state.gateway``; stops it on shutdown.
@@ -25,6 +26,7 @@ from gateway.errors import install_exception_handlers
 from gateway.middleware import RequestContextMiddleware, RequestIdLogFilter
 from gateway.models.endpoints import router as models_router
 from gateway.openai.schemas import OPENAPI_SCHEMAS
+from gateway.responses.endpoints import router as responses_router
 
 # Room for the multipart framing around an upload of ``settings.files_max_bytes`` (the files endpoint
 # enforces the exact file size); every other body is an API call.
@@ -34,6 +36,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 router.include_router(chat_router)
 router.include_router(completions_router)
 router.include_router(models_router)
+router.include_router(responses_router)
 
 
 def install(app: FastAPI) -> None:

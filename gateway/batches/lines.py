@@ -34,6 +34,8 @@ from gateway.completions.service import start_completion
 from gateway.errors import GatewayError, InvalidRequestError, from_pydantic
 from gateway.openai.answers import Answer
 from gateway.openai.streaming import collect_until
+from gateway.responses.schemas import CreateResponseRequest
+from gateway.responses.service import start_response
 
 MAX_REPORTED_ERRORS = 1000
 
@@ -41,6 +43,7 @@ Start = Callable[[BatchRuntime, Principal, str, Any], Awaitable[Answer]]
 ENDPOINTS: dict[str, tuple[type[BaseModel], Start]] = {
     "/v1/chat/completions": (ChatCompletionRequest, start_chat_completion),
     "/v1/completions": (CompletionRequest, start_completion),
+    "/v1/responses": (CreateResponseRequest, start_response),
 }
 
 

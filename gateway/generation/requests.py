@@ -29,20 +29,30 @@ def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> M
     return route
 
 
-def sampling_fields(body: Any) -> dict[str, Any]:
-    """Engine sampling arguments every endpoint shares (OpenAI defaults: temperature 1, top_p 1)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
+def sampling_arguments(temperature: float | None, top_p: float | None, *,
+                       presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                       seed: int | None = None, stop: list[str] | None = None) -> dict[str, Any]:
+    """The engine's sampling arguments from OpenAI's fields (defaults: temperature 1, top_p 1)."""
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token remains, i.e. greedy decoding
         temperature, top_p = 0.0, 1.0
     return {
-        "temperature": temperature, "top_p": top_p,
-        "presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
-        "seed": body.seed, "stop": body.stop_list,
+        "temperature": temperature, "top_p": top_p, "presence_penalty": presence_penalty or 0.0,
+        "frequency_penalty": frequency_penalty or 0.0, "seed": seed, "stop": stop or [],
     }
 
 
-def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int | None, what: str) -> None:
+def sampling_fields(body: Any) -> dict[str, Any]:
+    """``sampling_arguments`` of a chat or completions body (``SamplingFields``)."""
+    return sampling_arguments(body.temperature, body.top_p, presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop_list)
+
+
+def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int | None, what: str,
+                         param: str | None = None) -> None:
+    """400 ``context_length_exceeded`` (naming ``param``, by default ``messages`` or ``prompt`` after
+    ``what``) when the prompt and ``max_tokens`` do not fit the model's context."""
     info = route.info()
     if info is None:
         return
@@ -55,5 +65,5 @@ def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int 
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
             f"({detail}). Please reduce the length of the {what} or completion.",
-            param="messages" if what == "messages" else "prompt", code="context_length_exceeded",
+            param=param or ("messages" if what == "messages" else "prompt"), code="context_length_exceeded",
         )

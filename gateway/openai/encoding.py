@@ -48,6 +48,17 @@ def completion_usage(usage: Usage) -> dict[str, Any]:
     }
 
 
+def response_usage(usage: Usage) -> dict[str, Any]:
+    """OpenAI's ``ResponseUsage`` (the Responses API)."""
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
 def chat_token_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob]) -> list[dict[str, Any]]:
     """OpenAI's ``ChatCompletionTokenLogprob`` list."""
     out = []

@@ -51,6 +51,38 @@ def test_structured_output_parse(client: openai.OpenAI) -> None:
     assert isinstance(parsed.choices[0].message.parsed, Weather)
 
 
+def test_responses_create_stream_and_parse(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input="Say hello", max_output_tokens=6, temperature=0)
+    assert response.object == "response" and response.status in ("completed", "incomplete")
+    assert response.output_text and response.usage is not None and response.usage.output_tokens > 0
+    with client.responses.stream(model=MODEL, input="Say hello", max_output_tokens=6,
+                                 temperature=0) as stream:
+        events = list(stream)
+    # A random model rarely stops by itself: cut by max_output_tokens, the stream ends "incomplete"
+    # (the SDK's get_final_response() waits for "completed" only, as with OpenAI).
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == events[-1].response.output_text == response.output_text  # greedy
+    parsed = client.responses.parse(model=MODEL, input="Weather?", text_format=Weather,
+                                    max_output_tokens=200, temperature=0)
+    assert isinstance(parsed.output_parsed, Weather)
+
+
+def test_responses_tool_round_trip(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool], temperature=0,
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=100)
+    call = first.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    answer = client.responses.create(model=MODEL, tools=[tool], max_output_tokens=4, input=[
+        {"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}])
+    assert answer.output[0].type == "message" and answer.output_text
+
+
 def test_tools_completions_models_and_errors(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=100,

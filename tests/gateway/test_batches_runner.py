@@ -22,6 +22,7 @@ from gateway.files.storage import LocalFileStorage
 from tests.factories import create_price
 from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key
 from tests.gateway.test_files import _files_gateway, upload  # noqa: F401
+from tests.openai_schema import assert_conforms
 from tollgate.models import Batch, BatchItem
 from tollgate.settings import ModelConfig, PoolConfig
 
@@ -63,9 +64,10 @@ def api_client(gateway: GatewayUnderTest, tenant: TenantKey) -> httpx.AsyncClien
     return httpx.AsyncClient(base_url=f"{gateway.url}/v1", headers=tenant.headers, timeout=30)
 
 
-async def start_batch(client: httpx.AsyncClient, lines: list[str]) -> str:
+async def start_batch(client: httpx.AsyncClient, lines: list[str],
+                      endpoint: str = "/v1/chat/completions") -> str:
     file_id = (await upload(client, ("\n".join(lines) + "\n").encode())).json()["id"]
-    batch = await client.post("/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+    batch = await client.post("/batches", json={"input_file_id": file_id, "endpoint": endpoint,
                                                 "completion_window": "24h"})
     return batch.json()["id"]
 
@@ -148,3 +150,28 @@ async def test_the_batch_token_quota_defers_lines_instead_of_failing_them(
     assert all(i.attempts == 0 for i in waiting)  # a deferred line was never started
     used = await runner.dispatch.redis.hgetall(tpd_key(tenant.tenant_id))
     assert sum(int(v) for v in used.values()) == done[0].prompt_tokens + done[0].completion_tokens
+
+
+async def test_responses_lines_run_through_the_same_generation_service(
+        runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
+    tenant = await make_tenant_key(files_gateway)
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses", "body": {
+        "model": "tiny", "input": f"Hello {i}", "max_output_tokens": 4, "temperature": 0}}) for i in range(2)]
+    async with api_client(files_gateway, tenant) as client:
+        batch_id = await start_batch(client, lines, endpoint="/v1/responses")
+        assert await runner.validate(batch_id) == "in_progress"
+        assert await run_chunk(runner, batch_id) == 2
+        assert await runner.finalize(batch_id) == "completed"
+        batch = (await client.get(f"/batches/{batch_id}")).json()
+        output = [json.loads(x) for x in
+                  (await client.get(f"/files/{batch['output_file_id']}/content")).text.splitlines()]
+    assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert [o["custom_id"] for o in output] == ["r0", "r1"]
+    for record in output:
+        assert record["response"]["status_code"] == 200
+        assert_conforms(record["response"]["body"], "Response")
+    async with files_gateway.db.session() as session:
+        items = list(await session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)))
+    # What the generation billed and where it ran, recorded per line.
+    assert all(i.cost_pico_usd and i.cost_pico_usd > 0 and i.served_pool == "interactive" for i in items)
+

@@ -1,0 +1,198 @@
+"""``POST /v1/responses`` against a real engine: the ``Response`` object and every stream event validate
+against OpenAI's published schemas, events come in OpenAI's order with contiguous sequence numbers,
+structured output and forced tool calls hold for a random model, a tool round trip works, usage is
+metered once like a chat completion, and bad input gets OpenAI's 400."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.gateway.conftest import MODEL, GatewayUnderTest, wait_for_usage
+from tests.openai_schema import assert_conforms
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                          "required": ["city"], "additionalProperties": False}}
+TIME = {"type": "function", "name": "get_time", "strict": True,
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+                       "required": ["tz"], "additionalProperties": False}}
+
+
+def stream_events(body: str) -> list[dict[str, Any]]:
+    """The events of a Responses stream: ``event: <type>`` then ``data: <json>``, the type repeated."""
+    assert body.endswith("\n\n")
+    events = []
+    for block in body.strip("\n").split("\n\n"):
+        name_line, data_line = block.split("\n")
+        event = json.loads(data_line.removeprefix("data: "))
+        assert name_line == f"event: {event['type']}", block
+        events.append(event)
+    return events
+
+
+def output_text(response: dict[str, Any]) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+
+
+async def test_plain_response_conforms_and_is_metered(client: httpx.AsyncClient, gateway: GatewayUnderTest,
+                                                      tenant_key) -> None:
+    r = await client.post("/responses", json={"model": MODEL, "input": "Say hello", "max_output_tokens": 6,
+                                               "temperature": 0, "metadata": {"run": "1"}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert_conforms(body, "Response")
+    assert body["object"] == "response" and body["id"].startswith("resp_") and body["model"] == MODEL
+    assert body["metadata"] == {"run": "1"} and body["service_tier"] == "default"
+    message = body["output"][0]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["content"][0]["type"] == "output_text" and message["content"][0]["text"]
+    usage = body["usage"]
+    assert usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= 6
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    if usage["output_tokens"] == 6:  # a random model rarely stops by itself
+        assert body["status"] == "incomplete"
+        assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert message["status"] == "incomplete"
+    else:
+        assert body["status"] == "completed" and body["completed_at"] >= body["created_at"]
+    records = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
+    assert len(records) == 1
+    record = records[0]
+    assert record["tenant_id"] == tenant_key.tenant_id and record["status"] == "completed"
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (usage["input_tokens"],
+                                                                      usage["output_tokens"])
+    assert record["cost_pico_usd"] > 0
+
+
+async def test_instructions_and_message_items_are_the_prompt(client: httpx.AsyncClient) -> None:
+    items = {"model": MODEL, "max_output_tokens": 2, "temperature": 0, "instructions": "Be brief.",
+             "input": [{"role": "developer", "content": "Answer in French."},
+                       {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                       {"role": "assistant", "content": [{"type": "output_text", "text": "Bonjour"}]},
+                       {"role": "user", "content": "Again"}]}
+    r = await client.post("/responses", json=items)
+    assert r.status_code == 200, r.text
+    assert_conforms(r.json(), "Response")
+    shorter = await client.post("/responses", json={**items, "instructions": None})
+    # The instructions are part of the prompt: billed as input.
+    assert r.json()["usage"]["input_tokens"] > shorter.json()["usage"]["input_tokens"]
+    assert r.json()["instructions"] == "Be brief." and shorter.json()["instructions"] is None
+
+
+async def test_streamed_events_in_order_and_valid(client: httpx.AsyncClient) -> None:
+    r = await client.post("/responses", json={"model": MODEL, "input": "Tell a story", "max_output_tokens": 8,
+                                               "temperature": 0, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = stream_events(r.text)
+    for event in events:
+        assert_conforms(event, "ResponseStreamEvent")
+    kinds = [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done", kinds[-1]]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    final = events[-1]["response"]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    text = "".join(d["delta"] for d in deltas)
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["text"] == text == output_text(final)
+    assert final["id"] == events[0]["response"]["id"] and final["usage"]["output_tokens"] > 0
+    assert {d["item_id"] for d in deltas} == {final["output"][0]["id"]}
+
+
+async def test_json_schema_format_is_valid_json(client: httpx.AsyncClient) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    r = await client.post("/responses", json={
+        "model": MODEL, "input": "Weather in Paris as JSON", "max_output_tokens": 200, "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert_conforms(body, "Response")
+    assert body["status"] == "completed", body
+    assert body["text"]["format"]["type"] == "json_schema" and body["text"]["format"]["name"] == "weather"
+    jsonschema.validate(json.loads(output_text(body)), schema)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "name": "get_weather"}, "required"])
+async def test_forced_function_call(client: httpx.AsyncClient, tool_choice: Any) -> None:
+    r = await client.post("/responses", json={"model": MODEL, "input": "Weather in Paris?", "temperature": 0,
+                                               "max_output_tokens": 100, "tools": [WEATHER, TIME],
+                                               "tool_choice": tool_choice})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert_conforms(body, "Response")
+    assert body["status"] == "completed", body
+    [call] = body["output"]
+    assert call["type"] == "function_call" and call["status"] == "completed"
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    if isinstance(tool_choice, dict):
+        assert call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), tools[call["name"]]["parameters"])
+    assert body["tool_choice"] == tool_choice and [t["name"] for t in body["tools"]] == ["get_weather",
+                                                                                          "get_time"]
+
+
+async def test_streamed_function_call_then_its_output_round_trip(client: httpx.AsyncClient) -> None:
+    r = await client.post("/responses", json={"model": MODEL, "input": "Weather in Paris?", "temperature": 0,
+                                               "max_output_tokens": 100, "tools": [WEATHER], "stream": True,
+                                               "tool_choice": {"type": "function", "name": "get_weather"}})
+    events = stream_events(r.text)
+    for event in events:
+        assert_conforms(event, "ResponseStreamEvent")
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    call = events[-1]["response"]["output"][0]
+    assert events[4]["arguments"] == call["arguments"] == events[3]["delta"]
+    assert events[4]["name"] == call["name"]
+    # The agent runs the tool and sends the call and its output back.
+    follow_up = await client.post("/responses", json={
+        "model": MODEL, "max_output_tokens": 4, "tools": [WEATHER], "input": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": call["call_id"], "name": call["name"],
+             "arguments": call["arguments"]},
+            {"type": "function_call_output", "call_id": call["call_id"], "output": '{"temp": 21}'}]})
+    assert follow_up.status_code == 200, follow_up.text
+    assert_conforms(follow_up.json(), "Response")
+    assert follow_up.json()["usage"]["input_tokens"] > events[-1]["response"]["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"model": "nope"}, "model"),
+])  # fmt: skip
+async def test_bad_requests_get_openai_400s(client: httpx.AsyncClient, change: dict[str, Any],
+                                            param: str) -> None:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, **change}
+    r = await client.post("/responses", json=body)
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] is not None and error["param"].startswith(param), error
+    assert error["type"] == "invalid_request_error"
