@@ -459,3 +459,33 @@ class BatchItem(Base):
     cost_pico_usd: Mapped[int | None] = mapped_column(BigInteger)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = _created_at()
+
+
+RESPONSE_STATUSES = ("completed", "incomplete", "failed", "cancelled", "in_progress", "queued")
+
+
+class StoredResponse(Base):
+    """A ``/v1/responses`` result kept for ``GET``, ``input_items`` and ``previous_response_id`` (``store``,
+    true by default as OpenAI's): the ``Response`` object as the client received it (``body``) and the
+    request's own input items, with their ids (``input_items``). A follow-up's conversation is the chain of
+    ``previous_response_id``s within one tenant (no foreign key: a deleted or expired link ends it).
+    Rows past ``expires_at`` are gone to every query and deleted by beat."""
+
+    __tablename__ = "responses"
+    __table_args__ = (
+        CheckConstraint(f"status IN {RESPONSE_STATUSES!r}", name="status"),
+        Index("ix_responses_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_responses_expires_at", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False
+    )
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    model: Mapped[str] = mapped_column(String(256), nullable=False)
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False)
+    body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    created_at: Mapped[datetime] = _created_at()
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

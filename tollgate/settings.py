@@ -113,6 +113,11 @@ class Settings(BaseSettings):
     usage_flush_interval_s: float = 1.0
     usage_flush_batch: int = 500
 
+    # Stored responses (``/v1/responses`` with ``store``, OpenAI's default): kept this long, then gone to
+    # every query and deleted by beat (``responses.retention``, every ``responses_retention_sweep_s``).
+    responses_retention_s: float = 30 * 24 * 3600.0
+    responses_retention_sweep_s: float = 3600.0
+
     # Files and the batch tier (issue #6). Files live under ``file_storage_dir`` (default
     # ``data_dir/files``), shared by gateways and workers; uploads and batch outputs expire after
     # ``files_retention_s`` and are deleted by beat.

@@ -32,6 +32,7 @@ logger = logging.getLogger("tollgate.worker")
 TASK_MODULES: tuple[str, ...] = (
     "billing.tasks",
     "gateway.batches.tasks",
+    "gateway.responses.tasks",
 )
 WORKER_NAME_PREFIX = "tollgate-worker"
 

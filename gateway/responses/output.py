@@ -29,6 +29,7 @@ STATUS_IN_PROGRESS = "in_progress"
 STATUS_COMPLETED = "completed"
 STATUS_INCOMPLETE = "incomplete"
 STATUS_FAILED = "failed"
+STATUS_CANCELLED = "cancelled"
 FINAL_EVENTS = {STATUS_COMPLETED: "response.completed", STATUS_INCOMPLETE: "response.incomplete",
                 STATUS_FAILED: "response.failed"}
 
@@ -136,9 +137,14 @@ class ResponseBuilder:
         return events
 
     def finish(self, usage: dict[str, Any] | None, *, cut_short: bool = False,
-               error_message: str | None = None) -> list[dict[str, Any]]:
-        """The end: ``cut_short`` by ``max_output_tokens`` (status ``incomplete``), or failed with
-        ``error_message`` (status ``failed``), else ``completed``."""
+               error_message: str | None = None, cancelled: bool = False) -> list[dict[str, Any]]:
+        """The end: ``cut_short`` by ``max_output_tokens`` (status ``incomplete``), failed with
+        ``error_message`` (status ``failed``), ``cancelled`` (the client went away: no event, nobody
+        reads it), else ``completed``."""
+        if cancelled:
+            self._close_message(STATUS_INCOMPLETE)
+            self.status, self.usage = STATUS_CANCELLED, usage
+            return []
         if error_message is not None:
             status = STATUS_FAILED
             self.error = {"code": "server_error", "message": error_message}

@@ -232,10 +232,9 @@ class CreateResponseRequest(RequestModel):
         if self.background and self.stream:
             raise InvalidRequestError("Background responses cannot be streamed yet; poll them instead.",
                                       param="stream", code="unsupported_parameter")
-        for name in ("background", "previous_response_id"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"'{name}' is not supported by this platform yet.", param=name,
-                                          code="unsupported_parameter")
+        if self.background:
+            raise InvalidRequestError("'background' is not supported by this platform yet.",
+                                      param="background", code="unsupported_parameter")
         if self.truncation == "auto":
             raise InvalidRequestError("truncation 'auto' is not supported; the request fails with a 400 "
                                       "when the input is too long ('disabled').", param="truncation",
@@ -253,3 +252,10 @@ class CreateResponseRequest(RequestModel):
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.top_logprobs) or "message.output_text.logprobs" in (self.include or ())
+
+
+class ListInputItemsQuery(RequestModel):
+    limit: int = Field(default=20, ge=1, le=100)
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None
+

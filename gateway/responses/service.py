@@ -12,12 +12,22 @@ win over ``text.format``. The generation is the one service every endpoint uses
 
 A response cut by ``max_output_tokens`` ends ``incomplete`` (``incomplete_details.reason =
 max_output_tokens``); an engine failure after the stream began ends it with ``response.failed``.
+
+Stored responses (``store``, true unless the request says false, as OpenAI): when a response ends
+(completed, incomplete, failed, or cancelled by the client going away) its object and its input items,
+each with an id, are written to Postgres (``gateway.responses.repository``), tenant-scoped, kept
+``responses_retention_s``. ``previous_response_id`` continues a conversation: the stored chain's input
+and output items, oldest first, come before the new input (the previous ``instructions`` do not carry
+over), so the shared prefix is the same tokens and hits the prefix cache (``cached_tokens``). An id
+that is not this tenant's, expired, or deleted is a 400 naming ``previous_response_id``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -28,12 +38,13 @@ from gateway.auth import Principal
 from gateway.chat.schemas import FunctionDefinition, FunctionTool
 from gateway.chat.tools import ToolCallParser, forced_call_schema
 from gateway.deps import GatewayRuntime
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.generation.requests import check_context_length, lookup_model, resolve_tier, sampling_arguments
-from gateway.generation.service import Generation, run_generation
+from gateway.generation.service import STATUS_CANCELLED, Generation, run_generation
 from gateway.openai.answers import Answer
 from gateway.openai.encoding import chat_token_logprobs, response_usage
-from gateway.responses.output import ResponseBuilder, new_id
+from gateway.responses.output import STATUS_IN_PROGRESS, ResponseBuilder, new_id
+from gateway.responses.repository import ResponseRepository
 from gateway.responses.schemas import (
     CreateResponseRequest,
     FormatJsonObject,
@@ -43,39 +54,84 @@ from gateway.responses.schemas import (
     MessageItem,
     ToolChoiceFunction,
 )
+from tollgate.models import StoredResponse
+
+logger = logging.getLogger("tollgate.gateway.responses")
 
 # Inputs longer than this (characters) are rendered and tokenized in a worker thread.
 OFFLOAD_CHARS = 32_000
 
 
-def template_messages(body: CreateResponseRequest) -> list[dict[str, Any]]:
-    """The request's input as chat-template messages (see the module docstring)."""
-    messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
+def _text_part(text: str, kind: str = "input_text") -> dict[str, Any]:
+    if kind == "output_text":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": kind, "text": text}
+
+
+def input_items(body: CreateResponseRequest) -> list[dict[str, Any]]:
+    """The request's input as stored items (OpenAI's item resources, each with an id)."""
     if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-        return messages
-    calls: set[str] = set()
-    for index, item in enumerate(body.input):
+        return [{"id": new_id("msg"), "type": "message", "role": "user", "status": "completed",
+                 "content": [_text_part(body.input)]}]
+    items: list[dict[str, Any]] = []
+    for item in body.input:
         if isinstance(item, MessageItem):
-            role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text})
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            items.append({"id": new_id("msg"), "type": "message", "role": item.role, "status": "completed",
+                          "content": [_text_part(item.text, kind)]})
         elif isinstance(item, FunctionCallItem):
-            calls.add(item.call_id)
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            items.append({"id": item.id or new_id("fc"), "type": "function_call", "status": "completed",
+                          "call_id": item.call_id, "name": item.name, "arguments": item.arguments})
+        elif isinstance(item, FunctionCallOutputItem):
+            items.append({"id": new_id("fco"), "type": "function_call_output", "status": "completed",
+                          "call_id": item.call_id, "output": item.text})
+    return items
+
+
+def _message_text(item: dict[str, Any]) -> str:
+    return "".join(part.get("text") or part.get("refusal") or "" for part in item["content"])
+
+
+def template_messages(instructions: str | None, history: list[dict[str, Any]],
+                      items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat-template messages of a conversation: ``instructions``, then the items of the earlier
+    responses (``history``), then this request's ``items`` (see the module docstring)."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    calls: set[str] = set()
+    for index, item in enumerate([*history, *items]):
+        kind = item["type"]
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role, "content": _message_text(item)})
+        elif kind == "function_call":
+            calls.add(item["call_id"])
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif isinstance(item, FunctionCallOutputItem):
-            if item.call_id not in calls:
+        elif kind == "function_call_output":
+            if item["call_id"] not in calls:
+                at = index - len(history)
                 raise InvalidRequestError(
-                    f"Invalid 'input[{index}]': no function call with call_id '{item.call_id}' comes before "
-                    "this function_call_output.", param=f"input[{index}].call_id", code="invalid_value")
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+                    f"Invalid 'input[{at}]': no function call with call_id '{item['call_id']}' comes before "
+                    "this function_call_output.", param=f"input[{at}].call_id", code="invalid_value")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages
+
+
+async def _history(runtime: GatewayRuntime, tenant_id: int,
+                   previous_response_id: str) -> list[dict[str, Any]]:
+    """The items of the conversation ending with ``previous_response_id``, oldest first."""
+    async with runtime.sessions() as session:
+        chain = await ResponseRepository(session, tenant_id).conversation(previous_response_id)
+    if not chain or chain[-1].id != previous_response_id:
+        raise InvalidRequestError(f"Previous response with id '{previous_response_id}' not found.",
+                                  param="previous_response_id", code="previous_response_not_found")
+    return [item for row in chain for item in (*row.input_items, *row.body.get("output", []))]
 
 
 def _chat_tools(body: CreateResponseRequest) -> list[FunctionTool]:
@@ -91,8 +147,10 @@ def _echo(body: CreateResponseRequest, model: str, tier: str) -> dict[str, Any]:
     verbosity = (body.text.verbosity if body.text else None) or "medium"
     return {
         "model": model, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None}, "service_tier": tier, "store": False,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": None, "summary": None}, "service_tier": tier,
+        "store": body.store is not False,
         "background": False, "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs or 0,
         "text": {"format": text_format, "verbosity": verbosity},
@@ -127,7 +185,10 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
     forced_name = choice.name if isinstance(choice, ToolChoiceFunction) else None
     forced = use_tools and (choice == "required" or forced_name is not None)
     rendered_tools = [t.model_dump(mode="json", exclude_none=True) for t in tools] if use_tools else None
-    prompt = await _render(tokenizer, template_messages(body), rendered_tools)
+    history = (await _history(runtime, principal.tenant_id, body.previous_response_id)
+               if body.previous_response_id else [])
+    items = input_items(body)
+    prompt = await _render(tokenizer, template_messages(body.instructions, history, items), rendered_tools)
     max_tokens = body.max_output_tokens
     check_context_length(route, len(prompt), max_tokens, "input", param="input")
 
@@ -155,17 +216,36 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
     builder = ResponseBuilder(new_id("resp"), _echo(body, route.name, tier))
     parallel = body.parallel_tool_calls is not False
     parser = ToolCallParser(forced=forced, parallel=parallel) if use_tools else None
-    output = _Output(generation, builder, parser, tokenizer, logprobs)
+    save = None
+    if body.store is not False:
+        save = _saver(runtime, principal.tenant_id, body.previous_response_id, items, builder)
+    output = _Output(generation, builder, parser, tokenizer, logprobs, save)
     return Answer(generation, body=output.complete, frames=output.stream)
+
+
+def _saver(runtime: GatewayRuntime, tenant_id: int, previous_response_id: str | None,
+           items: list[dict[str, Any]], builder: ResponseBuilder) -> Callable[[], Awaitable[None]]:
+    async def save() -> None:
+        response = builder.response()
+        row = StoredResponse(id=builder.id, tenant_id=tenant_id, previous_response_id=previous_response_id,
+                             status=response["status"], model=response["model"], input_items=items,
+                             body=response, created_at=datetime.fromtimestamp(builder.created_at, UTC),
+                             expires_at=datetime.now(UTC)
+                             + timedelta(seconds=runtime.settings.responses_retention_s))
+        async with runtime.sessions() as session, session.begin():
+            await ResponseRepository(session, tenant_id).add(row)
+
+    return save
 
 
 class _Output:
     """Feeds the generation's records to the builder: the whole object, or the event stream."""
 
     def __init__(self, generation: Generation, builder: ResponseBuilder, parser: ToolCallParser | None,
-                 tokenizer: Tokenizer, logprobs: bool) -> None:
+                 tokenizer: Tokenizer, logprobs: bool, save: Callable[[], Awaitable[None]] | None) -> None:
         self.generation, self.builder, self.parser = generation, builder, parser
         self.tokenizer, self.logprobs = tokenizer, logprobs
+        self._save = save
 
     def _feed(self, record: DeltaRecord) -> list[dict[str, Any]]:
         content, calls = self.parser.feed(record.text) if self.parser is not None else (record.text, [])
@@ -179,6 +259,8 @@ class _Output:
     def _finish(self) -> list[dict[str, Any]]:
         generation = self.generation
         usage = response_usage(generation.usage)
+        if generation.status == STATUS_CANCELLED:
+            return self.builder.finish(usage, cancelled=True)
         if generation.error is not None:
             return self.builder.finish(usage, error_message=generation.error.message)
         cut = generation.finish_reasons.get(0) == "length"
@@ -190,24 +272,84 @@ class _Output:
                 events += self.builder.call(call, complete=not cut)
         return events + self.builder.finish(usage, cut_short=cut)
 
+    async def _stored(self) -> None:
+        """Store the response as it ended (once; never raises: the client has its answer already)."""
+        save, self._save = self._save, None
+        if save is not None:
+            try:
+                await save()
+            except Exception:
+                logger.exception("storing response %s failed", self.builder.id)
+
     async def complete(self) -> dict[str, Any]:
-        async for record in self.generation.records():
-            self._feed(record)
+        try:
+            async for record in self.generation.records():
+                self._feed(record)
+            self._finish()
+        finally:
+            await self._stored()
         if self.generation.error is not None:
             raise self.generation.error
-        self._finish()
         return self.builder.response()
 
     async def stream(self) -> AsyncIterator[bytes]:
-        for event in self.builder.start():
-            yield _frame(event)
-        async for record in self.generation.records():
-            for event in self._feed(record):
+        try:
+            for event in self.builder.start():
                 yield _frame(event)
-        for event in self._finish():
-            yield _frame(event)
+            async for record in self.generation.records():
+                for event in self._feed(record):
+                    yield _frame(event)
+            for event in self._finish():
+                yield _frame(event)
+        finally:
+            if self.builder.status == STATUS_IN_PROGRESS:  # the client went away mid-stream
+                self.builder.finish(response_usage(self.generation.usage), cancelled=True)
+            await self._stored()
 
 
 def _frame(event: dict[str, Any]) -> bytes:
     """One server-sent event as OpenAI sends the Responses stream: the type as the event name."""
     return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+# -- stored responses ----------------------------------------------------------------------------------
+
+def _not_found(response_id: str) -> NotFoundError:
+    return NotFoundError(f"Response with id '{response_id}' not found.", param="response_id",
+                         code="response_not_found")
+
+
+async def get_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
+    async with runtime.sessions() as session:
+        row = await ResponseRepository(session, tenant_id).get(response_id)
+    if row is None:
+        raise _not_found(response_id)
+    return row.body
+
+
+async def delete_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
+    async with runtime.sessions() as session, session.begin():
+        deleted = await ResponseRepository(session, tenant_id).delete(response_id)
+    if not deleted:
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def list_input_items(runtime: GatewayRuntime, tenant_id: int, response_id: str, *, limit: int,
+                           order: str, after: str | None) -> dict[str, Any]:
+    """OpenAI's ``ResponseItemList`` of the response's own input items (``order`` ``desc``: newest
+    first; ``after``: the id of the last item of the previous page)."""
+    async with runtime.sessions() as session:
+        row = await ResponseRepository(session, tenant_id).get(response_id)
+    if row is None:
+        raise _not_found(response_id)
+    items = list(reversed(row.input_items)) if order == "desc" else list(row.input_items)
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequestError(f"Invalid 'after': no input item with id '{after}' in this response.",
+                                      param="after", code="invalid_value")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}

@@ -83,6 +83,20 @@ def test_responses_tool_round_trip(client: openai.OpenAI) -> None:
     assert answer.output[0].type == "message" and answer.output_text
 
 
+def test_responses_conversation_retrieve_and_delete(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="Tell me about Paris", max_output_tokens=4)
+    follow = client.responses.create(model=MODEL, input="And Rome?", previous_response_id=first.id,
+                                     max_output_tokens=4)
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
+    items = list(client.responses.input_items.list(follow.id))
+    assert [item.content[0].text for item in items] == ["And Rome?"]
+    client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(follow.id)
+
+
 def test_tools_completions_models_and_errors(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=100,

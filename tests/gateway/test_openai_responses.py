@@ -182,6 +182,7 @@ async def test_streamed_function_call_then_its_output_round_trip(client: httpx.A
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"background": True}, "background"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
@@ -196,3 +197,124 @@ async def test_bad_requests_get_openai_400s(client: httpx.AsyncClient, change: d
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] is not None and error["param"].startswith(param), error
     assert error["type"] == "invalid_request_error"
+
+
+# -- stored responses and conversation state -----------------------------------------------------------
+
+LONG = " ".join(f"word{i}" for i in range(80))  # several prefix-cache blocks of prompt
+
+
+async def test_stored_by_default_then_retrieved_listed_and_deleted(client: httpx.AsyncClient) -> None:
+    created = await client.post("/responses", json={"model": MODEL, "max_output_tokens": 3, "input": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "One"},
+        {"role": "assistant", "content": "Two"}, {"role": "user", "content": "Three"}]})
+    assert created.status_code == 200, created.text
+    body = created.json()
+    assert body["store"] is True
+    fetched = await client.get(f"/responses/{body['id']}")
+    assert fetched.status_code == 200 and fetched.json() == body
+    listed = (await client.get(f"/responses/{body['id']}/input_items")).json()
+    assert_conforms(listed, "ResponseItemList")
+    assert [(i["role"], i["content"][0]["text"]) for i in listed["data"]] == [
+        ("user", "Three"), ("assistant", "Two"), ("user", "One"), ("developer", "Be brief.")]  # newest first
+    assert listed["has_more"] is False and listed["first_id"] == listed["data"][0]["id"]
+    page = (await client.get(f"/responses/{body['id']}/input_items",
+                             params={"order": "asc", "limit": 2})).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["Be brief.", "One"] and page["has_more"]
+    rest = (await client.get(f"/responses/{body['id']}/input_items",
+                             params={"order": "asc", "after": page["last_id"]})).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["Two", "Three"] and not rest["has_more"]
+    deleted = await client.delete(f"/responses/{body['id']}")
+    assert deleted.json() == {"id": body["id"], "object": "response", "deleted": True}
+    url = f"/responses/{body['id']}"
+    for gone in (await client.get(url), await client.delete(url), await client.get(f"{url}/input_items")):
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+
+
+async def test_store_false_keeps_nothing_and_a_stream_is_stored_as_it_ended(
+        client: httpx.AsyncClient) -> None:
+    kept = await client.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                                                  "store": False})
+    assert kept.json()["store"] is False
+    assert (await client.get(f"/responses/{kept.json()['id']}")).status_code == 404
+    streamed = await client.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 3,
+                                                     "stream": True})
+    final = stream_events(streamed.text)[-1]["response"]
+    fetched = (await client.get(f"/responses/{final['id']}")).json()
+    assert fetched == final
+
+
+async def test_previous_response_id_continues_the_conversation_from_the_cache(
+        client: httpx.AsyncClient) -> None:
+    first = (await client.post("/responses", json={"model": MODEL, "input": LONG, "max_output_tokens": 4,
+                                                    "temperature": 0})).json()
+    follow = await client.post("/responses", json={"model": MODEL, "input": "And then?",
+                                                    "previous_response_id": first["id"],
+                                                    "max_output_tokens": 4, "temperature": 0})
+    assert follow.status_code == 200, follow.text
+    body = follow.json()
+    assert_conforms(body, "Response")
+    assert body["previous_response_id"] == first["id"]
+    # The earlier turn is part of the prompt, and its tokens are served from the prefix cache.
+    assert body["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    assert body["usage"]["input_tokens_details"]["cached_tokens"] >= 16
+    # Its own input items only; the conversation is the chain.
+    items = (await client.get(f"/responses/{body['id']}/input_items")).json()["data"]
+    assert [i["content"][0]["text"] for i in items] == ["And then?"]
+    third = (await client.post("/responses", json={"model": MODEL, "input": "Finally?",
+                                                    "previous_response_id": body["id"],
+                                                    "max_output_tokens": 2})).json()
+    assert third["usage"]["input_tokens"] > body["usage"]["input_tokens"]
+
+
+async def test_a_tool_result_continues_a_stored_call(client: httpx.AsyncClient) -> None:
+    first = (await client.post("/responses", json={
+        "model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER], "max_output_tokens": 100,
+        "temperature": 0, "tool_choice": {"type": "function", "name": "get_weather"}})).json()
+    call = first["output"][0]
+    answer = await client.post("/responses", json={
+        "model": MODEL, "previous_response_id": first["id"], "tools": [WEATHER], "max_output_tokens": 3,
+        "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": '{"temp": 21}'}]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output"][0]["type"] == "message"
+
+
+async def test_another_tenant_can_neither_read_continue_nor_delete(client: httpx.AsyncClient,
+                                                                   gateway: GatewayUnderTest) -> None:
+    from tests.gateway.conftest import make_tenant_key
+
+    mine = (await client.post("/responses", json={"model": MODEL, "input": "secret",
+                                                   "max_output_tokens": 2})).json()
+    other = await make_tenant_key(gateway)
+    url = f"/responses/{mine['id']}"
+    async with httpx.AsyncClient(base_url=f"{gateway.url}/v1", headers=other.headers, timeout=60) as theirs:
+        for r in (await theirs.get(url), await theirs.delete(url), await theirs.get(f"{url}/input_items")):
+            assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+        continued = await theirs.post("/responses", json={"model": MODEL, "input": "more",
+                                                          "previous_response_id": mine["id"]})
+        assert continued.status_code == 400
+        assert continued.json()["error"]["param"] == "previous_response_id"
+    assert (await client.get(f"/responses/{mine['id']}")).status_code == 200  # still there for its owner
+
+
+async def test_expired_responses_are_gone_and_deleted_by_retention(client: httpx.AsyncClient,
+                                                                  gateway: GatewayUnderTest) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import select, update
+
+    from gateway.responses.repository import delete_expired
+    from tollgate.models import StoredResponse
+
+    old = (await client.post("/responses", json={"model": MODEL, "input": "old",
+                                                  "max_output_tokens": 2})).json()
+    async with gateway.db.session() as session, session.begin():
+        await session.execute(update(StoredResponse).where(StoredResponse.id == old["id"])
+                              .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+    assert (await client.get(f"/responses/{old['id']}")).status_code == 404
+    follow = await client.post("/responses", json={"model": MODEL, "input": "x",
+                                                    "previous_response_id": old["id"]})
+    assert follow.status_code == 400
+    async with gateway.db.session() as session, session.begin():
+        assert await delete_expired(session, datetime.now(UTC)) >= 1
+        assert await session.scalar(select(StoredResponse).where(StoredResponse.id == old["id"])) is None

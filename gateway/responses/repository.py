@@ -1,0 +1,63 @@
+"""Every query on ``responses`` (stored ``/v1/responses`` results).
+
+``ResponseRepository`` builds every statement from its tenant and ignores rows past ``expires_at``, so no
+request can read, continue or delete another tenant's response, nor one whose retention ended.
+``conversation`` walks a response's ``previous_response_id`` chain in one recursive query, tenant-scoped
+at every step, oldest first. ``delete_expired`` is beat's (system-wide).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Integer, delete, func, literal, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tollgate.models import StoredResponse
+
+# A conversation longer than this many responses is cut at its oldest end (a guard against a cycle,
+# which ids generated here cannot form, and against unbounded prompts).
+MAX_CHAIN = 1000
+
+
+class ResponseRepository:
+    def __init__(self, session: AsyncSession, tenant_id: int) -> None:
+        self.session = session
+        self.tenant_id = tenant_id
+
+    def _live(self):  # type: ignore[no-untyped-def]
+        return (StoredResponse.tenant_id == self.tenant_id, StoredResponse.expires_at > func.now())
+
+    async def add(self, row: StoredResponse) -> None:
+        if row.tenant_id != self.tenant_id:
+            raise ValueError("a response must belong to the repository's tenant")
+        await self.session.merge(row)  # the same id again (a stream saved at its end) replaces the row
+        await self.session.flush()
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return await self.session.scalar(select(StoredResponse).where(StoredResponse.id == response_id,
+                                                                      *self._live()))
+
+    async def conversation(self, response_id: str) -> list[StoredResponse]:
+        """``response_id`` and the responses before it, oldest first (empty if it is not this tenant's)."""
+        first = (select(StoredResponse.id, StoredResponse.previous_response_id,
+                        literal(0, Integer).label("depth"))
+                 .where(StoredResponse.id == response_id, *self._live())
+                 .cte("chain", recursive=True))
+        earlier = (select(StoredResponse.id, StoredResponse.previous_response_id, (first.c.depth + 1))
+                   .join(first, StoredResponse.id == first.c.previous_response_id)
+                   .where(*self._live(), first.c.depth < MAX_CHAIN))
+        chain = first.union_all(earlier)
+        rows = await self.session.execute(select(StoredResponse).join(chain, StoredResponse.id == chain.c.id)
+                                          .order_by(chain.c.depth.desc()))
+        return list(rows.scalars())
+
+    async def delete(self, response_id: str) -> bool:
+        result = await self.session.execute(delete(StoredResponse).where(StoredResponse.id == response_id,
+                                                                         *self._live()))
+        return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def delete_expired(session: AsyncSession, now: datetime) -> int:
+    result = await session.execute(delete(StoredResponse).where(StoredResponse.expires_at <= now))
+    return int(result.rowcount)  # type: ignore[attr-defined]
