@@ -29,6 +29,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
 from gateway.routing import ModelRoute, Router
 from tollgate.settings import Settings
+from tollgate.task_sender import TaskSender
 
 logger = logging.getLogger("tollgate.gateway")
 
@@ -52,6 +53,13 @@ class GatewayRuntime:
     # run); batch lines carry their tenant instead.
     authenticates: bool = True
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _task_sender: TaskSender | None = None
+
+    def task_sender(self) -> TaskSender:
+        """Sends Celery tasks (made on first use: most processes never send one)."""
+        if self._task_sender is None:
+            self._task_sender = TaskSender(self.settings)
+        return self._task_sender
 
     @classmethod
     def create(cls, settings: Settings, redis: Redis, sessions: async_sessionmaker[AsyncSession]) -> Self:

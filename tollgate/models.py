@@ -469,7 +469,8 @@ class StoredResponse(Base):
     true by default as OpenAI's): the ``Response`` object as the client received it (``body``) and the
     request's own input items, with their ids (``input_items``). A follow-up's conversation is the chain of
     ``previous_response_id``s within one tenant (no foreign key: a deleted or expired link ends it).
-    Rows past ``expires_at`` are gone to every query and deleted by beat."""
+    Rows past ``expires_at`` are gone to every query and deleted by beat. A ``background`` response is
+    stored ``queued`` with the ``request`` a worker runs (as the key ``api_key_id``)."""
 
     __tablename__ = "responses"
     __table_args__ = (
@@ -482,9 +483,13 @@ class StoredResponse(Base):
     tenant_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False
     )
+    api_key_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("api_keys.id", ondelete="SET NULL")
+    )
     previous_response_id: Mapped[str | None] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     model: Mapped[str] = mapped_column(String(256), nullable=False)
+    request: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False)
     body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     created_at: Mapped[datetime] = _created_at()

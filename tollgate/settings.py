@@ -117,6 +117,8 @@ class Settings(BaseSettings):
     # every query and deleted by beat (``responses.retention``, every ``responses_retention_sweep_s``).
     responses_retention_s: float = 30 * 24 * 3600.0
     responses_retention_sweep_s: float = 3600.0
+    # A worker running a background response polls for its cancellation this often.
+    responses_cancel_poll_s: float = 0.5
 
     # Files and the batch tier (issue #6). Files live under ``file_storage_dir`` (default
     # ``data_dir/files``), shared by gateways and workers; uploads and batch outputs expire after

@@ -18,11 +18,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import anyio
 from celery import Celery
 from redis.asyncio import Redis
 
 from tollgate.settings import Settings
+from tollgate.task_sender import TaskSender
 
 VALIDATE_TASK = "batches.validate"
 RUN_TASK = "batches.run"
@@ -48,24 +48,15 @@ def chain_key(batch_id: str, slot: int) -> str:
     return f"tollgate:batch:chain:{batch_id}:{slot}"
 
 
-def producer_app(settings: Settings) -> Celery:
-    """A Celery app that only sends (no task modules imported), on the same broker as the worker."""
-    app = Celery("tollgate-batches")
-    app.conf.update(broker_url=settings.redis_url, broker_connection_retry_on_startup=True,
-                    broker_transport_options={"visibility_timeout": settings.celery_visibility_timeout_s},
-                    task_serializer="json", accept_content=["json"])
-    return app
-
-
 class BatchDispatcher:
     def __init__(self, settings: Settings, redis: Redis, celery_app: Celery | None = None) -> None:
         self.settings = settings
         self.redis = redis
-        self.celery = celery_app or producer_app(settings)
+        self.sender = TaskSender(settings, celery_app)
         self._ttl_ms = max(1, int(settings.batch_lease_ttl_s * 1000))
 
     async def _send(self, name: str, args: list[Any], **options: Any) -> None:
-        await anyio.to_thread.run_sync(lambda: self.celery.send_task(name, args=args, **options))
+        await self.sender.send(name, args, **options)
 
     async def validate(self, batch_id: str) -> None:
         await self._send(VALIDATE_TASK, [batch_id])

@@ -25,6 +25,7 @@ from typing import Any
 
 from gateway.chat.tools import ParsedCall
 
+STATUS_QUEUED = "queued"
 STATUS_IN_PROGRESS = "in_progress"
 STATUS_COMPLETED = "completed"
 STATUS_INCOMPLETE = "incomplete"
@@ -46,11 +47,12 @@ def _event_logprobs(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ResponseBuilder:
-    def __init__(self, response_id: str, request_fields: dict[str, Any]) -> None:
+    def __init__(self, response_id: str, request_fields: dict[str, Any],
+                 created_at: int | None = None) -> None:
         """``request_fields``: what the response object echoes of the request (model, instructions,
         tools, tool_choice, text, temperature, top_p, ... as ``Response`` spells them)."""
         self.id = response_id
-        self.created_at = int(time.time())
+        self.created_at = int(time.time()) if created_at is None else created_at
         self.fields = request_fields
         self.status = STATUS_IN_PROGRESS
         self.output: list[dict[str, Any]] = []

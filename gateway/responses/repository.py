@@ -34,9 +34,9 @@ class ResponseRepository:
         await self.session.merge(row)  # the same id again (a stream saved at its end) replaces the row
         await self.session.flush()
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await self.session.scalar(select(StoredResponse).where(StoredResponse.id == response_id,
-                                                                      *self._live()))
+    async def get(self, response_id: str, *, for_update: bool = False) -> StoredResponse | None:
+        statement = select(StoredResponse).where(StoredResponse.id == response_id, *self._live())
+        return await self.session.scalar(statement.with_for_update() if for_update else statement)
 
     async def conversation(self, response_id: str) -> list[StoredResponse]:
         """``response_id`` and the responses before it, oldest first (empty if it is not this tenant's)."""

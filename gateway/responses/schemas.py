@@ -230,11 +230,11 @@ class CreateResponseRequest(RequestModel):
             raise InvalidRequestError("Invalid 'tool_choice': 'required' needs at least one tool.",
                                       param="tool_choice", code="invalid_value")
         if self.background and self.stream:
-            raise InvalidRequestError("Background responses cannot be streamed yet; poll them instead.",
+            raise InvalidRequestError("Background responses are not streamed here; poll them instead.",
                                       param="stream", code="unsupported_parameter")
-        if self.background:
-            raise InvalidRequestError("'background' is not supported by this platform yet.",
-                                      param="background", code="unsupported_parameter")
+        if self.background and self.store is False:
+            raise InvalidRequestError("A background response must be stored ('store' true): it is polled.",
+                                      param="store", code="invalid_value")
         if self.truncation == "auto":
             raise InvalidRequestError("truncation 'auto' is not supported; the request fails with a 400 "
                                       "when the input is too long ('disabled').", param="truncation",

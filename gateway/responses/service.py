@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -43,7 +44,8 @@ from gateway.generation.requests import check_context_length, lookup_model, reso
 from gateway.generation.service import STATUS_CANCELLED, Generation, run_generation
 from gateway.openai.answers import Answer
 from gateway.openai.encoding import chat_token_logprobs, response_usage
-from gateway.responses.output import STATUS_IN_PROGRESS, ResponseBuilder, new_id
+from gateway.responses.output import STATUS_CANCELLED as RESPONSE_CANCELLED
+from gateway.responses.output import STATUS_IN_PROGRESS, STATUS_QUEUED, ResponseBuilder, new_id
 from gateway.responses.repository import ResponseRepository
 from gateway.responses.schemas import (
     CreateResponseRequest,
@@ -54,9 +56,14 @@ from gateway.responses.schemas import (
     MessageItem,
     ToolChoiceFunction,
 )
+from gateway.routing import ModelRoute
 from tollgate.models import StoredResponse
 
 logger = logging.getLogger("tollgate.gateway.responses")
+
+# Background responses run at this tier, by a worker (``gateway.responses.background``).
+BACKGROUND_TIER = "flex"
+BACKGROUND_TASK = "responses.background"
 
 # Inputs longer than this (characters) are rendered and tokenized in a worker thread.
 OFFLOAD_CHARS = 32_000
@@ -150,8 +157,8 @@ def _echo(body: CreateResponseRequest, model: str, tier: str) -> dict[str, Any]:
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": None, "summary": None}, "service_tier": tier,
-        "store": body.store is not False,
-        "background": False, "temperature": 1.0 if body.temperature is None else body.temperature,
+        "store": body.store is not False, "background": bool(body.background),
+        "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs or 0,
         "text": {"format": text_format, "verbosity": verbosity},
         "tool_choice": choice.model_dump() if isinstance(choice, ToolChoiceFunction) else (choice or "auto"),
@@ -173,9 +180,24 @@ async def _render(tokenizer: Tokenizer, messages: list[dict[str, Any]],
         raise InvalidRequestError(f"Invalid 'input': {exc}", param="input") from None
 
 
-async def start_response(runtime: GatewayRuntime, principal: Principal, request_id: str,
-                         body: CreateResponseRequest) -> Answer:
-    """The response, started (``gateway.openai.answers``); raises what to answer instead."""
+@dataclass
+class _Plan:
+    """What a request becomes before any engine work: validated, rendered and priced in tokens."""
+
+    route: ModelRoute
+    tokenizer: Tokenizer
+    prompt: list[int]
+    items: list[dict[str, Any]]
+    sampling: dict[str, Any]
+    tier: str
+    forced: bool
+    parser: ToolCallParser | None
+    logprobs: bool
+
+
+async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateResponseRequest) -> _Plan:
+    """Every check that needs no engine (model, tools, conversation, template, context length); raises
+    the 400/404 to answer."""
     body.check()
     route = lookup_model(runtime, principal, body.model)
     tokenizer = runtime.tokenizer(route.name)
@@ -189,8 +211,7 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
                if body.previous_response_id else [])
     items = input_items(body)
     prompt = await _render(tokenizer, template_messages(body.instructions, history, items), rendered_tools)
-    max_tokens = body.max_output_tokens
-    check_context_length(route, len(prompt), max_tokens, "input", param="input")
+    check_context_length(route, len(prompt), body.max_output_tokens, "input", param="input")
 
     sampling = sampling_arguments(body.temperature, body.top_p)
     logprobs = body.wants_logprobs
@@ -204,36 +225,84 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
         sampling["response_format"] = {"type": "json_object"}
     elif isinstance(text_format, FormatJsonSchema):
         sampling["response_format"] = {"type": "json_schema", "json_schema": text_format.json_schema}
-
-    tier = resolve_tier(runtime, principal, body.service_tier)
-    try:
-        generation = await run_generation(runtime, principal, route, request_id, [prompt], sampling, n=1,
-                                          max_tokens=max_tokens, tier=tier)
-    except InvalidRequestError as exc:
-        if exc.param in ("json_schema", "response_format"):  # the engine names its own field
-            exc.param = "tools" if forced else "text.format"
-        raise
-    builder = ResponseBuilder(new_id("resp"), _echo(body, route.name, tier))
     parallel = body.parallel_tool_calls is not False
     parser = ToolCallParser(forced=forced, parallel=parallel) if use_tools else None
+    tier = resolve_tier(runtime, principal, body.service_tier)
+    return _Plan(route, tokenizer, prompt, items, sampling, tier, forced, parser, logprobs)
+
+
+async def start_response(runtime: GatewayRuntime, principal: Principal, request_id: str,
+                         body: CreateResponseRequest, *, response_id: str | None = None,
+                         created_at: int | None = None) -> Answer:
+    """The response, started (``gateway.openai.answers``); raises what to answer instead.
+    ``response_id`` and ``created_at``: a queued background response's, which a worker runs now."""
+    if body.background and response_id is None:
+        raise InvalidRequestError("A background response is created with POST /v1/responses and polled; it "
+                                  "cannot run here.", param="background", code="unsupported_parameter")
+    plan = await _plan(runtime, principal, body)
+    try:
+        generation = await run_generation(runtime, principal, plan.route, request_id, [plan.prompt],
+                                          plan.sampling, n=1, max_tokens=body.max_output_tokens,
+                                          tier=plan.tier)
+    except InvalidRequestError as exc:
+        if exc.param in ("json_schema", "response_format"):  # the engine names its own field
+            exc.param = "tools" if plan.forced else "text.format"
+        raise
+    builder = ResponseBuilder(response_id or new_id("resp"), _echo(body, plan.route.name, plan.tier),
+                              created_at)
     save = None
     if body.store is not False:
-        save = _saver(runtime, principal.tenant_id, body.previous_response_id, items, builder)
-    output = _Output(generation, builder, parser, tokenizer, logprobs, save)
+        save = _saver(runtime, principal, body.previous_response_id, plan.items, builder)
+    output = _Output(generation, builder, plan.parser, plan.tokenizer, plan.logprobs, save)
     return Answer(generation, body=output.complete, frames=output.stream)
 
 
-def _saver(runtime: GatewayRuntime, tenant_id: int, previous_response_id: str | None,
+async def queue_response(runtime: GatewayRuntime, principal: Principal,
+                         body: CreateResponseRequest) -> dict[str, Any]:
+    """A ``background`` response: checked now (a bad request is still a 400), stored ``queued`` with the
+    request a worker runs at the ``flex`` tier (``gateway.responses.background``); returns the queued
+    object, which ``GET`` polls."""
+    body = body.model_copy(update={"service_tier": BACKGROUND_TIER})
+    plan = await _plan(runtime, principal, body)
+    builder = ResponseBuilder(new_id("resp"), _echo(body, plan.route.name, plan.tier))
+    builder.status = STATUS_QUEUED
+    response = builder.response()
+    request = body.model_dump(mode="json", by_alias=True, exclude_none=True)
+    row = StoredResponse(id=builder.id, tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
+                         previous_response_id=body.previous_response_id, status=STATUS_QUEUED,
+                         model=plan.route.name, input_items=plan.items, body=response, request=request,
+                         created_at=datetime.fromtimestamp(builder.created_at, UTC),
+                         expires_at=_expiry(runtime))
+    async with runtime.sessions() as session, session.begin():
+        await ResponseRepository(session, principal.tenant_id).add(row)
+    await runtime.task_sender().send(BACKGROUND_TASK, [builder.id])
+    return response
+
+
+def _expiry(runtime: GatewayRuntime) -> datetime:
+    return datetime.now(UTC) + timedelta(seconds=runtime.settings.responses_retention_s)
+
+
+def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: str | None,
            items: list[dict[str, Any]], builder: ResponseBuilder) -> Callable[[], Awaitable[None]]:
+    """Stores the response as it ended. A background response cancelled meanwhile stays ``cancelled``
+    (with what was generated until the worker noticed)."""
+    tenant_id = principal.tenant_id
+
     async def save() -> None:
         response = builder.response()
-        row = StoredResponse(id=builder.id, tenant_id=tenant_id, previous_response_id=previous_response_id,
-                             status=response["status"], model=response["model"], input_items=items,
-                             body=response, created_at=datetime.fromtimestamp(builder.created_at, UTC),
-                             expires_at=datetime.now(UTC)
-                             + timedelta(seconds=runtime.settings.responses_retention_s))
         async with runtime.sessions() as session, session.begin():
-            await ResponseRepository(session, tenant_id).add(row)
+            repo = ResponseRepository(session, tenant_id)
+            existing = await repo.get(builder.id, for_update=True)
+            if existing is not None and existing.status == RESPONSE_CANCELLED:
+                response["status"] = RESPONSE_CANCELLED
+            row = StoredResponse(id=builder.id, tenant_id=tenant_id, api_key_id=principal.api_key_id,
+                                 previous_response_id=previous_response_id, status=response["status"],
+                                 model=response["model"], input_items=items, body=response,
+                                 request=existing.request if existing is not None else None,
+                                 created_at=datetime.fromtimestamp(builder.created_at, UTC),
+                                 expires_at=_expiry(runtime))
+            await repo.add(row)
 
     return save
 
@@ -353,3 +422,20 @@ async def list_input_items(runtime: GatewayRuntime, tenant_id: int, response_id:
     page = items[:limit]
     return {"object": "list", "data": page, "has_more": len(items) > limit,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
+
+
+async def cancel_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
+    """Cancel a background response that is queued or running (its worker notices within a poll and
+    stops the generation, which is billed for what it generated); a finished one is returned as is."""
+    async with runtime.sessions() as session, session.begin():
+        row = await ResponseRepository(session, tenant_id).get(response_id, for_update=True)
+        if row is None:
+            raise _not_found(response_id)
+        if row.request is None:
+            raise InvalidRequestError("Only background responses can be cancelled.", param="response_id",
+                                      code="invalid_value")
+        if row.status in (STATUS_QUEUED, STATUS_IN_PROGRESS):
+            row.status = RESPONSE_CANCELLED
+            row.body = {**row.body, "status": RESPONSE_CANCELLED}
+        return row.body
+

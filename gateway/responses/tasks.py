@@ -1,6 +1,16 @@
-"""Celery task of the Responses API (``tollgate.worker`` lists this module in ``TASK_MODULES``):
-``responses.retention`` every ``responses_retention_sweep_s`` (beat) deletes stored responses past
-their ``expires_at`` (queries stop seeing them at that moment; this frees the rows)."""
+"""Celery tasks of the Responses API (``tollgate.worker`` lists this module in ``TASK_MODULES`` and merges
+``beat_schedule``):
+
+- ``responses.background(response_id)``: sent by the gateway for a ``background`` response; runs it
+  (``gateway.responses.background.run_background``). Idempotent: only a ``queued`` response is claimed.
+- ``responses.retention`` every ``responses_retention_sweep_s`` (beat): deletes stored responses past
+  their ``expires_at`` (queries stop seeing them at that moment; this frees the rows), and fails
+  background responses whose worker died (still ``in_progress`` after ``request_timeout_s``).
+
+Each worker process keeps one event loop, database engine and Redis client
+(``tollgate.process_runtime``) and, once it runs a background response, one ``BackgroundRuntime``
+(engine connections, tokenizers, price book, replica polling), created lazily in that process.
+"""
 
 from __future__ import annotations
 
@@ -9,28 +19,60 @@ from typing import Any
 
 from celery import shared_task
 
+from gateway.responses.background import BackgroundRuntime, fail_abandoned, run_background
 from gateway.responses.repository import delete_expired
+from gateway.responses.service import BACKGROUND_TASK
 from tollgate.process_runtime import PerProcess, ProcessRuntime
 from tollgate.settings import Settings
 
 RETENTION_TASK = "responses.retention"
 
-_runtime = PerProcess(ProcessRuntime)
+
+class _ProcessRuntime(ProcessRuntime):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.runtime: BackgroundRuntime | None = None
+
+    async def background_runtime(self) -> BackgroundRuntime:
+        if self.runtime is None:
+            runtime = BackgroundRuntime.create(self.settings, self.redis, self.db.sessionmaker)
+            await runtime.start()
+            self.runtime = runtime
+        return self.runtime
+
+    async def run_background(self, response_id: str) -> str | None:
+        return await run_background(await self.background_runtime(), response_id)
+
+    async def retention(self) -> dict[str, int]:
+        now = datetime.now(UTC)
+        async with self.db.session() as session, session.begin():
+            failed = await fail_abandoned(session, now, self.settings.request_timeout_s)
+            deleted = await delete_expired(session, now)
+        return {"failed": failed, "deleted": deleted}
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.loop.run_until_complete(self.runtime.stop())
+        super().close()
+
+
+_runtime = PerProcess(_ProcessRuntime)
 
 
 def shutdown_process_runtime() -> None:
     _runtime.shutdown()
 
 
-async def _delete_expired(runtime: ProcessRuntime) -> int:
-    async with runtime.db.session() as session, session.begin():
-        return await delete_expired(session, datetime.now(UTC))
+@shared_task(name=BACKGROUND_TASK, ignore_result=True)
+def background_task(response_id: str) -> str | None:
+    runtime = _runtime.get()
+    return runtime.loop.run_until_complete(runtime.run_background(response_id))
 
 
 @shared_task(name=RETENTION_TASK, ignore_result=True)
-def retention_task() -> int:
+def retention_task() -> dict[str, int]:
     runtime = _runtime.get()
-    return runtime.loop.run_until_complete(_delete_expired(runtime))
+    return runtime.loop.run_until_complete(runtime.retention())
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:

@@ -6,7 +6,8 @@ Create Date: 2026-11-25 05:00:00+00:00
 
 One row per stored ``/v1/responses`` result (``tollgate.models.StoredResponse``): the ``Response`` object
 (``body``), the request's input items (``input_items``), the link to the previous response of its
-conversation, and when it expires (``responses_retention_s``).
+conversation, when it expires (``responses_retention_s``), and for a ``background`` response the request a
+worker runs and the key it runs as.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ def upgrade() -> None:
         "responses",
         sa.Column("id", sa.String(length=64), nullable=False),
         sa.Column("tenant_id", sa.BigInteger(), nullable=False),
+        sa.Column("api_key_id", sa.BigInteger(), nullable=True),
         sa.Column("previous_response_id", sa.String(length=64), nullable=True),
         sa.Column("status", sa.String(length=16), nullable=False),
         sa.Column("model", sa.String(length=256), nullable=False),
+        sa.Column("request", postgresql.JSONB(astext_type=sa.Text()), nullable=True),
         sa.Column("input_items", postgresql.JSONB(astext_type=sa.Text()), nullable=False),
         sa.Column("body", postgresql.JSONB(astext_type=sa.Text()), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False),
@@ -41,6 +44,8 @@ def upgrade() -> None:
         ),
         sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"], name=op.f("fk_responses_tenant_id_tenants"),
                                 ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(["api_key_id"], ["api_keys.id"],
+                                name=op.f("fk_responses_api_key_id_api_keys"), ondelete="SET NULL"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_responses")),
     )
     op.create_index("ix_responses_tenant_id_created_at", "responses", ["tenant_id", "created_at"])

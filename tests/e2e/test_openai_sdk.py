@@ -9,6 +9,7 @@ outbox and the worker.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import psycopg
@@ -95,6 +96,24 @@ def test_responses_conversation_retrieve_and_delete(client: openai.OpenAI) -> No
     client.responses.delete(follow.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(follow.id)
+
+
+def _finished(client: openai.OpenAI, response_id: str) -> Any:
+    response = client.responses.retrieve(response_id)
+    return response if response.status not in ("queued", "in_progress") else None
+
+
+def test_responses_in_the_background_polled_and_cancelled(client: openai.OpenAI) -> None:
+    queued = client.responses.create(model=MODEL, input="Say hello", max_output_tokens=4, background=True)
+    assert queued.status == "queued" and queued.background
+    # tollgate up's Celery worker runs it; the client polls, as OpenAI's docs show.
+    done = wait_until(lambda: _finished(client, queued.id), "the background response to finish")
+    assert done.status in ("completed", "incomplete") and done.output_text and done.service_tier == "flex"
+    # 1,800 tokens take the worker far longer than the client takes to cancel.
+    long = client.responses.create(model=MODEL, input="Say hello", max_output_tokens=1800, background=True)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    stopped = wait_until(lambda: _finished(client, long.id), "the cancelled response to stop")
+    assert stopped.status == "cancelled"
 
 
 def test_tools_completions_models_and_errors(client: openai.OpenAI) -> None:

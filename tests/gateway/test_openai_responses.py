@@ -182,7 +182,7 @@ async def test_streamed_function_call_then_its_output_round_trip(client: httpx.A
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "stream": True}, "stream"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
@@ -318,3 +318,71 @@ async def test_expired_responses_are_gone_and_deleted_by_retention(client: httpx
     async with gateway.db.session() as session, session.begin():
         assert await delete_expired(session, datetime.now(UTC)) >= 1
         assert await session.scalar(select(StoredResponse).where(StoredResponse.id == old["id"])) is None
+
+
+# -- background responses ------------------------------------------------------------------------------
+
+async def test_background_is_queued_then_run_by_a_worker(client: httpx.AsyncClient,
+                                                         gateway: GatewayUnderTest) -> None:
+    from gateway.responses.background import run_background
+
+    queued = await client.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4,
+                                                    "background": True})
+    assert queued.status_code == 200, queued.text
+    body = queued.json()
+    assert_conforms(body, "Response")
+    assert body["status"] == "queued" and body["background"] is True and body["service_tier"] == "flex"
+    assert (await client.get(f"/responses/{body['id']}")).json()["status"] == "queued"
+    assert await run_background(gateway.runtime, body["id"]) in ("completed", "incomplete")
+    assert await run_background(gateway.runtime, body["id"]) is None  # claimed once
+    done = (await client.get(f"/responses/{body['id']}")).json()
+    assert_conforms(done, "Response")
+    assert done["id"] == body["id"] and done["created_at"] == body["created_at"]
+    assert done["status"] in ("completed", "incomplete") and done["usage"]["output_tokens"] > 0
+    assert output_text(done)
+    # Cancelling a finished response changes nothing.
+    assert (await client.post(f"/responses/{body['id']}/cancel")).json() == done
+
+
+async def test_cancel_a_queued_and_a_running_background_response(client: httpx.AsyncClient,
+                                                                  gateway: GatewayUnderTest,
+                                                                  engine_url: str) -> None:
+    import asyncio
+    import dataclasses
+
+    from gateway.responses.background import run_background
+    from tests.polling import eventually
+
+    queued = (await client.post("/responses", json={"model": MODEL, "input": "Hi", "background": True,
+                                                     "max_output_tokens": 4})).json()
+    cancelled = await client.post(f"/responses/{queued['id']}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert await run_background(gateway.runtime, queued["id"]) is None  # never started
+
+    # A worker that polls for cancellation often; a long answer, cancelled once it runs in the engine.
+    runtime = dataclasses.replace(gateway.runtime, settings=gateway.runtime.settings.model_copy(
+        update={"responses_cancel_poll_s": 0.02}))
+    running = (await client.post("/responses", json={"model": MODEL, "input": "Hi", "background": True,
+                                                      "max_output_tokens": 1800})).json()
+    worker = asyncio.create_task(run_background(runtime, running["id"]))
+
+    async def generating() -> bool:
+        async with httpx.AsyncClient() as engine:
+            return (await engine.get(f"{engine_url}/load")).json()["running"] > 0
+
+    await eventually(generating, "the background response running in the engine")
+    assert (await client.post(f"/responses/{running['id']}/cancel")).json()["status"] == "cancelled"
+    assert await worker == "cancelled"
+    stored = (await client.get(f"/responses/{running['id']}")).json()
+    assert_conforms(stored, "Response")
+    assert stored["status"] == "cancelled" and stored["usage"]["output_tokens"] < 1800
+
+
+async def test_only_background_responses_can_be_cancelled(client: httpx.AsyncClient) -> None:
+    plain = (await client.post("/responses", json={"model": MODEL, "input": "Hi",
+                                                     "max_output_tokens": 2})).json()
+    r = await client.post(f"/responses/{plain['id']}/cancel")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
+    r = await client.post("/responses", json={"model": MODEL, "input": "Hi", "background": True,
+                                               "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
