@@ -18,6 +18,12 @@ Invariants and policies:
   watermark (queue or KV cache nearly full, or far more in flight from this gateway than the least
   loaded one); then the least loaded healthy replica is used. Prompts shorter than a block go to the
   least loaded replica.
+- Routing key (``prompt_cache_key``): a request that carries one is routed by rendezvous hashing on
+  that key instead of its blocks, so one tenant's requests with one key go to one replica whatever
+  their prompts. The caller derives the key per tenant (``gateway.generation``), so the same key string
+  of two tenants is two unrelated routing identities. The keyed choice takes precedence over both
+  affinity choices and obeys the same rules: healthy and not excluded (failover moves the key to the
+  next replica in its rendezvous order), and the least loaded replica while it is over the watermark.
 - ``pick`` never blocks and never does I/O; the hot path reads in-memory state only.
 """
 
@@ -164,7 +170,8 @@ class Router:
         replica.healthy = False
         replica.last_error = reason
 
-    def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = ()) -> Replica:
+    def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = (),
+             routing_key: bytes | None = None) -> Replica:
         route = self.models[model]
         candidates = [r for r in route.replicas if r.healthy and r not in exclude]
         if not candidates:
@@ -176,6 +183,9 @@ class Router:
             return candidates[0]
         least = min(candidates, key=lambda r: r.load_score)
         least_inflight = min(r.inflight for r in candidates)
+        if routing_key is not None:
+            preferred = max(candidates, key=lambda r: _rendezvous(routing_key, r.url))
+            return least if preferred.over_watermark(least_inflight) else preferred
         if block_hashes:
             for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
                 replica = self._affinity.get(h)

@@ -111,7 +111,9 @@ class BatchRouter(Router):
         return (load is not None and load.waiting <= self._max_waiting and load.kv_usage <= self._max_kv
                 and replica.inflight < self._max_inflight)
 
-    def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = ()) -> Replica:
+    def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = (),
+             routing_key: bytes | None = None) -> Replica:
+        """``routing_key`` (a line's ``prompt_cache_key``) is ignored: lines are independent."""
         route: ModelRoute = self.models[model]
         candidates = [r for r in route.replicas if r.healthy and r not in exclude
                       and (r.pool != INTERACTIVE_POOL or self.soakable(r))]

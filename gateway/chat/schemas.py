@@ -197,6 +197,8 @@ class ChatCompletionRequest(SamplingFields):
     audio: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
+    # A routing hint: one tenant's requests with the same key are served by the same replica.
+    prompt_cache_key: str | None = None
 
     @field_validator("modalities")
     @classmethod

@@ -94,7 +94,8 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
     tier = resolve_tier(runtime, principal, body.service_tier)
     try:
         generation = await run_generation(runtime, principal, route, request_id, [prompt], sampling, n=n,
-                                          max_tokens=max_tokens, tier=tier)
+                                          max_tokens=max_tokens, tier=tier,
+                                          routing_key=body.prompt_cache_key)
     except InvalidRequestError as exc:
         if exc.param in ("json_schema", "response_format"):  # the engine names its own field
             exc.param = "tools" if forced else "response_format"

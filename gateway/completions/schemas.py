@@ -33,6 +33,8 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=0, le=20)
+    # Not in OpenAI's legacy schema; accepted as on chat: a routing hint (same tenant + key → one replica).
+    prompt_cache_key: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

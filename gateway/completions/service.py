@@ -83,7 +83,7 @@ async def start_completion(runtime: GatewayRuntime, principal: Principal, reques
         sampling["top_logprobs"] = body.logprobs
     tier = resolve_tier(runtime, principal, body.service_tier)
     generation = await run_generation(runtime, principal, route, request_id, prompts, sampling, n=n,
-                                      max_tokens=max_tokens, tier=tier)
+                                      max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key)
     response_id = completion_id("cmpl")
     created = int(time.time())
     fingerprint = system_fingerprint(route)

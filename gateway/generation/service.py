@@ -27,6 +27,10 @@ Invariants:
   the replica that ran it (what a batch line records); wire formats live with the endpoints.
 - The engine request id is the gateway request id (suffixed ``-<prompt index>`` for several prompts),
   so logs on both sides join on it.
+- A ``routing_key`` (the request's ``prompt_cache_key``; empty means none) reaches the router only as
+  an HMAC keyed by the tenant's cache salt (``tenant_routing_key``): one tenant's requests with one key
+  share a replica, and no routing identity is shared across tenants. Every replica choice of the
+  request (shed check, first try, failover) uses it.
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ def cache_salt(secret: str, tenant_id: int) -> str:
     return hmac.new(secret.encode(), f"tenant:{tenant_id}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
+def tenant_routing_key(salt: str, routing_key: str | None) -> bytes | None:
+    """The router's key for a request's ``prompt_cache_key`` (None without one): an HMAC under the
+    tenant's cache salt, so the same key string of two tenants routes independently."""
+    if not routing_key:
+        return None
+    return hmac.new(salt.encode(), f"prompt_cache_key:{routing_key}".encode(), hashlib.sha256).digest()
+
+
 @dataclass
 class Generation:
     runtime: GatewayRuntime
@@ -82,6 +94,7 @@ class Generation:
     n: int
     max_tokens: int | None
     tier: str
+    routing_key: str | None = None
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     status: str = STATUS_COMPLETED
@@ -99,6 +112,7 @@ class Generation:
     _ttft_ms: float | None = None
     _tpot_ms: float | None = None
     _lease_renewed_at: float = field(default_factory=time.monotonic)
+    _router_key: bytes | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -128,13 +142,14 @@ class Generation:
             per_completion = settings.default_max_tokens_reservation
         completion_budget = per_completion * self.n * len(self.prompts)
         salt = cache_salt(settings.key_hash_secret.get_secret_value(), self.principal.tenant_id)
+        self._router_key = tenant_routing_key(salt, self.routing_key)
         info = self.route.info()
         block_size = info.block_size if info is not None else 16
         hashes = [prefix_block_hashes(p, block_size, salt) for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
         # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).
         async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class, tier=self.tier):
-            first = rt.router.pick(self.route.name, hashes[0])
+            first = rt.router.pick(self.route.name, hashes[0], routing_key=self._router_key)
             if first.load is not None:
                 cached = min(rt.router.cached_prefix_blocks(first, hashes[0]) * block_size,
                              max(0, len(self.prompts[0]) - 1))
@@ -170,7 +185,8 @@ class Generation:
         last_error: EngineUnavailable | None = None
         while True:
             try:
-                replica = router.pick(self.route.name, block_hashes, exclude=tried)
+                replica = router.pick(self.route.name, block_hashes, exclude=tried,
+                                      routing_key=self._router_key)
             except ServiceUnavailableError:
                 if last_error is not None:
                     raise last_error from None
@@ -356,10 +372,11 @@ class Generation:
 
 async def run_generation(runtime: GatewayRuntime, principal: Principal, route: ModelRoute, request_id: str,
                          prompts: list[list[int]], sampling: dict[str, Any], *, n: int,
-                         max_tokens: int | None, tier: str) -> Generation:
+                         max_tokens: int | None, tier: str, routing_key: str | None = None) -> Generation:
     """A started generation (see the module invariants): the engine has accepted every prompt, or this
     raised the error to answer with, and nothing is left to settle."""
     generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
-                            prompts=prompts, sampling=sampling, n=n, max_tokens=max_tokens, tier=tier)
+                            prompts=prompts, sampling=sampling, n=n, max_tokens=max_tokens, tier=tier,
+                            routing_key=routing_key)
     await generation.start()
     return generation

@@ -243,7 +243,7 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
     try:
         generation = await run_generation(runtime, principal, plan.route, request_id, [plan.prompt],
                                           plan.sampling, n=1, max_tokens=body.max_output_tokens,
-                                          tier=plan.tier)
+                                          tier=plan.tier, routing_key=body.prompt_cache_key)
     except InvalidRequestError as exc:
         if exc.param in ("json_schema", "response_format"):  # the engine names its own field
             exc.param = "tools" if plan.forced else "text.format"

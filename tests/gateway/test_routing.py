@@ -1,4 +1,5 @@
-"""Replica choice: healthy only, prefix affinity (learned and rendezvous), load watermark, failover."""
+"""Replica choice: healthy only, prefix affinity (learned and rendezvous), load watermark, failover, and
+the per-tenant ``prompt_cache_key`` routing key."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from engine.block_hash import prefix_block_hashes
 from engine.protocol import LoadReport
 from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
+from gateway.generation.service import cache_salt, tenant_routing_key
 from gateway.routing import WATERMARK_INFLIGHT_GAP, WATERMARK_WAITING, Router
 from tollgate.settings import ModelConfig, PoolConfig, Settings
 
@@ -94,3 +96,67 @@ async def test_probe_marks_unreachable_replica_down(router: Router) -> None:
     await router.poll_once()  # none of these hosts exists
     assert not any(r.healthy for r in router.replicas)
     assert all(r.last_error for r in router.replicas)
+
+
+def routing_key(tenant_id: int, key: str) -> bytes:
+    routed = tenant_routing_key(cache_salt("test-secret", tenant_id), key)
+    assert routed is not None
+    return routed
+
+
+def test_same_tenant_and_key_go_to_one_replica_whatever_the_prompt(router: Router) -> None:
+    key = routing_key(1, "conversation-7")
+    chosen = router.pick("m", hashes(0), routing_key=key)
+    elsewhere = next(r for r in router.replicas if r is not chosen)
+    router.remember(elsewhere, hashes(5))  # learned prefix affinity does not pull a keyed request away
+    assert {router.pick("m", hashes(s), routing_key=key) for s in range(40)} == {chosen}
+    assert router.pick("m", [], routing_key=key) is chosen  # even a prompt shorter than a block
+
+
+def test_different_keys_spread_over_replicas(router: Router) -> None:
+    h = hashes(0)
+    assert len({router.pick("m", h, routing_key=routing_key(1, f"key-{i}")).url for i in range(40)}) > 1
+
+
+def test_the_same_key_of_two_tenants_routes_independently(router: Router) -> None:
+    keys = [f"user-{i}" for i in range(50)]
+    assert all(routing_key(1, k) != routing_key(2, k) for k in keys)
+    tenant_1 = [router.pick("m", hashes(0), routing_key=routing_key(1, k)).url for k in keys]
+    tenant_2 = [router.pick("m", hashes(0), routing_key=routing_key(2, k)).url for k in keys]
+    assert tenant_1 != tenant_2
+    assert tenant_1 == [router.pick("m", hashes(9), routing_key=routing_key(1, k)).url for k in keys]
+
+
+def test_no_or_empty_key_keeps_prefix_routing(router: Router) -> None:
+    assert tenant_routing_key(cache_salt("test-secret", 1), None) is None
+    assert tenant_routing_key(cache_salt("test-secret", 1), "") is None
+    by_prefix = [router.pick("m", hashes(s)) for s in range(40)]
+    assert [router.pick("m", hashes(s), routing_key=None) for s in range(40)] == by_prefix
+    assert len(set(by_prefix)) > 1
+
+
+def test_a_keyed_request_fails_over_to_one_next_replica(router: Router) -> None:
+    key = routing_key(1, "conversation-8")
+    preferred = router.pick("m", hashes(0), routing_key=key)
+    second = router.pick("m", hashes(0), exclude=[preferred], routing_key=key)
+    assert second is not preferred
+    assert {router.pick("m", hashes(s), exclude=[preferred], routing_key=key) for s in range(20)} == {second}
+    router.mark_failed(preferred, "connection refused")
+    assert router.pick("m", hashes(1), routing_key=key) is second
+    preferred.healthy = True  # a later probe brings it back: the key returns to it
+    assert router.pick("m", hashes(1), routing_key=key) is preferred
+
+
+def test_watermark_overrides_the_keyed_choice(router: Router) -> None:
+    key = routing_key(1, "conversation-9")
+    preferred = router.pick("m", hashes(0), routing_key=key)
+    others = [r for r in router.replicas if r is not preferred]
+    for i, replica in enumerate(others):
+        replica.inflight = len(others) - i  # the last one is the least loaded
+    preferred.load = load(waiting=WATERMARK_WAITING)
+    assert router.pick("m", hashes(0), routing_key=key) is others[-1]
+    preferred.load = load()
+    preferred.inflight = others[-1].inflight + WATERMARK_INFLIGHT_GAP
+    assert router.pick("m", hashes(0), routing_key=key) is others[-1]
+    preferred.inflight = 0
+    assert router.pick("m", hashes(0), routing_key=key) is preferred
