@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything Tollgate needs on a fresh Debian machine, idempotently:
 #   - Debian packages: postgresql (server binaries), redis-server, acl (setfacl), chromium (dashboard
-#     browser tests)
+#     browser tests), nodejs + npm (the official TypeScript SDK's tests)
 #   - a virtualenv at .venv with the project and its test extras
+#   - the TypeScript SDK for tests/e2e/ts, from its lockfile (npm ci)
 # Torch and Triton are pinned by constraints/cpu.txt, or constraints/cuda.txt where nvidia-smi exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,10 @@ command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 [ -f /usr/include/math.h ] || need_apt+=(libc6-dev)
 if [ "${TOLLGATE_SKIP_BROWSER:-0}" != "1" ]; then
   command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+fi
+if [ "${TOLLGATE_SKIP_NODE:-0}" != "1" ]; then
+  command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
+  command -v npm >/dev/null 2>&1 || need_apt+=(npm)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ]; then
@@ -47,4 +52,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: installing Python packages into .venv"
   .venv/bin/pip install -q "${constraints[@]}" -e '.[test]'
   echo "$want" > "$stamp"
+fi
+
+ts=tests/e2e/ts
+if [ "${TOLLGATE_SKIP_NODE:-0}" != "1" ] && command -v npm >/dev/null 2>&1; then
+  ts_want=$(sha256sum "$ts/package-lock.json" | cut -d' ' -f1)
+  if [ ! -f "$ts/node_modules/.tollgate-installed" ] || [ "$(cat "$ts/node_modules/.tollgate-installed")" != "$ts_want" ]; then
+    echo "bootstrap: installing the TypeScript SDK for the client tests (npm ci in $ts)"
+    (cd "$ts" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+    echo "$ts_want" > "$ts/node_modules/.tollgate-installed"
+  fi
 fi
