@@ -49,6 +49,8 @@ class World:
     b_key_id: int
     b_file: str
     b_batch: str
+    b_response: str
+    b_background: str
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,13 @@ async def world(new_database_module: str, redis_url: str, tiny_model_dir: Path,
                                                           "completion_window": "24h"})
                 assert batch.status_code == 200, batch.text
                 await _ledger_rows_for(gateway, tenant_b.id)
-                yield World(gateway, a, b, tenant_b.id, b_key.id, file.json()["id"], batch.json()["id"])
+                response = await b.post("/v1/responses", json={"model": MODEL, "input": "B's secret",
+                                                               "max_output_tokens": 2})
+                background = await b.post("/v1/responses", json={"model": MODEL, "input": "B's job",
+                                                                 "max_output_tokens": 2, "background": True})
+                assert response.status_code == background.status_code == 200, (response.text, background.text)
+                yield World(gateway, a, b, tenant_b.id, b_key.id, file.json()["id"], batch.json()["id"],
+                            response.json()["id"], background.json()["id"])
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +142,37 @@ async def completions(w: World) -> None:
     assert usage_b["prompt_tokens_details"]["cached_tokens"] > 0
     usage_a = (await w.a.post("/v1/completions", json=body)).json()["usage"]
     assert usage_a["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def responses_create(w: World) -> None:
+    body = {"model": MODEL, "input": "Responses of B: " + SHARED_PROMPT, "max_output_tokens": 2}
+    for _ in range(2):
+        usage_b = (await w.b.post("/v1/responses", json=body)).json()["usage"]
+    assert usage_b["input_tokens_details"]["cached_tokens"] > 0
+    usage_a = (await w.a.post("/v1/responses", json=body)).json()["usage"]
+    assert usage_a["input_tokens_details"]["cached_tokens"] == 0
+    # Nor can A continue B's conversation: B's response is not found for A.
+    continued = await w.a.post("/v1/responses", json={**body, "previous_response_id": w.b_response})
+    _refused(continued, 400)
+    assert continued.json()["error"]["param"] == "previous_response_id"
+
+
+async def responses_get(w: World) -> None:
+    _refused(await w.a.get(f"/v1/responses/{w.b_response}"), 404)
+
+
+async def responses_delete(w: World) -> None:
+    _refused(await w.a.delete(f"/v1/responses/{w.b_response}"), 404)
+    assert (await w.b.get(f"/v1/responses/{w.b_response}")).status_code == 200  # still there
+
+
+async def responses_input_items(w: World) -> None:
+    _refused(await w.a.get(f"/v1/responses/{w.b_response}/input_items"), 404)
+
+
+async def responses_cancel(w: World) -> None:
+    _refused(await w.a.post(f"/v1/responses/{w.b_background}/cancel"), 404)
+    assert (await w.b.get(f"/v1/responses/{w.b_background}")).json()["status"] == "queued"
 
 
 async def models_list(w: World) -> None:
@@ -225,6 +264,11 @@ def admin(method: str, path: str, body: dict[str, Any] | None = None) -> Callabl
 CHECKS: dict[tuple[str, str], Callable[[World], Awaitable[None]]] = {
     ("post", "/v1/chat/completions"): chat,
     ("post", "/v1/completions"): completions,
+    ("post", "/v1/responses"): responses_create,
+    ("get", "/v1/responses/{response_id}"): responses_get,
+    ("delete", "/v1/responses/{response_id}"): responses_delete,
+    ("get", "/v1/responses/{response_id}/input_items"): responses_input_items,
+    ("post", "/v1/responses/{response_id}/cancel"): responses_cancel,
     ("get", "/v1/models"): models_list,
     ("get", "/v1/models/{model}"): models_get,
     ("get", "/v1/files"): files_list,
