@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError, Timings, Usage
+from engine.pooling import PoolingParams, checkpoint_pooling
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ class _Add:
     priority: int
     stream: RequestStream
     arrival_time: float
+    pooling: PoolingParams | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -151,6 +153,8 @@ class AsyncEngine:
         self.config = config
         self.model_name = model_name or config.model
         self.pool = pool
+        # The checkpoint's embedding pooling (``engine.pooling``): what a request leaves out takes.
+        self.pooling = checkpoint_pooling(config.model)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self._cond = threading.Condition()
@@ -190,6 +194,8 @@ class AsyncEngine:
             "num_kv_blocks": e.block_manager.num_blocks,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "embedding_dimensions": e.runner.args.hidden_size,
+            "pooling": self.pooling.mode,
         }
 
     async def add_request(
@@ -200,8 +206,10 @@ class AsyncEngine:
         tenant: str = "",
         cache_salt: str | None = None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> RequestStream:
-        """Validate and queue a request; iterate the returned stream for its deltas.
+        """Validate and queue a request; iterate the returned stream for its deltas (with ``pooling``:
+        one final delta carrying the embedding).
 
         A request with a response format returns once its grammar is compiled (off the engine thread);
         ``RequestValidationError`` (param ``response_format``) if it cannot be compiled.
@@ -215,7 +223,7 @@ class AsyncEngine:
                 "structured output (response_format) is not available for this model", "response_format"
             )
         stream = RequestStream(request_id, self.abort)
-        add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received)
+        add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received, pooling)
         with self._cond:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
@@ -347,7 +355,7 @@ class AsyncEngine:
                 try:
                     engine.add_request(add.request_id, add.prompt_token_ids, add.params, tenant=add.tenant,
                                        cache_salt=add.cache_salt, priority=add.priority,
-                                       arrival_time=add.arrival_time)
+                                       arrival_time=add.arrival_time, pooling=add.pooling)
                 except Exception as exc:  # validated already; a late failure ends that request only
                     self._fail(add.request_id, exc)
             try:

@@ -5,6 +5,9 @@
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=64))
     outs[0].token_ids, outs[0].text, outs[0].finish_reason, outs[0].num_cached_tokens
 
+``llm.embed(prompts)`` returns one vector per prompt (``engine.pooling``: the checkpoint's pooling
+unless ``pooling`` says otherwise), computed by the same scheduler and runner as generation.
+
 Invariants: ``generate`` validates every prompt before it queues any (a bad one raises
 ``RequestValidationError`` and nothing runs); it returns one ``RequestOutput`` per prompt, in input
 order, each finished. ``llm.stats`` is the engine's counters snapshot (preemptions, partial prefill
@@ -20,6 +23,7 @@ from typing import Any, TypeVar
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestValidationError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.pooling import PoolingParams, checkpoint_pooling
 from engine.sampling_params import SamplingParams
 
 Prompt = str | SequenceLike[int]
@@ -64,6 +68,14 @@ class LLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def embed(self, prompts: Prompt | SequenceLike[Prompt], pooling: PoolingParams | None = None,
+              cache_salt: str | None | SequenceLike[str | None] = None) -> list[list[float]]:
+        """One embedding per prompt (strings or token-id lists), in input order."""
+        pooling = pooling or checkpoint_pooling(self.engine.config.model)
+        outputs = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
+                                pooling=pooling)
+        return [out.embedding for out in outputs]  # type: ignore[misc]
+
     def generate(
         self,
         prompts: Prompt | SequenceLike[Prompt],
@@ -71,8 +83,10 @@ class LLM:
         cache_salt: str | None | SequenceLike[str | None] = None,
         priority: int | SequenceLike[int] | None = None,
         tenant: str | SequenceLike[str] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
-        """Run ``prompts`` (strings or token-id lists) to completion; outputs in input order."""
+        """Run ``prompts`` (strings or token-id lists) to completion; outputs in input order. With
+        ``pooling``, each is an embedding request (``RequestOutput.embedding``; see ``embed``)."""
         prompt_list = _as_prompt_list(prompts)
         n = len(prompt_list)
         params_list = _per_prompt(params if params is not None else SamplingParams(), n, "params",
@@ -93,7 +107,7 @@ class LLM:
         try:
             for i, (rid, prompt) in enumerate(zip(request_ids, prompt_list, strict=True)):
                 self.engine.add_request(rid, token_lists[i], params_list[i], tenant=tenants[i],
-                                        cache_salt=salts[i], priority=priorities[i])
+                                        cache_salt=salts[i], priority=priorities[i], pooling=pooling)
                 outputs[rid] = RequestOutput(
                     request_id=rid,
                     prompt_token_ids=token_lists[i],

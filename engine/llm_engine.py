@@ -39,6 +39,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
+from engine.pooling import PoolingParams
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -61,6 +62,7 @@ class _Completion:
     new_text: list[str] = field(default_factory=list)
     new_logprobs: list | None = None
     reported_finish: bool = False
+    embedding: list[float] | None = None
 
 
 @dataclass(eq=False)
@@ -158,11 +160,19 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
-        """Queue a request (``params.n`` streams). Raises ``RequestValidationError``, changing nothing."""
+        """Queue a request (``params.n`` streams; with ``pooling``, one embedding and no tokens). Raises
+        ``RequestValidationError``, changing nothing."""
         if request_id in self._requests:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
         self.validate_request(request_id, prompt_token_ids, params)
+        if pooling is not None:
+            if params.n != 1:
+                raise RequestValidationError("an embedding request has exactly one completion (n = 1)", "n")
+            if not pooling.uses_prefix_cache:
+                # Every prompt token's hidden state is needed: a salt of its own, so nothing is a hit.
+                cache_salt = f"{cache_salt or ''}:pooling:{request_id}"
         prompt = [int(t) for t in prompt_token_ids]
         try:
             self.sampler.prepare(params)
@@ -180,6 +190,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 arrival_time=now,
                 index=index,
+                pooling=pooling,
             )
             stop_matcher = StopStringMatcher(params.stop) if params.stop else None
             detok = IncrementalDetokenizer(
@@ -242,18 +253,25 @@ class LLMEngine:
             return outputs
         now = time.monotonic()
         sampled: list[Sequence] = []
+        pooled: list[Sequence] = []
         prefill_tokens = 0
         for scheduled in batch.seqs:
             seq = scheduled.seq
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             if scheduled.samples:
-                sampled.append(seq)
+                (sampled if seq.pooling is None else pooled).append(seq)
             if scheduled.start < seq.num_prompt_tokens:
                 prefill_tokens += scheduled.num_tokens
         logits = self.runner.run(batch)
         self.scheduler.update_after_step(batch)
         touched: dict[str, _Request] = {}
+        for seq in pooled:  # an embedding is done once its whole prompt has run
+            completion = self._seq_owner[seq.seq_id]
+            completion.embedding = self.runner.embedding(seq)
+            seq.first_token_time = seq.finished_time = time.monotonic()
+            self.scheduler.finish(seq, FinishReason.STOP)
+            touched[seq.request_id] = self._requests[seq.request_id]
         if sampled:
             results = self.sampler.sample(logits, sampled)
             now = time.monotonic()
@@ -361,7 +379,8 @@ class LLMEngine:
         if timings.ttft > 0:
             self._stats.ttft_s = _ewma(self._stats.ttft_s, timings.ttft)
         reasons = [(s.finish_reason or FinishReason.ABORT).value for s in seqs]
-        return RequestDelta(request.request_id, completions, True, reasons, usage, timings)
+        return RequestDelta(request.request_id, completions, True, reasons, usage, timings,
+                            request.completions[0].embedding)
 
     @staticmethod
     def _timings(request: _Request, seqs: list[Sequence]) -> Timings:

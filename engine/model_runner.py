@@ -12,7 +12,9 @@ One runner per engine replica; it is driven from a single thread. Invariants:
 - ``run(batch)`` computes K/V for ``token_ids[start : start + num_tokens]`` of every scheduled
   sequence, at positions ``start ..``, into the slots its ``block_table`` maps (``block_table[p //
   block_size] * block_size + p % block_size``), and returns float32 logits ``[num_sampled, vocab]``:
-  one row per ``ScheduledSeq`` whose chunk reaches the end of its tokens, in batch order.
+  one row per ``ScheduledSeq`` whose chunk reaches the end of its tokens, in batch order, except
+  embedding sequences (``seq.pooling``): their chunk's final hidden states are pooled onto the sequence
+  (``seq.pooled``) and ``embedding(seq)`` finishes the vector (``engine.pooling``).
 - A malformed batch (a chunk past the known tokens or ``max_model_len``, too few or out-of-range
   blocks) raises ``ValueError`` before anything is written to the cache.
 - CUDA graphs (CUDA + ``triton`` backend, unless ``enforce_eager``): decode-only steps of up to
@@ -42,7 +44,7 @@ from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.models.config import ModelArgs
-from engine.sequence import ScheduledBatch
+from engine.sequence import ScheduledBatch, Sequence
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarBackend
@@ -238,7 +240,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(seq.block_table[:num_blocks])
-            if s.samples:
+            if s.samples and s.seq.pooling is None:
                 logits_indices.append(len(input_ids) - 1)
         table_rows = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
         for row, table in zip(table_rows, tables, strict=True):
@@ -282,9 +284,40 @@ class ModelRunner:
             hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        self._pool(batch, hidden)
         if logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[logits_indices]).float()  # [N, vocab]
+
+
+    @staticmethod
+    def _pool(batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Fold each embedding sequence's chunk of final hidden states into its pooled state."""
+        offset = 0
+        for s in batch.seqs:
+            pooling, n = s.seq.pooling, s.num_tokens
+            if pooling is not None:
+                rows = hidden[offset:offset + n]
+                if pooling.mode == "mean":
+                    chunk = rows.float().sum(0)
+                    s.seq.pooled = chunk if s.seq.pooled is None else s.seq.pooled + chunk
+                elif pooling.mode == "first" and s.start == 0:
+                    s.seq.pooled = rows[0].float()
+                elif pooling.mode == "last" and s.samples:
+                    s.seq.pooled = rows[-1].float()
+            offset += n
+
+    @staticmethod
+    def embedding(seq: Sequence) -> list[float]:
+        """The finished embedding of a sequence whose whole prompt has run; clears its pooled state."""
+        pooling, pooled = seq.pooling, seq.pooled
+        if pooling is None or pooled is None:
+            raise ValueError(f"sequence {seq.request_id} has no pooled state")
+        seq.pooled = None
+        vector = pooled / seq.num_prompt_tokens if pooling.mode == "mean" else pooled
+        if pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.cpu().tolist()
 
 
 class _DecodeGraphs:

@@ -63,6 +63,8 @@ class RequestDelta:
     finish_reasons: list[str] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    # Set with ``finished`` for an embedding request (``engine.pooling``): its vector.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -95,6 +97,8 @@ class RequestOutput:
     usage: Usage | None = None
     timings: Timings | None = None
     prompt: str | None = None
+    # An embedding request's vector (``LLM.embed``).
+    embedding: list[float] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -128,6 +132,7 @@ class RequestOutput:
             self.finished = True
             self.usage = delta.usage
             self.timings = delta.timings
+            self.embedding = delta.embedding
             if delta.usage is not None:
                 self.num_cached_tokens = delta.usage.cached_tokens
 

@@ -56,6 +56,13 @@ class ResponseFormat(_Strict):
         return self
 
 
+class PoolingSpec(_Strict):
+    """An embedding request (``engine.pooling``); a field left out takes the checkpoint's pooling."""
+
+    mode: Literal["last", "mean", "first"] | None = None
+    normalize: bool | None = None
+
+
 class GenerateRequest(_Strict):
     """One generation request. Sampling fields mirror ``engine.sampling_params.SamplingParams``."""
 
@@ -84,6 +91,8 @@ class GenerateRequest(_Strict):
     cache_salt: str | None = None
     # Lower runs first (interactive tiers above batch).
     priority: int = 0
+    # An embedding instead of tokens: the final record carries it, with zero completion tokens.
+    pooling: PoolingSpec | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -171,6 +180,8 @@ class FinalRecord(BaseModel):
     finish_reasons: list[FinishReasonName]
     usage: Usage
     timings: Timings
+    # An embedding request's vector (``GenerateRequest.pooling``).
+    embedding: list[float] | None = None
 
 
 class ErrorInfo(BaseModel):
@@ -220,6 +231,9 @@ class InfoResponse(BaseModel):
     max_num_batched_tokens: int
     # True for ``--model synthetic`` (a load-test stand-in that runs no model).
     synthetic: bool = False
+    # Embeddings: their length (the model's hidden size) and the checkpoint's pooling mode.
+    embedding_dimensions: int | None = None
+    pooling: str | None = None
 
 
 class LoadReport(BaseModel):

@@ -10,7 +10,8 @@ prompt's blocks). Invariants:
   started; set once, never changed by a preemption (recompute is the platform's cost, never billed).
 - The scheduler hands the runner a ``ScheduledBatch``: for each sequence, how many of its tokens after
   ``num_computed_tokens`` to compute this step. A sequence whose chunk reaches ``len(token_ids)``
-  produces logits for its last token and is sampled; a partial prefill chunk is not.
+  produces logits for its last token and is sampled; a partial prefill chunk is not. An embedding
+  sequence (``pooling``) produces no logits: its chunk's hidden states are pooled instead.
 
 This module imports no torch.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.pooling import PoolingParams
     from engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -64,6 +66,10 @@ class Sequence:
     logprobs: list[Any] = field(default_factory=list)
     # Sampler-owned state (e.g. a grammar matcher); opaque to everyone else.
     sampler_state: Any = None
+    # An embedding request (``engine.pooling``): prefilled, never sampled. ``pooled`` is the runner's
+    # running state of it (a device tensor); cleared on preemption.
+    pooling: PoolingParams | None = None
+    pooled: Any = None
     # Timing marks (monotonic seconds), filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

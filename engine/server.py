@@ -33,6 +33,7 @@ from engine.async_engine import EngineError, RequestStream
 from engine.config import EngineConfig
 from engine.metrics import CONTENT_TYPE
 from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
+from engine.pooling import PoolingParams
 from engine.protocol import (
     AbortRequest,
     ErrorInfo,
@@ -57,9 +58,11 @@ class ServingEngine(Protocol):
     pool: str
     max_model_len: int
 
+    pooling: PoolingParams  # the checkpoint's embedding pooling
+
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          tenant: str = "", cache_salt: str | None = None,
-                          priority: int = 0) -> RequestStream: ...
+                          tenant: str = "", cache_salt: str | None = None, priority: int = 0,
+                          pooling: PoolingParams | None = None) -> RequestStream: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -108,6 +111,8 @@ async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
                 final = {"type": "final", "request_id": request_id,
                          "finish_reasons": delta.finish_reasons or [],
                          "usage": asdict(delta.usage), "timings": asdict(delta.timings)}
+                if delta.embedding is not None:
+                    final["embedding"] = delta.embedding
                 lines.append(orjson.dumps(final) + b"\n")
             if lines:
                 yield b"".join(lines)
@@ -145,16 +150,23 @@ def create_app(engine: ServingEngine) -> FastAPI:
 
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateRequest) -> Response:
-        kwargs = body.sampling_kwargs()
-        kwargs.setdefault("max_tokens", max(1, engine.max_model_len - len(body.prompt_token_ids)))
-        try:
-            params = SamplingParams(**kwargs)
-        except ValueError as exc:
-            return _error(400, str(exc), _param_of(str(exc)), request_id=body.request_id)
+        pooling = None
+        if body.pooling is not None:  # an embedding: no sampling, one final record with the vector
+            spec, default = body.pooling, engine.pooling
+            pooling = PoolingParams(spec.mode or default.mode,
+                                    default.normalize if spec.normalize is None else spec.normalize)
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+        else:
+            kwargs = body.sampling_kwargs()
+            kwargs.setdefault("max_tokens", max(1, engine.max_model_len - len(body.prompt_token_ids)))
+            try:
+                params = SamplingParams(**kwargs)
+            except ValueError as exc:
+                return _error(400, str(exc), _param_of(str(exc)), request_id=body.request_id)
         try:
             stream = await engine.add_request(body.request_id, body.prompt_token_ids, params,
                                               tenant=body.tenant, cache_salt=body.cache_salt,
-                                              priority=body.priority)
+                                              priority=body.priority, pooling=pooling)
         except RequestValidationError as exc:
             return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:

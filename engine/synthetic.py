@@ -16,6 +16,10 @@ waiting request goes next, so a better-priority arrival waits at most one chunk.
 token comes ``ttft_s`` after its prefill ends. ``stats()`` then reports what a real replica measures:
 ``pending_prefill_tokens`` (and by priority), ``num_waiting``, ``tokens_per_s`` (the rate, from the
 first computed chunk on) and ``step_time_s`` (one chunk). Cached prompt blocks are not prefilled.
+
+Embedding requests (``pooling``) end after their prefill (and ``ttft_s``) with no tokens and a
+deterministic ``EMBEDDING_DIMENSIONS``-long vector: the prompt's token ids counted into buckets (``id mod
+EMBEDDING_DIMENSIONS``), L2-normalised unless asked not to, so equal prompts embed equally.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from engine.async_engine import RequestStream
 from engine.block_hash import prefix_block_hashes
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -64,6 +69,7 @@ class SyntheticEngine:
             raise ValueError(f"vocab_size must exceed {FIRST_WORD_ID + len(WORDS)}")
         self.model_name = model_name
         self.pool = pool
+        self.pooling = PoolingParams("last")
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -101,7 +107,7 @@ class SyntheticEngine:
     # ---- ServingEngine --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           tenant: str = "", cache_salt: str | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, pooling: PoolingParams | None = None) -> RequestStream:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise RequestValidationError("the prompt is empty: at least one token is required", "prompt")
@@ -120,7 +126,8 @@ class SyntheticEngine:
         self._stats.prefix_hit_tokens += cached
         self._stats.num_running += params.n
         prefill = self._queue_prefill(priority, len(prompt) - cached) if self.prefill_tokens_per_s else None
-        self._tasks[request_id] = asyncio.create_task(self._emit(stream, prompt, params, cached, prefill))
+        self._tasks[request_id] = asyncio.create_task(self._emit(stream, prompt, params, cached, prefill,
+                                                                 pooling))
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -137,7 +144,8 @@ class SyntheticEngine:
         return {"model": self.model_name, "pool": self.pool, "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size, "block_size": self.block_size, "eos_token_ids": [],
                 "num_kv_blocks": self._cache_blocks, "max_num_seqs": 1 << 16,
-                "max_num_batched_tokens": 1 << 20, "synthetic": True}
+                "max_num_batched_tokens": 1 << 20, "synthetic": True,
+                "embedding_dimensions": EMBEDDING_DIMENSIONS, "pooling": self.pooling.mode}
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
@@ -217,7 +225,8 @@ class SyntheticEngine:
         return hits * self.block_size
 
     async def _emit(self, stream: RequestStream, prompt: list[int], params: SamplingParams,
-                    cached: int, prefill: _Prefill | None = None) -> None:
+                    cached: int, prefill: _Prefill | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         start = time.monotonic()
         n = params.n
         outputs: list[list[int]] = [[] for _ in range(n)]
@@ -228,6 +237,9 @@ class SyntheticEngine:
                 await prefill.done.wait()
             await asyncio.sleep(self.ttft_s)
             step = 0
+            if pooling is not None:  # an embedding: no tokens
+                reasons = ["stop"] * n
+                first_token = time.monotonic()
             while any(r is None for r in reasons):
                 deltas = []
                 for i in range(n):
@@ -271,5 +283,20 @@ class SyntheticEngine:
         counts = self._stats.num_requests_finished
         for reason in reasons:
             counts[reason or "abort"] = counts.get(reason or "abort", 0) + 1
+        embedding = _embedding(prompt, pooling) if pooling is not None and reasons == ["stop"] * n else None
         stream.put_nowait(RequestDelta(stream.request_id, deltas, True, [r or "abort" for r in reasons],
-                                       usage, timings))
+                                       usage, timings, embedding))
+
+
+EMBEDDING_DIMENSIONS = 32
+
+
+def _embedding(prompt: list[int], pooling: PoolingParams) -> list[float]:
+    counts = [0.0] * EMBEDDING_DIMENSIONS
+    for token in prompt:
+        counts[token % EMBEDDING_DIMENSIONS] += 1.0
+    if not pooling.normalize:
+        return counts
+    norm = sum(c * c for c in counts) ** 0.5
+    return [c / norm for c in counts]
+

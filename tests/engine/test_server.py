@@ -147,6 +147,33 @@ def test_generate_streams_the_offline_engines_tokens(model_server) -> None:
         assert "tollgate_engine_time_per_output_token_seconds_count" in metrics
 
 
+def test_an_embedding_request_ends_with_its_vector_and_no_tokens(model_server, tiny_llama_dir: Path) -> None:
+    from engine import LLM
+    from engine.pooling import PoolingParams
+
+    server, engine = model_server
+    prompt = list(range(5, 45))
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        info = client.get("/info").json()
+        assert info["embedding_dimensions"] == 128 and info["pooling"] == "last"
+        records = {}
+        for mode in ("last", "mean"):
+            body = {"request_id": f"e-{mode}", "prompt_token_ids": prompt, "pooling": {"mode": mode}}
+            with client.stream("POST", "/generate", json=body) as r:
+                assert r.status_code == 200
+                records[mode] = _records(r)
+        bad = client.post("/generate", json={"request_id": "e-bad", "prompt_token_ids": prompt,
+                                             "pooling": {"mode": "max"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("pooling")
+    offline = LLM(str(tiny_llama_dir))
+    for mode, lines in records.items():
+        [final] = lines  # one final record, no deltas
+        assert isinstance(final, FinalRecord) and final.finish_reasons == ["stop"]
+        assert final.usage.prompt_tokens == 40 and final.usage.completion_tokens == 0
+        expected = offline.embed([prompt], pooling=PoolingParams(mode))[0]
+        assert final.embedding == pytest.approx(expected, abs=1e-5)
+
+
 def test_disconnect_aborts_and_frees_blocks_while_others_are_served(model_server) -> None:
     server, _ = model_server
     with httpx.Client(base_url=server.url, timeout=60) as client:
