@@ -22,6 +22,8 @@ Invariants:
   Stop tokens stay in ``token_ids`` and count as completion tokens; their text is never emitted.
 - Usage counts the prompt once for ``n > 1``; ``cached_tokens`` is the first stream's
   ``num_cached_tokens`` (set when it first started, never changed by preemption).
+- An embedding request (``pooling``, ``engine.pooling``) is never sampled: it finishes (``stop``, zero
+  completion tokens) in the step its last prompt chunk runs, with ``RequestDelta.embedding``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 - ``install(app)``: the request-context middleware (``x-request-id``, body size limit → 413, last-resort
   500) and the exception handlers that render every error in OpenAI's body.
-- ``router``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models``,
-  ``/v1/models/{model}``.
+- ``router``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/embeddings``,
+  ``/v1/models``, ``/v1/models/{model}``.
 - ``lifespan(app)``: builds the process's ``GatewayRuntime`` on the app's shared Redis client and
   database (price book, tokenizers, replica poller, key-invalidation listener, engine HTTP pool) and
   stores it on ``app.state.gateway``; stops it on shutdown.
@@ -22,6 +22,7 @@ from fastapi import APIRouter, FastAPI
 from gateway.chat.endpoints import router as chat_router
 from gateway.completions.endpoints import router as completions_router
 from gateway.deps import GatewayRuntime
+from gateway.embeddings.endpoints import router as embeddings_router
 from gateway.errors import install_exception_handlers
 from gateway.middleware import RequestContextMiddleware, RequestIdLogFilter
 from gateway.models.endpoints import router as models_router
@@ -35,6 +36,7 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024
 router = APIRouter(prefix="/v1", tags=["openai"])
 router.include_router(chat_router)
 router.include_router(completions_router)
+router.include_router(embeddings_router)
 router.include_router(models_router)
 router.include_router(responses_router)
 

@@ -31,6 +31,8 @@ from gateway.chat.schemas import ChatCompletionRequest
 from gateway.chat.service import start_chat_completion
 from gateway.completions.schemas import CompletionRequest
 from gateway.completions.service import start_completion
+from gateway.embeddings.schemas import CreateEmbeddingRequest
+from gateway.embeddings.service import start_embeddings
 from gateway.errors import GatewayError, InvalidRequestError, from_pydantic
 from gateway.openai.answers import Answer
 from gateway.openai.streaming import collect_until
@@ -44,6 +46,7 @@ ENDPOINTS: dict[str, tuple[type[BaseModel], Start]] = {
     "/v1/chat/completions": (ChatCompletionRequest, start_chat_completion),
     "/v1/completions": (CompletionRequest, start_completion),
     "/v1/responses": (CreateResponseRequest, start_response),
+    "/v1/embeddings": (CreateEmbeddingRequest, start_embeddings),
 }
 
 

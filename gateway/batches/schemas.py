@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.files.schemas import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S, unix
 from tollgate.models import Batch
 
-SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
 METADATA_MAX_KEYS = 16
 METADATA_MAX_KEY_CHARS = 64

@@ -101,6 +101,8 @@ class Generation:
     error: GatewayError | None = None
     admission: Admission | None = None
     cost_pico_usd: int = 0  # billed, once finish() ran
+    # Embedding requests (``sampling["pooling"]``): each prompt's vector, by completion index.
+    embeddings: dict[int, list[float]] = field(default_factory=dict)
     _streams: list[tuple[EngineStream, Replica]] = field(default_factory=list)
     _finals: int = 0
     _generated: int = 0
@@ -274,6 +276,8 @@ class Generation:
         self.usage.completion_tokens += record.usage.completion_tokens
         for i, reason in enumerate(record.finish_reasons):
             self.finish_reasons[offset + i] = reason
+        if record.embedding is not None:
+            self.embeddings[offset] = record.embedding
         if self._ttft_ms is None:
             self._ttft_ms = record.timings.ttft * 1000.0
             self._tpot_ms = record.timings.tpot * 1000.0

@@ -17,7 +17,13 @@ OWNED_BY = "tollgate"
 
 
 def model_object(route: ModelRoute) -> dict[str, Any]:
-    return {"id": route.name, "object": "model", "created": route.created, "owned_by": OWNED_BY}
+    """OpenAI's ``Model``, plus what this platform can do with it (an extension field OpenAI's SDKs
+    keep): ``capabilities.embeddings`` and the vectors' length, as its replicas report them."""
+    info = route.info()
+    dimensions = info.embedding_dimensions if info is not None else None
+    return {"id": route.name, "object": "model", "created": route.created, "owned_by": OWNED_BY,
+            "capabilities": {"chat_completions": True, "completions": True, "responses": True,
+                             "embeddings": dimensions is not None, "embedding_dimensions": dimensions}}
 
 
 def list_models(runtime: GatewayRuntime, principal: Principal) -> dict[str, Any]:

@@ -34,12 +34,12 @@ CLIENT_CLOSED_REQUEST = 499
 class Answer:
     generation: Generation
     body: Callable[[], Awaitable[dict[str, Any]]]
-    frames: Callable[[], AsyncIterator[bytes]]
+    frames: Callable[[], AsyncIterator[bytes]] | None = None  # None: not streamable (embeddings)
 
 
 async def respond(answer: Answer, request: Request, *, stream: bool) -> Response:
     generation = answer.generation
-    if stream:
+    if stream and answer.frames is not None:
         return EventStreamResponse(answer.frames(), generation, headers=generation.headers)
     body = await collect_until(client_gone(request.receive), generation, answer.body)
     if body is None:

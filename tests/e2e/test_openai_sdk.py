@@ -116,6 +116,17 @@ def test_responses_in_the_background_polled_and_cancelled(client: openai.OpenAI)
     assert stopped.status == "cancelled"
 
 
+def test_embeddings(client: openai.OpenAI) -> None:
+    # The SDK asks for base64 unless told otherwise and decodes it: both must give the same floats.
+    packed = client.embeddings.create(model=MODEL, input=["The cat sat.", "The cat sat."])
+    floats = client.embeddings.create(model=MODEL, input="The cat sat.", encoding_format="float")
+    assert [len(d.embedding) for d in packed.data] == [len(floats.data[0].embedding)] * 2
+    assert packed.data[0].embedding == pytest.approx(floats.data[0].embedding, abs=1e-6)
+    assert packed.usage.prompt_tokens == 2 * floats.usage.prompt_tokens
+    short = client.embeddings.create(model=MODEL, input="The cat sat.", dimensions=8)
+    assert len(short.data[0].embedding) == 8
+
+
 def test_tools_completions_models_and_errors(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=100,

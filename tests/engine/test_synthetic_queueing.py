@@ -203,3 +203,19 @@ def test_fairness_preemptions_are_exported() -> None:
     text = EngineMetrics(lambda: stats, "m", "interactive").render().decode()
     assert 'tollgate_engine_fairness_preemptions_total{model="m",pool="interactive"} 3.0' in text
     assert 'tollgate_engine_preemptions_total{model="m",pool="interactive"} 5.0' in text
+
+
+async def test_synthetic_embedding_is_deterministic_and_tokenless() -> None:
+    from engine.pooling import PoolingParams
+    from engine.synthetic import EMBEDDING_DIMENSIONS, SyntheticEngine
+
+    engine = SyntheticEngine(token_interval_s=0.0, ttft_s=0.0)
+    finals = []
+    for request_id in ("e1", "e2"):
+        stream = await engine.add_request(request_id, [5, 6, 7, 8], SamplingParams(max_tokens=1),
+                                          pooling=PoolingParams("last"))
+        finals += [delta async for delta in stream if delta.finished]
+    assert [f.finish_reasons for f in finals] == [["stop"], ["stop"]]
+    assert all(f.usage.completion_tokens == 0 and not f.completions for f in finals)
+    assert finals[0].embedding == finals[1].embedding and len(finals[0].embedding) == EMBEDDING_DIMENSIONS
+    assert abs(sum(v * v for v in finals[0].embedding) - 1.0) < 1e-9

@@ -47,7 +47,7 @@ async def test_create_retrieve_and_list(api: httpx.AsyncClient, file_id: str) ->
 
 
 @pytest.mark.parametrize(("overrides", "param"), [
-    ({"endpoint": "/v1/embeddings"}, "endpoint"),
+    ({"endpoint": "/v1/moderations"}, "endpoint"),
     ({"completion_window": "48h"}, "completion_window"),
     ({"input_file_id": None}, "input_file_id"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),

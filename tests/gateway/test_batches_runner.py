@@ -175,3 +175,24 @@ async def test_responses_lines_run_through_the_same_generation_service(
     # What the generation billed and where it ran, recorded per line.
     assert all(i.cost_pico_usd and i.cost_pico_usd > 0 and i.served_pool == "interactive" for i in items)
 
+
+async def test_embeddings_lines(runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
+    tenant = await make_tenant_key(files_gateway)
+    lines = [json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                         "body": {"model": "tiny", "input": [f"Hello {i}", "again"]}}) for i in range(2)]
+    async with api_client(files_gateway, tenant) as client:
+        batch_id = await start_batch(client, lines, endpoint="/v1/embeddings")
+        assert await runner.validate(batch_id) == "in_progress"
+        assert await run_chunk(runner, batch_id) == 2
+        assert await runner.finalize(batch_id) == "completed"
+        batch = (await client.get(f"/batches/{batch_id}")).json()
+        output = [json.loads(x) for x in
+                  (await client.get(f"/files/{batch['output_file_id']}/content")).text.splitlines()]
+    for record in output:
+        assert record["response"]["status_code"] == 200
+        assert_conforms(record["response"]["body"], "CreateEmbeddingResponse")
+        assert len(record["response"]["body"]["data"]) == 2
+    async with files_gateway.db.session() as session:
+        items = list(await session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)))
+    assert all(i.completion_tokens == 0 and i.prompt_tokens and i.cost_pico_usd for i in items)
+

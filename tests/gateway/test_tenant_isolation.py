@@ -157,6 +157,22 @@ async def responses_create(w: World) -> None:
     assert continued.json()["error"]["param"] == "previous_response_id"
 
 
+async def embeddings(w: World) -> None:
+    from tests.gateway.conftest import wait_for_usage
+
+    body = {"model": MODEL, "input": "Embeddings of B: " + SHARED_PROMPT}
+
+    async def cached(client: httpx.AsyncClient) -> int:
+        response = await client.post("/v1/embeddings", json=body)
+        assert response.status_code == 200, response.text
+        [record] = await wait_for_usage(w.gateway.settings.redis_url, response.headers["x-request-id"])
+        return record["cached_tokens"]
+
+    # Last-token pooling may use the prefix cache: B's own, never A's.
+    assert [await cached(w.b), await cached(w.b)][1] > 0
+    assert await cached(w.a) == 0
+
+
 async def responses_get(w: World) -> None:
     _refused(await w.a.get(f"/v1/responses/{w.b_response}"), 404)
 
@@ -265,6 +281,7 @@ CHECKS: dict[tuple[str, str], Callable[[World], Awaitable[None]]] = {
     ("post", "/v1/chat/completions"): chat,
     ("post", "/v1/completions"): completions,
     ("post", "/v1/responses"): responses_create,
+    ("post", "/v1/embeddings"): embeddings,
     ("get", "/v1/responses/{response_id}"): responses_get,
     ("delete", "/v1/responses/{response_id}"): responses_delete,
     ("get", "/v1/responses/{response_id}/input_items"): responses_input_items,
