@@ -1,7 +1,8 @@
 """The official ``openai`` JavaScript/TypeScript SDK, unchanged, against the whole platform: a Node script
 (``tests/e2e/ts/responses.mjs``, the SDK installed by ``scripts/bootstrap.sh`` from its lockfile) calls
 the Responses API (plain, streamed, structured output, a tool round trip with
-``previous_response_id``, a 404) and chat, and prints what it saw; this test checks it."""
+``previous_response_id``, a 404), embeddings in float and base64, and chat, and prints what it saw; this
+test checks it."""
 
 from __future__ import annotations
 
@@ -40,5 +41,7 @@ def test_the_typescript_sdk_works_unchanged(platform: Platform) -> None:
     assert seen["tools"]["call"]["type"] == "function_call" and seen["tools"]["call"]["name"] == "get_weather"
     assert "city" in seen["tools"]["call"]["arguments"]
     assert seen["tools"]["answer"] == "message" and seen["tools"]["previous"] is True
+    assert seen["embeddings"]["count"] == 2 and seen["embeddings"]["length"] > 0
+    assert seen["embeddings"]["sameAsBase64"] is True and seen["embeddings"]["promptTokens"] > 0
     assert seen["chat"] == {"object": "chat.completion", "role": "assistant"}
     assert seen["notFound"] == {"status": 404, "code": "response_not_found", "isNotFound": True}

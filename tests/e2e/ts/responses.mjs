@@ -1,7 +1,7 @@
 // The official openai JavaScript/TypeScript SDK against a running Tollgate: reads OPENAI_BASE_URL,
 // OPENAI_API_KEY and TOLLGATE_MODEL from the environment, calls the Responses API (plain, streamed,
-// structured, a tool round trip, previous_response_id) and chat, and prints what it saw as one JSON
-// object for tests/e2e/test_typescript_sdk.py to check.
+// structured, a tool round trip, previous_response_id), embeddings (float and base64) and chat, and
+// prints what it saw as one JSON object for tests/e2e/test_typescript_sdk.py to check.
 import OpenAI from "openai";
 
 const client = new OpenAI({ maxRetries: 0 });
@@ -46,6 +46,15 @@ const answer = await client.responses.create({
 });
 out.tools = { call: { type: call.type, name: call.name, arguments: JSON.parse(call.arguments) },
               answer: answer.output[0].type, previous: answer.previous_response_id === first.id };
+
+const floats = await client.embeddings.create({ model, input: ["The cat sat.", "A dog ran."],
+                                                encoding_format: "float" });
+const packed = await client.embeddings.create({ model, input: "The cat sat." });  // base64, decoded by the SDK
+out.embeddings = {
+  count: floats.data.length, length: floats.data[0].embedding.length,
+  sameAsBase64: floats.data[0].embedding.every((v, i) => Math.abs(v - packed.data[0].embedding[i]) < 1e-6),
+  promptTokens: floats.usage.prompt_tokens,
+};
 
 const chat = await client.chat.completions.create({
   model, messages: [{ role: "user", content: "Say hello" }], max_tokens: 4,
