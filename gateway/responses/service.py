@@ -27,11 +27,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from engine.protocol import DeltaRecord
 from engine.tokenizer import Tokenizer
@@ -39,7 +42,7 @@ from gateway.auth import Principal
 from gateway.chat.schemas import FunctionDefinition, FunctionTool
 from gateway.chat.tools import ToolCallParser, forced_call_schema
 from gateway.deps import GatewayRuntime
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from gateway.generation.requests import check_context_length, lookup_model, resolve_tier, sampling_arguments
 from gateway.generation.service import STATUS_CANCELLED, Generation, run_generation
 from gateway.openai.answers import Answer
@@ -67,6 +70,23 @@ BACKGROUND_TASK = "responses.background"
 
 # Inputs longer than this (characters) are rendered and tokenized in a worker thread.
 OFFLOAD_CHARS = 32_000
+
+
+@asynccontextmanager
+async def _store(runtime: GatewayRuntime, *, write: bool = False) -> AsyncIterator[AsyncSession]:
+    """A session on the response store; the database being unreachable is a 503 to retry, never a
+    500 (the generation endpoints themselves need no database)."""
+    try:
+        async with runtime.sessions() as session:
+            if write:
+                async with session.begin():
+                    yield session
+            else:
+                yield session
+    except (DBAPIError, OSError) as exc:
+        logger.warning("the response store is unavailable: %r", exc)
+        raise ServiceUnavailableError("The response store is temporarily unavailable. Please retry.",
+                                      code="store_unavailable") from None
 
 
 def _text_part(text: str, kind: str = "input_text") -> dict[str, Any]:
@@ -133,7 +153,7 @@ def template_messages(instructions: str | None, history: list[dict[str, Any]],
 async def _history(runtime: GatewayRuntime, tenant_id: int,
                    previous_response_id: str) -> list[dict[str, Any]]:
     """The items of the conversation ending with ``previous_response_id``, oldest first."""
-    async with runtime.sessions() as session:
+    async with _store(runtime) as session:
         chain = await ResponseRepository(session, tenant_id).conversation(previous_response_id)
     if not chain or chain[-1].id != previous_response_id:
         raise InvalidRequestError(f"Previous response with id '{previous_response_id}' not found.",
@@ -273,7 +293,7 @@ async def queue_response(runtime: GatewayRuntime, principal: Principal,
                          model=plan.route.name, input_items=plan.items, body=response, request=request,
                          created_at=datetime.fromtimestamp(builder.created_at, UTC),
                          expires_at=_expiry(runtime))
-    async with runtime.sessions() as session, session.begin():
+    async with _store(runtime, write=True) as session:
         await ResponseRepository(session, principal.tenant_id).add(row)
     await runtime.task_sender().send(BACKGROUND_TASK, [builder.id])
     return response
@@ -291,7 +311,7 @@ def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: 
 
     async def save() -> None:
         response = builder.response()
-        async with runtime.sessions() as session, session.begin():
+        async with _store(runtime, write=True) as session:
             repo = ResponseRepository(session, tenant_id)
             existing = await repo.get(builder.id, for_update=True)
             if existing is not None and existing.status == RESPONSE_CANCELLED:
@@ -389,7 +409,7 @@ def _not_found(response_id: str) -> NotFoundError:
 
 
 async def get_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
-    async with runtime.sessions() as session:
+    async with _store(runtime) as session:
         row = await ResponseRepository(session, tenant_id).get(response_id)
     if row is None:
         raise _not_found(response_id)
@@ -397,7 +417,7 @@ async def get_response(runtime: GatewayRuntime, tenant_id: int, response_id: str
 
 
 async def delete_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
-    async with runtime.sessions() as session, session.begin():
+    async with _store(runtime, write=True) as session:
         deleted = await ResponseRepository(session, tenant_id).delete(response_id)
     if not deleted:
         raise _not_found(response_id)
@@ -408,7 +428,7 @@ async def list_input_items(runtime: GatewayRuntime, tenant_id: int, response_id:
                            order: str, after: str | None) -> dict[str, Any]:
     """OpenAI's ``ResponseItemList`` of the response's own input items (``order`` ``desc``: newest
     first; ``after``: the id of the last item of the previous page)."""
-    async with runtime.sessions() as session:
+    async with _store(runtime) as session:
         row = await ResponseRepository(session, tenant_id).get(response_id)
     if row is None:
         raise _not_found(response_id)
@@ -427,7 +447,7 @@ async def list_input_items(runtime: GatewayRuntime, tenant_id: int, response_id:
 async def cancel_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
     """Cancel a background response that is queued or running (its worker notices within a poll and
     stops the generation, which is billed for what it generated); a finished one is returned as is."""
-    async with runtime.sessions() as session, session.begin():
+    async with _store(runtime, write=True) as session:
         row = await ResponseRepository(session, tenant_id).get(response_id, for_update=True)
         if row is None:
             raise _not_found(response_id)

@@ -5,9 +5,10 @@ server of the test's own (``tollgate.local_services``, as ``tollgate up`` runs i
 while requests keep flowing. The outbox is copied into the ledger by billing's ``UsageFlusher``, the code
 the Celery beat task runs.
 
-A mixed run for three tenants: non-streamed and streamed requests (``include_usage``), and streams the
-client abandons after a few tokens. Afterwards, for each tenant, Postgres holds exactly one row per
-request, and:
+A mixed run for three tenants: chat completions non-streamed and streamed (``include_usage``), responses
+non-streamed and streamed, embeddings, streams the client abandons after a few tokens, and (before the
+outage) a background response, run by the worker's code in this process and read back with ``GET``.
+Afterwards, for each tenant, Postgres holds exactly one row per request, and:
 - a request that completed has the tokens of the ``usage`` object its client received, and its cost is
   those tokens at the price in effect; so per-tenant sums of tokens and cost equal the clients' sums;
 - an abandoned stream is billed, as ``cancelled``, for exactly the tokens its client received (and its
@@ -45,14 +46,14 @@ from tests.factories import (
     create_price,
     create_tenant,
 )
-from tests.gateway.gateway_processes import MODEL, gateway_env, gateway_process, synthetic_engine
+from tests.gateway.gateway_processes import LOOSE_TIERS, MODEL, gateway_env, gateway_process, synthetic_engine
 from tests.polling import eventually
 from tollgate import schema
 from tollgate.db import Database
 from tollgate.local_services import POSTGRES_STOP_SIGNAL, LocalPostgres, find_server_binaries, free_port
 from tollgate.models import UsageEvent
 from tollgate.processes import spawn, stop
-from tollgate.settings import Settings
+from tollgate.settings import ModelConfig, PoolConfig, Settings, TierConfig
 
 # Not on the session's shared platform (tests/e2e/conftest.py), and in no xdist group: stopping Postgres
 # under it would fail the other tests' requests, so this test runs a platform of its own (Postgres it
@@ -110,6 +111,8 @@ class TenantBook:
     """What one tenant's clients were told."""
 
     key: str
+    tenant_id: int
+    background_id: str = ""
     completed: dict[str, dict] = field(default_factory=dict)  # request id -> usage object
     abandoned: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (prompt, received)
 
@@ -147,6 +150,51 @@ async def _stream(client: httpx.AsyncClient, book: TenantBook, tag: str, max_tok
         book.abandoned[request_id] = (len(tokenizer.encode_chat(_messages(tag))), received)
 
 
+def _chat_usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    """A Responses or embeddings usage object as chat's, which the checks below read."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _response_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    return _chat_usage(usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"],
+                       usage["output_tokens"])
+
+
+async def _response(client: httpx.AsyncClient, book: TenantBook, tag: str, max_tokens: int) -> None:
+    response = await client.post("/v1/responses", headers={"Authorization": f"Bearer {book.key}"},
+                                 json={"model": MODEL, "input": f"Ledger check {tag}",
+                                       "max_output_tokens": max_tokens})
+    assert response.status_code == 200, response.text
+    book.completed[response.headers["x-request-id"]] = _response_usage(response.json()["usage"])
+
+
+async def _response_stream(client: httpx.AsyncClient, book: TenantBook, tag: str, max_tokens: int) -> None:
+    body = {"model": MODEL, "input": f"Ledger check {tag}", "max_output_tokens": max_tokens, "stream": True}
+    async with client.stream("POST", "/v1/responses", json=body,
+                             headers={"Authorization": f"Bearer {book.key}"}) as response:
+        assert response.status_code == 200
+        final = None
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                final = json.loads(line[6:])
+    assert final is not None and final["type"] in ("response.completed", "response.incomplete"), final
+    book.completed[response.headers["x-request-id"]] = _response_usage(final["response"]["usage"])
+
+
+async def _embeddings(client: httpx.AsyncClient, book: TenantBook, tag: str) -> None:
+    # Inputs unlike any other prompt in their first block: nothing is served from the prefix cache
+    # (the embeddings usage object, as OpenAI's, does not report cached tokens).
+    response = await client.post("/v1/embeddings", headers={"Authorization": f"Bearer {book.key}"},
+                                 json={"model": MODEL, "input": [f"{tag} one", f"{tag} two"]})
+    assert response.status_code == 200, response.text
+    book.completed[response.headers["x-request-id"]] = _chat_usage(response.json()["usage"]["prompt_tokens"],
+                                                                    0, 0)
+
+
+REQUESTS_PER_TENANT = 10  # of one _mixed_run
+
+
 async def _mixed_run(url: str, books: list[TenantBook], tokenizer: Tokenizer, phase: str) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
         jobs = []
@@ -155,8 +203,43 @@ async def _mixed_run(url: str, books: list[TenantBook], tokenizer: Tokenizer, ph
                 tag = f"{phase}-{t}-{i}"
                 jobs += [_plain(client, book, f"{tag}-plain", 2 + i),
                          _stream(client, book, f"{tag}-stream", 3 + i, tokenizer, abandon=False)]
+            jobs += [_response(client, book, f"{phase}-{t}-response", 3),
+                     _response_stream(client, book, f"{phase}-{t}-response-stream", 4),
+                     _embeddings(client, book, f"{phase}-{t}-embeddings")]
             jobs.append(_stream(client, book, f"{phase}-{t}-abandoned", 50, tokenizer, abandon=True))
         await asyncio.gather(*jobs)
+
+
+async def _background(url: str, book: TenantBook, settings: Settings, redis_url: str, db: Database) -> None:
+    """A background response, queued over HTTP, run by the worker's code here, read back with GET."""
+    from gateway.responses.background import BackgroundRuntime, run_background
+
+    headers = {"Authorization": f"Bearer {book.key}"}
+    async with httpx.AsyncClient(base_url=url, timeout=60.0, headers=headers) as client:
+        body = {"model": MODEL, "input": "Ledger check later", "max_output_tokens": 3, "background": True}
+        queued = (await client.post("/v1/responses", json=body)).json()
+        redis = aioredis.Redis.from_url(redis_url)
+        runtime = BackgroundRuntime.create(settings, redis, db.sessionmaker)
+        await runtime.start()
+        try:
+            assert await run_background(runtime, queued["id"]) in ("completed", "incomplete")
+        finally:
+            await runtime.stop()
+            await redis.aclose()
+        done = (await client.get(f"/v1/responses/{queued['id']}")).json()
+        book.background_id = queued["id"]
+    # The worker's request id is the ledger's: the one row of this tenant not told over HTTP yet.
+    await _flush_all(redis_url, db)
+    async with db.session() as session:
+        rows = (await session.scalars(select(UsageEvent.request_id).where(
+            UsageEvent.tenant_id == book.tenant_id))).all()
+    told = book.completed.keys() | book.abandoned.keys()
+    book.completed[_only(set(rows) - told)] = _response_usage(done["usage"])
+
+
+def _only(ids: set[str]) -> str:
+    assert len(ids) == 1, ids
+    return next(iter(ids))
 
 
 async def _flush_all(redis_url: str, db: Database) -> None:
@@ -223,7 +306,7 @@ async def test_ledger_equals_what_clients_were_told(own_postgres: OwnPostgres, p
             tenants = [await create_tenant(session) for _ in range(3)]
             keys = [(await create_api_key(session, t))[1] for t in tenants]
         tenant_ids = [t.id for t in tenants]
-        books = [TenantBook(key) for key in keys]
+        books = [TenantBook(key, tenant.id) for key, tenant in zip(keys, tenants, strict=True)]
         tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
         engine_log = tmp_path / "engine.log"
         with synthetic_engine(engine_log, token_interval_s=TOKEN_INTERVAL_S, ttft_s=0.0) as engine:
@@ -236,17 +319,30 @@ async def test_ledger_equals_what_clients_were_told(own_postgres: OwnPostgres, p
                         await _plain(client, book, "warm", 1)
                 await _mixed_run(gw.url, books, tokenizer, "before")
                 await _flush_all(private_redis.url, db)
+                settings = Settings(environment="test", database_url=database_url,
+                                    redis_url=private_redis.url,
+                                    models=[ModelConfig(name=MODEL, path=str(tiny_model_dir))],
+                                    pools={"interactive": PoolConfig(replicas=[engine.url])},
+                                    tiers={n: TierConfig(**t) for n, t in LOOSE_TIERS.items()})
+                await _background(gw.url, books[0], settings, private_redis.url, db)
                 await _assert_ledger_matches(db, books, tenant_ids)
 
                 own_postgres.stop()
                 await _mixed_run(gw.url, books, tokenizer, "outage")  # requests keep flowing
+                async with httpx.AsyncClient(base_url=gw.url, timeout=30,
+                                             headers={"Authorization": f"Bearer {books[0].key}"}) as client:
+                    # Stored responses need the database: a 503 to retry, never a 500.
+                    stored = await client.get(f"/v1/responses/{books[0].background_id}")
+                    assert stored.status_code == 503, stored.text
+                    assert stored.json()["error"]["code"] == "store_unavailable"
                 redis = aioredis.Redis.from_url(private_redis.url)
                 try:
                     # Every request of the outage is waiting in the outbox (an abandoned stream's record
                     # lands a moment after its client hung up: wait for it).
-                    await eventually(lambda: _xlen_at_least(redis, 7 * len(books)),
+                    expected = REQUESTS_PER_TENANT * len(books)
+                    await eventually(lambda: _xlen_at_least(redis, expected),
                                      "every record of the outage in the outbox")
-                    assert await redis.xlen(USAGE_STREAM) == 7 * len(books)
+                    assert await redis.xlen(USAGE_STREAM) == expected
                     flusher = UsageFlusher(redis, db.session, consumer="ledger-equality")
                     with pytest.raises(LedgerUnavailable):
                         await flusher.flush()
