@@ -5,7 +5,9 @@ request's tools, so the tokens admitted, routed and billed are exactly the token
 
 Structured output: ``response_format`` ``json_object``/``json_schema`` and forced tool calls
 (``tool_choice`` ``required`` or a named function) become the engine's constrained decoding, so the
-output is valid even from a random-weight model. Forced calls win over ``response_format``.
+output is valid even from a random-weight model. Forced calls win over ``response_format``. A forced
+call cut short (``max_tokens``) is still the call, with the arguments generated so far, and
+``finish_reason`` ``length`` (``gateway.chat.tools`` says how it is named).
 
 Streaming follows OpenAI exactly: per choice a first chunk with ``role`` (and empty content), content
 or ``tool_calls`` deltas, a chunk with ``finish_reason`` and an empty delta; with
@@ -45,8 +47,9 @@ from gateway.openai.streaming import DONE_FRAME, json_frame
 OFFLOAD_CHARS = 32_000
 
 
-def _finish_reason(engine_reason: str | None, has_calls: bool) -> str:
-    if has_calls:
+def _finish_reason(engine_reason: str | None, has_calls: bool, truncated: bool = False) -> str:
+    """``tool_calls`` for whole calls; a forced call cut short says why it was cut (``length``)."""
+    if has_calls and not truncated:
         return "tool_calls"
     return "length" if engine_reason == "length" else "stop"
 
@@ -101,7 +104,9 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
             exc.param = "tools" if forced else "response_format"
         raise
     parallel = body.parallel_tool_calls is not False
-    parsers = [ToolCallParser(forced=forced, parallel=parallel) if use_tools else None for _ in range(n)]
+    call_names = [forced_name] if forced_name is not None else [t.function.name for t in tools]
+    parsers = [ToolCallParser(forced=forced, parallel=parallel, names=call_names) if use_tools else None
+               for _ in range(n)]
     response_id = completion_id("chatcmpl")
     created = int(time.time())
     fingerprint = system_fingerprint(route)
@@ -135,7 +140,9 @@ async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[
             content, calls = parser.feed(text)
             rest, more = parser.finish()
             text, calls = content + rest, calls + more
-        message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None,
+        truncated = parser is not None and parser.truncated
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": text if (text or not (calls or truncated)) else None,
                                    "refusal": None, "annotations": []}
         if calls:
             message["tool_calls"] = [c.as_openai() for c in calls]
@@ -143,7 +150,7 @@ async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[
             "index": i, "message": message,
             "logprobs": ({"content": chat_token_logprobs(tokenizer, token_logprobs[i]), "refusal": None}
                          if logprobs else None),
-            "finish_reason": _finish_reason(generation.finish_reasons.get(i), bool(calls)),
+            "finish_reason": _finish_reason(generation.finish_reasons.get(i), bool(calls), truncated),
         })
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": generation.route.name,
@@ -194,7 +201,8 @@ async def _stream(generation: Generation, tokenizer: Tokenizer, parsers: list[To
                 yield chunk(i, {"content": rest})
             if calls:
                 yield chunk(i, {"tool_calls": call_deltas(i, calls)})
-        yield chunk(i, {}, _finish_reason(generation.finish_reasons.get(i), call_counts[i] > 0))
+        yield chunk(i, {}, _finish_reason(generation.finish_reasons.get(i), call_counts[i] > 0,
+                                          parser is not None and parser.truncated))
     if include_usage:
         yield json_frame({"id": response_id, "object": "chat.completion.chunk", "created": created,
                           "model": generation.route.name, "service_tier": generation.tier,

@@ -31,7 +31,7 @@ class ResponseRepository:
     async def add(self, row: StoredResponse) -> None:
         if row.tenant_id != self.tenant_id:
             raise ValueError("a response must belong to the repository's tenant")
-        await self.session.merge(row)  # the same id again (a stream saved at its end) replaces the row
+        self.session.add(row)
         await self.session.flush()
 
     async def get(self, response_id: str, *, for_update: bool = False) -> StoredResponse | None:

@@ -11,7 +11,9 @@ win over ``text.format``. The generation is the one service every endpoint uses
 (``gateway.generation``): admitted, routed, billed and metered exactly like a chat completion.
 
 A response cut by ``max_output_tokens`` ends ``incomplete`` (``incomplete_details.reason =
-max_output_tokens``); an engine failure after the stream began ends it with ``response.failed``.
+max_output_tokens``), a forced call cut so as an ``incomplete`` ``function_call`` item with the arguments
+generated so far (never as text: ``gateway.chat.tools``); an engine failure after the stream began ends
+it with ``response.failed``.
 
 Stored responses (``store``, true unless the request says false, as OpenAI): when a response ends
 (completed, incomplete, failed, or cancelled by the client going away) its object and its input items,
@@ -246,7 +248,8 @@ async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateRespo
     elif isinstance(text_format, FormatJsonSchema):
         sampling["response_format"] = {"type": "json_schema", "json_schema": text_format.json_schema}
     parallel = body.parallel_tool_calls is not False
-    parser = ToolCallParser(forced=forced, parallel=parallel) if use_tools else None
+    names = [forced_name] if forced_name is not None else [t.function.name for t in tools]
+    parser = ToolCallParser(forced=forced, parallel=parallel, names=names) if use_tools else None
     tier = resolve_tier(runtime, principal, body.service_tier)
     return _Plan(route, tokenizer, prompt, items, sampling, tier, forced, parser, logprobs)
 
@@ -272,7 +275,8 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
                               created_at)
     save = None
     if body.store is not False:
-        save = _saver(runtime, principal, body.previous_response_id, plan.items, builder)
+        save = _saver(runtime, principal, body.previous_response_id, plan.items, builder,
+                      queued=response_id is not None)
     output = _Output(generation, builder, plan.parser, plan.tokenizer, plan.logprobs, save)
     return Answer(generation, body=output.complete, frames=output.stream)
 
@@ -304,25 +308,30 @@ def _expiry(runtime: GatewayRuntime) -> datetime:
 
 
 def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: str | None,
-           items: list[dict[str, Any]], builder: ResponseBuilder) -> Callable[[], Awaitable[None]]:
-    """Stores the response as it ended. A background response cancelled meanwhile stays ``cancelled``
-    (with what was generated until the worker noticed)."""
+           items: list[dict[str, Any]], builder: ResponseBuilder,
+           queued: bool) -> Callable[[], Awaitable[None]]:
+    """Stores the response as it ended: one INSERT, or for a ``queued`` (background) one an update of
+    its row under the row lock, where a cancel that came meanwhile keeps it ``cancelled`` (with what was
+    generated until the worker noticed)."""
     tenant_id = principal.tenant_id
 
     async def save() -> None:
         response = builder.response()
         async with _store(runtime, write=True) as session:
             repo = ResponseRepository(session, tenant_id)
-            existing = await repo.get(builder.id, for_update=True)
-            if existing is not None and existing.status == RESPONSE_CANCELLED:
-                response["status"] = RESPONSE_CANCELLED
-            row = StoredResponse(id=builder.id, tenant_id=tenant_id, api_key_id=principal.api_key_id,
-                                 previous_response_id=previous_response_id, status=response["status"],
-                                 model=response["model"], input_items=items, body=response,
-                                 request=existing.request if existing is not None else None,
-                                 created_at=datetime.fromtimestamp(builder.created_at, UTC),
-                                 expires_at=_expiry(runtime))
-            await repo.add(row)
+            if queued:
+                row = await repo.get(builder.id, for_update=True)
+                if row is None:  # deleted (or expired) meanwhile: nothing to keep
+                    return
+                if row.status == RESPONSE_CANCELLED:
+                    response["status"] = RESPONSE_CANCELLED
+                row.status, row.body = response["status"], response
+                return
+            await repo.add(StoredResponse(
+                id=builder.id, tenant_id=tenant_id, api_key_id=principal.api_key_id,
+                previous_response_id=previous_response_id, status=response["status"],
+                model=response["model"], input_items=items, body=response,
+                created_at=datetime.fromtimestamp(builder.created_at, UTC), expires_at=_expiry(runtime)))
 
     return save
 

@@ -109,8 +109,12 @@ def test_responses_in_the_background_polled_and_cancelled(client: openai.OpenAI)
     # tollgate up's Celery worker runs it; the client polls, as OpenAI's docs show.
     done = wait_until(lambda: _finished(client, queued.id), "the background response to finish")
     assert done.status in ("completed", "incomplete") and done.output_text and done.service_tier == "flex"
-    # 1,800 tokens take the worker far longer than the client takes to cancel.
-    long = client.responses.create(model=MODEL, input="Say hello", max_output_tokens=1800, background=True)
+    # A schema that needs a long answer (a random model could otherwise stop at once): the worker takes
+    # far longer than the client takes to cancel.
+    essay = {"type": "object", "properties": {"essay": {"type": "string", "minLength": 1500}},
+             "required": ["essay"], "additionalProperties": False}
+    long = client.responses.create(model=MODEL, input="Say hello", max_output_tokens=1800, background=True,
+                                   text={"format": {"type": "json_schema", "name": "essay", "schema": essay}})
     assert client.responses.cancel(long.id).status == "cancelled"
     stopped = wait_until(lambda: _finished(client, long.id), "the cancelled response to stop")
     assert stopped.status == "cancelled"

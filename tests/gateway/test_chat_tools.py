@@ -41,10 +41,78 @@ def test_parallel_false_keeps_first_call_and_bad_blocks_stay_text() -> None:
 
 
 def test_forced_output_is_one_call() -> None:
-    content, calls = run(ToolCallParser(forced=True), ['{"name": "f", ', '"arguments": {"x": 1}}'])
+    parser = ToolCallParser(forced=True)
+    content, calls = run(parser, ['{"name": "f", ', '"arguments": {"x": 1}}'])
     assert content == "" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 1}
-    content, calls = run(ToolCallParser(forced=True), ['{"name": "f", "argu'])  # cut by max_tokens
-    assert calls == [] and content == '{"name": "f", "argu'
+    assert not parser.truncated
+
+
+# Compact, name first: what the engine's grammar generates for a forced call.
+FORCED = '{"name":"get_weather","arguments":{"city":"Paris","days":3}}'
+FORCED_ARGS = '{"city":"Paris","days":3}'
+TOOL_NAMES = ("get_weather", "get_time")
+
+
+@pytest.mark.parametrize("cut, arguments", [
+    ("", ""),                                                      # nothing generated
+    ("{", ""),                                                     # right after the opening brace
+    ('{"na', ""),                                                  # inside the first key
+    ('{"name":"get_w', ""),                                        # inside the name
+    ('{"name":"get_weather"', ""),                                 # the name complete
+    ('{"name":"get_weather","arguments":', ""),
+    ('{"name":"get_weather","arguments":{', "{"),                  # inside the arguments
+    ('{"name":"get_weather","arguments":{"city":"Par', '{"city":"Par'),
+    ('{"name":"get_weather","arguments":{"city":"Paris","days":3', '{"city":"Paris","days":3'),
+    ('{"name":"get_weather","arguments":{"city":"Paris","days":3}', FORCED_ARGS),  # only "}" missing
+    ('{ "name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),      # not compact
+])
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_forced_call_cut_short_is_still_the_named_call(cut: str, arguments: str, step: int) -> None:
+    parser = ToolCallParser(forced=True, names=["get_weather"])
+    content, calls = run(parser, [cut[i:i + step] for i in range(0, len(cut), step)])
+    assert content == "" and parser.truncated
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", arguments)]
+    assert calls[0].id.startswith("call_")
+
+
+def test_forced_call_cut_anywhere_carries_a_prefix_of_its_arguments() -> None:
+    for k in range(len(FORCED)):
+        parser = ToolCallParser(forced=True, names=["get_weather"])
+        content, calls = run(parser, [FORCED[:k]])
+        assert content == "" and parser.truncated and len(calls) == 1, FORCED[:k]
+        assert calls[0].name == "get_weather" and FORCED_ARGS.startswith(calls[0].arguments), FORCED[:k]
+
+
+@pytest.mark.parametrize("cut, name", [
+    ('{"name":"get_w', "get_weather"),          # only one tool's name starts so: it is that one
+    ('{"name":"get_t', "get_time"),
+    ('{"name":"get_w\\', "get_weather"),        # cut inside an escape
+    ('{"name":"get_', None),                     # two tools' names start so: no call
+    ("{", None),
+    ("", None),
+])
+def test_required_call_cut_inside_its_name(cut: str, name: str | None) -> None:
+    parser = ToolCallParser(forced=True, names=TOOL_NAMES)
+    content, calls = run(parser, [cut])
+    assert content == "" and parser.truncated
+    assert [c.name for c in calls] == ([name] if name else [])
+    assert all(c.arguments == "" for c in calls)
+
+
+def test_forced_output_that_is_no_call_object_stays_content() -> None:
+    for text in ('Sure! {"name"', '{"name":"f","arguments":{}}}', '["get_weather"'):
+        parser = ToolCallParser(forced=True, names=["f"])
+        assert run(parser, [text]) == (text, []) and not parser.truncated
+
+
+def test_parallel_calls_cut_in_the_second_call_keep_the_first() -> None:
+    # A forced output is one call by construction; several calls come only with tool_choice "auto",
+    # whose text is left as it was: the cut block stays content, the whole call is a call.
+    cut = TEXT[: TEXT.rindex('"arguments"') + 8]
+    parser = ToolCallParser(forced=False)
+    content, calls = run(parser, [cut[i:i + 4] for i in range(0, len(cut), 4)])
+    assert [c.name for c in calls] == ["get_weather"] and json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert content == "Let me check." + cut[cut.rindex("<tool_call>"):] and not parser.truncated
 
 
 def test_forced_schema_accepts_only_the_chosen_calls() -> None:

@@ -197,6 +197,63 @@ async def test_forced_tool_call_streamed_and_tool_round_trip(client: httpx.Async
     assert_conforms(r.json(), "CreateChatCompletionResponse")
 
 
+CITY_TOOL = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Buenos Aires", "Reykjavik"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+# Every arguments text the grammar can generate for CITY_TOOL (compact, in the schema's order).
+CITY_ARGUMENTS = [json.dumps({"city": c, "unit": u}, separators=(",", ":"))
+                  for c in ("Paris", "Buenos Aires", "Reykjavik") for u in ("celsius", "fahrenheit")]
+
+
+def assert_arguments_so_far(arguments: str) -> None:
+    assert isinstance(arguments, str)
+    assert any(whole.startswith(arguments) for whole in CITY_ARGUMENTS), arguments
+
+
+async def test_forced_tool_call_cut_by_max_tokens_is_still_the_call(client: httpx.AsyncClient) -> None:
+    req = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0,
+           "tools": [CITY_TOOL, TIME_TOOL],
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    whole = (await client.post("/chat/completions", json={**req, "max_tokens": 100})).json()
+    assert whole["choices"][0]["finish_reason"] == "tool_calls", whole
+    generated = whole["usage"]["completion_tokens"]
+    inside_arguments = []
+    for max_tokens in range(1, generated - 1):
+        r = await client.post("/chat/completions", json={**req, "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert_conforms(body, "CreateChatCompletionResponse")
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length", choice
+        assert body["usage"]["completion_tokens"] == max_tokens
+        [call] = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] == "get_weather"
+        assert choice["message"]["content"] is None
+        assert_arguments_so_far(call["function"]["arguments"])
+        if call["function"]["arguments"] not in ("", *CITY_ARGUMENTS):
+            inside_arguments.append(max_tokens)
+    assert inside_arguments, "no max_tokens cut the arguments themselves"
+
+    r = await client.post("/chat/completions",
+                          json={**req, "max_tokens": inside_arguments[0], "stream": True})
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    for chunk in chunks:
+        assert_conforms(chunk, "CreateChatCompletionStreamResponse")
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": "", "refusal": None}
+    assert not any(d.get("content") for d in deltas), deltas
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    assert_arguments_so_far(calls[0]["function"]["arguments"])
+    assert calls[0]["function"]["arguments"] not in ("", *CITY_ARGUMENTS)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and deltas[-1] == {}
+
+
 async def test_logprobs(client: httpx.AsyncClient) -> None:
     r = await client.post("/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 4,
                                                      "logprobs": True, "top_logprobs": 3})

@@ -147,6 +147,26 @@ async def test_forced_function_call(client: httpx.AsyncClient, tool_choice: Any)
                                                                                           "get_time"]
 
 
+async def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_call(
+        client: httpx.AsyncClient) -> None:
+    whole = (await client.post("/responses", json={
+        "model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER], "temperature": 0,
+        "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 100})).json()
+    arguments = whole["output"][0]["arguments"]
+    cut = await client.post("/responses", json={
+        "model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER], "temperature": 0,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": whole["usage"]["output_tokens"] - 3})
+    body = cut.json()
+    assert_conforms(body, "Response")
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    [call] = body["output"]  # the call, never text
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert call["status"] == "incomplete"
+    compact = json.dumps(json.loads(arguments), separators=(",", ":"))
+    assert compact.startswith(call["arguments"]) and call["arguments"] != compact
+
+
 async def test_streamed_function_call_then_its_output_round_trip(client: httpx.AsyncClient) -> None:
     r = await client.post("/responses", json={"model": MODEL, "input": "Weather in Paris?", "temperature": 0,
                                                "max_output_tokens": 100, "tools": [WEATHER], "stream": True,
@@ -362,11 +382,19 @@ async def test_cancel_a_queued_and_a_running_background_response(client: httpx.A
     # A worker that polls for cancellation often; a long answer, cancelled once it runs in the engine.
     runtime = dataclasses.replace(gateway.runtime, settings=gateway.runtime.settings.model_copy(
         update={"responses_cancel_poll_s": 0.02}))
-    running = (await client.post("/responses", json={"model": MODEL, "input": "Hi", "background": True,
-                                                      "max_output_tokens": 1800})).json()
-    worker = asyncio.create_task(run_background(runtime, running["id"]))
+    # A schema that needs a long answer: the model cannot end it early (a random model may stop anywhere).
+    essay = {"type": "object", "properties": {"essay": {"type": "string", "minLength": 1500}},
+             "required": ["essay"], "additionalProperties": False}
+    running = (await client.post("/responses", json={
+        "model": MODEL, "input": "Hi", "background": True, "max_output_tokens": 1800,
+        "text": {"format": {"type": "json_schema", "name": "essay", "schema": essay}}})).json()
+    response_id = running["id"]
+    worker = asyncio.create_task(run_background(runtime, response_id))
 
     async def generating() -> bool:
+        if worker.done():  # it ended before it ran: say why
+            stored = (await client.get(f"/responses/{response_id}")).json()
+            raise AssertionError(f"the worker ended first: {worker.result()!r}, {stored}")
         async with httpx.AsyncClient() as engine:
             return (await engine.get(f"{engine_url}/load")).json()["running"] > 0
 
