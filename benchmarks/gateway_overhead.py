@@ -20,6 +20,8 @@ and the engine it was measuring (the JSON's ``generator_cpu_ms_per_request`` say
    (the same prompt tokens) and through the gateway; the difference of the p50s and of the p99s.
 2. Highest sustained RPS: rates stepped up until errors reach 1% or p99 exceeds 1 s (or the generator
    falls behind its schedule by more than 10%), non-streamed and streamed.
+Both for chat completions non-streamed and streamed, and for ``/v1/responses`` streamed (typed events,
+stored at its end as by default, and with ``store: false``), against the same engine-direct baseline.
 
 ``python benchmarks/gateway_overhead.py --out benchmarks/out/gateway_overhead.json`` prints a table and
 writes JSON. ``--profile`` runs py-spy on the gateway worker during the 100 RPS step and prints where
@@ -410,13 +412,20 @@ def main() -> None:
         results: dict[str, Any] = {"rate": args.rate, "duration_s": args.duration, "latency": {},
                                    "search": {}}
         rows = []
-        for stream in (False, True):
-            mode = "stream" if stream else "non-stream"
-            body = {**chat, "stream": True} if stream else chat
+        responses = {"model": MODEL, "input": MESSAGES[0]["content"], "max_output_tokens": MAX_TOKENS,
+                     "stream": True}
+        # (mode, path, body, streamed): chat both ways, and the Responses API streamed (stored, as by
+        # default: its row is written when it ends).
+        modes = [("non-stream", "/v1/chat/completions", chat, False),
+                 ("stream", "/v1/chat/completions", {**chat, "stream": True}, True),
+                 ("responses-stream", "/v1/responses", responses, True),
+                 ("responses-stream, store=false", "/v1/responses", {**responses, "store": False}, True)]
+        run_load(LoadSpec(f"{p.gateway_url}/v1/responses", responses, headers, 50, 2, True))  # warm up
+        for mode, path, body, stream in modes:
             base = run_load(LoadSpec(f"{p.engine_url}/generate", direct, {}, args.rate, args.duration, stream,
                                      engine_direct=True))
             profiler = _start_profile(p, args, mode) if args.profile else None
-            through = run_load(LoadSpec(f"{p.gateway_url}/v1/chat/completions", body, headers, args.rate,
+            through = run_load(LoadSpec(f"{p.gateway_url}{path}", body, headers, args.rate,
                                         args.duration, stream), measured_pid=p.gateway_pid)
             if profiler is not None:
                 _finish_profile(profiler)
@@ -425,7 +434,7 @@ def main() -> None:
                                         "added_p99_ms": through["p99_ms"] - base["p99_ms"]}
             best, steps = 0.0, []
             for rate in rates:
-                step = run_load(LoadSpec(f"{p.gateway_url}/v1/chat/completions", body, headers, rate,
+                step = run_load(LoadSpec(f"{p.gateway_url}{path}", body, headers, rate,
                                          min(args.duration, 5.0), stream))
                 steps.append({"rate": rate, **step})
                 if not sustained(step):

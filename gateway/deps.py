@@ -19,7 +19,7 @@ from typing import Annotated, Self
 
 from fastapi import Depends, Request
 from redis.asyncio import Redis
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from billing.price_cache import PriceBookCache
 from engine.tokenizer import Tokenizer
@@ -28,6 +28,7 @@ from gateway.auth import Authenticator, Principal
 from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
 from gateway.routing import ModelRoute, Router
+from tollgate.db import autocommit_engine
 from tollgate.settings import Settings
 from tollgate.task_sender import TaskSender
 
@@ -54,6 +55,14 @@ class GatewayRuntime:
     authenticates: bool = True
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _task_sender: TaskSender | None = None
+    _write_engine: AsyncEngine | None = None
+
+    def write_engine(self) -> AsyncEngine:
+        """Single-statement writes on the hot path (``tollgate.db.autocommit_engine``; made on first use)."""
+        if self._write_engine is None:
+            self._write_engine = autocommit_engine(self.settings.database_url or "",
+                                                   pool_size=self.settings.database_pool_size)
+        return self._write_engine
 
     def task_sender(self) -> TaskSender:
         """Sends Celery tasks (made on first use: most processes never send one)."""
@@ -104,6 +113,8 @@ class GatewayRuntime:
             await self.auth.stop()
         await self.router.stop()
         await self.engine.aclose()
+        if self._write_engine is not None:
+            await self._write_engine.dispose()
 
     async def _load_tokenizer(self, route: ModelRoute) -> None:
         if not route.path:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated
 
+import orjson
 from fastapi import Depends, Request
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -57,6 +58,10 @@ async def unit_of_work(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncI
         await session.commit()
 
 
+def _json_text(value: object) -> str:
+    return orjson.dumps(value).decode()
+
+
 class Database:
     """An async engine plus its session factory."""
 
@@ -64,7 +69,8 @@ class Database:
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         self.engine: AsyncEngine = create_async_engine(
-            to_psycopg_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, echo=echo
+            to_psycopg_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, echo=echo,
+            json_serializer=_json_text,  # JSONB values (stored responses, batch lines) encoded by orjson
         )
         self.sessionmaker: async_sessionmaker[AsyncSession] = async_sessionmaker(
             self.engine, expire_on_commit=False
@@ -95,3 +101,11 @@ async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
 
 
 Session = Annotated[AsyncSession, Depends(get_session)]
+
+
+def autocommit_engine(url: str, *, pool_size: int) -> AsyncEngine:
+    """An engine for single-statement writes on a request's hot path: autocommit (no BEGIN/COMMIT round
+    trips) and no pre-ping (no ``SELECT 1`` per checkout); a write on a connection the server dropped
+    fails with ``connection_invalidated`` set, and its caller retries it once on a fresh one."""
+    return create_async_engine(to_psycopg_url(url), pool_size=pool_size, max_overflow=pool_size,
+                               isolation_level="AUTOCOMMIT", json_serializer=_json_text)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Integer, delete, func, literal, select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import Integer, delete, func, insert, literal, select
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from tollgate.models import StoredResponse
 
@@ -29,10 +30,11 @@ class ResponseRepository:
         return (StoredResponse.tenant_id == self.tenant_id, StoredResponse.expires_at > func.now())
 
     async def add(self, row: StoredResponse) -> None:
+        """Insert ``row`` (one statement, no ORM bookkeeping: this runs once per stored response)."""
         if row.tenant_id != self.tenant_id:
             raise ValueError("a response must belong to the repository's tenant")
-        self.session.add(row)
-        await self.session.flush()
+        values = {c.key: getattr(row, c.key) for c in StoredResponse.__mapper__.column_attrs}
+        await self.session.execute(insert(StoredResponse).values(values))
 
     async def get(self, response_id: str, *, for_update: bool = False) -> StoredResponse | None:
         statement = select(StoredResponse).where(StoredResponse.id == response_id, *self._live())
@@ -56,6 +58,25 @@ class ResponseRepository:
         result = await self.session.execute(delete(StoredResponse).where(StoredResponse.id == response_id,
                                                                          *self._live()))
         return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+# A Core statement built once (no ORM bookkeeping, no per-call statement building).
+_INSERT = StoredResponse.__table__.insert()
+_COLUMNS = list(StoredResponse.__table__.columns)
+
+
+async def insert_response(engine: AsyncEngine, row: StoredResponse) -> None:
+    """One INSERT on an autocommit engine (``GatewayRuntime.write_engine``): the hot path's one statement
+    per stored response, retried once on a fresh connection if its pooled one was dropped."""
+    values = {column.name: getattr(row, column.key) for column in _COLUMNS}
+    for attempt in (0, 1):
+        try:
+            async with engine.connect() as connection:
+                await connection.execute(_INSERT, values)
+            return
+        except DBAPIError as exc:
+            if attempt or not exc.connection_invalidated:
+                raise
 
 
 async def delete_expired(session: AsyncSession, now: datetime) -> int:

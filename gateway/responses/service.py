@@ -51,7 +51,7 @@ from gateway.openai.answers import Answer
 from gateway.openai.encoding import chat_token_logprobs, response_usage
 from gateway.responses.output import STATUS_CANCELLED as RESPONSE_CANCELLED
 from gateway.responses.output import STATUS_IN_PROGRESS, STATUS_QUEUED, ResponseBuilder, new_id
-from gateway.responses.repository import ResponseRepository
+from gateway.responses.repository import ResponseRepository, insert_response
 from gateway.responses.schemas import (
     CreateResponseRequest,
     FormatJsonObject,
@@ -317,21 +317,21 @@ def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: 
 
     async def save() -> None:
         response = builder.response()
+        if not queued:
+            row = StoredResponse(id=builder.id, tenant_id=tenant_id, api_key_id=principal.api_key_id,
+                                 previous_response_id=previous_response_id, status=response["status"],
+                                 model=response["model"], input_items=items, body=response,
+                                 created_at=datetime.fromtimestamp(builder.created_at, UTC),
+                                 expires_at=_expiry(runtime))
+            await insert_response(runtime.write_engine(), row)
+            return
         async with _store(runtime, write=True) as session:
-            repo = ResponseRepository(session, tenant_id)
-            if queued:
-                row = await repo.get(builder.id, for_update=True)
-                if row is None:  # deleted (or expired) meanwhile: nothing to keep
-                    return
-                if row.status == RESPONSE_CANCELLED:
-                    response["status"] = RESPONSE_CANCELLED
-                row.status, row.body = response["status"], response
+            row = await ResponseRepository(session, tenant_id).get(builder.id, for_update=True)
+            if row is None:  # deleted (or expired) meanwhile: nothing to keep
                 return
-            await repo.add(StoredResponse(
-                id=builder.id, tenant_id=tenant_id, api_key_id=principal.api_key_id,
-                previous_response_id=previous_response_id, status=response["status"],
-                model=response["model"], input_items=items, body=response,
-                created_at=datetime.fromtimestamp(builder.created_at, UTC), expires_at=_expiry(runtime)))
+            if row.status == RESPONSE_CANCELLED:
+                response["status"] = RESPONSE_CANCELLED
+            row.status, row.body = response["status"], response
 
     return save
 
@@ -397,7 +397,10 @@ class _Output:
             async for record in self.generation.records():
                 for event in self._feed(record):
                     yield _frame(event)
-            for event in self._finish():
+            final = self._finish()
+            # Stored before the client sees the end: a follow-up sent on response.completed finds it.
+            await self._stored()
+            for event in final:
                 yield _frame(event)
         finally:
             if self.builder.status == STATUS_IN_PROGRESS:  # the client went away mid-stream
