@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Annotated, Self
+from typing import Annotated, Generic, Self, TypeVar
 
 from fastapi import Depends, Request
 from redis.asyncio import Redis
@@ -29,6 +29,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
 from gateway.routing import ModelRoute, Router
 from tollgate.db import autocommit_engine
+from tollgate.process_runtime import ProcessRuntime
 from tollgate.settings import Settings
 from tollgate.task_sender import TaskSender
 
@@ -154,3 +155,29 @@ async def get_request_id(request: Request) -> str:
 
 
 RequestId = Annotated[str, Depends(get_request_id)]
+
+
+R = TypeVar("R", bound=GatewayRuntime)
+
+
+class WorkerRuntime(ProcessRuntime, Generic[R]):
+    """A Celery worker process's loop and connections (``tollgate.process_runtime``) plus, once a task
+    needs one, a started gateway runtime of ``runtime_class`` on them (stopped when the process ends)."""
+
+    runtime_class: type[R]
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.runtime: R | None = None
+
+    async def gateway_runtime(self) -> R:
+        if self.runtime is None:
+            runtime = self.runtime_class.create(self.settings, self.redis, self.db.sessionmaker)
+            await runtime.start()
+            self.runtime = runtime
+        return self.runtime
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.loop.run_until_complete(self.runtime.stop())
+        super().close()

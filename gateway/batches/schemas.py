@@ -13,13 +13,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.files.schemas import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S, unix
+from gateway.openai.schemas import check_metadata
 from tollgate.models import Batch
 
 SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 FINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
-METADATA_MAX_KEYS = 16
-METADATA_MAX_KEY_CHARS = 64
-METADATA_MAX_VALUE_CHARS = 512
 
 
 class OutputExpiresAfter(BaseModel):
@@ -47,16 +45,7 @@ class CreateBatchRequest(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return None
-        if len(value) > METADATA_MAX_KEYS:
-            raise ValueError(f"at most {METADATA_MAX_KEYS} keys are allowed")
-        for key, item in value.items():
-            if len(key) > METADATA_MAX_KEY_CHARS:
-                raise ValueError(f"keys must be at most {METADATA_MAX_KEY_CHARS} characters")
-            if len(item) > METADATA_MAX_VALUE_CHARS:
-                raise ValueError(f"values must be at most {METADATA_MAX_VALUE_CHARS} characters")
-        return value
+        return check_metadata(value)
 
 
 class ListBatchesQuery(BaseModel):

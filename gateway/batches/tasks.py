@@ -32,36 +32,31 @@ from gateway.batches.dispatch import (
 )
 from gateway.batches.runner import BatchRunner
 from gateway.batches.runtime import BatchRuntime
+from gateway.deps import WorkerRuntime
 from gateway.files.storage import create_storage
-from tollgate.process_runtime import PerProcess, ProcessRuntime
+from tollgate.process_runtime import PerProcess
 from tollgate.settings import Settings
 
 T = TypeVar("T")
 
 
-class _ProcessRuntime(ProcessRuntime):
+class _ProcessRuntime(WorkerRuntime[BatchRuntime]):
+    runtime_class = BatchRuntime
+
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        self.runtime: BatchRuntime | None = None
         self.runner = BatchRunner(settings, self.db, create_storage(settings),
                                   BatchDispatcher(settings, self.redis, current_app), self._batch_runtime)
 
     async def _batch_runtime(self) -> BatchRuntime:
-        if self.runtime is None:
-            runtime = BatchRuntime.create(self.settings, self.redis, self.db.sessionmaker)
-            await runtime.start()
-            self.runtime = runtime
-        else:
-            await self.runtime.router.poll_once()  # fresh load figures for soaking decisions
-        return self.runtime
+        fresh = self.runtime is None
+        runtime = await self.gateway_runtime()
+        if not fresh:
+            await runtime.router.poll_once()  # fresh load figures for soaking decisions
+        return runtime
 
     def run(self, job: Callable[[BatchRunner], Awaitable[T]]) -> T:
         return self.loop.run_until_complete(job(self.runner))
-
-    def close(self) -> None:
-        if self.runtime is not None:
-            self.loop.run_until_complete(self.runtime.stop())
-        super().close()
 
 
 _runtime = PerProcess(_ProcessRuntime)

@@ -29,23 +29,25 @@ class RefusalPart(RequestModel):
     refusal: str
 
 
-class _UnsupportedPart(RequestModel):
+class UnsupportedContent(RequestModel):
+    """A content part a text model cannot read (images, audio, files): validating one is a 400."""
+
     type: str
 
     @model_validator(mode="after")
-    def _refuse(self) -> _UnsupportedPart:
+    def _refuse(self) -> UnsupportedContent:
         raise ValueError(f"{self.type} content is not supported by this model (it reads text only)")
 
 
-class ImagePart(_UnsupportedPart):
+class ImagePart(UnsupportedContent):
     type: Literal["image_url"]
 
 
-class AudioPart(_UnsupportedPart):
+class AudioPart(UnsupportedContent):
     type: Literal["input_audio"]
 
 
-class FilePart(_UnsupportedPart):
+class FilePart(UnsupportedContent):
     type: Literal["file"]
 
 

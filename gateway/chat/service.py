@@ -18,7 +18,6 @@ constant part of a chunk is encoded once per request and only the choice is enco
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,15 +35,18 @@ from gateway.chat.schemas import (
 from gateway.chat.tools import ParsedCall, ToolCallParser, forced_call_schema
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError
-from gateway.generation.requests import check_context_length, lookup_model, resolve_tier, sampling_fields
+from gateway.generation.requests import (
+    check_context_length,
+    lookup_model,
+    render_chat,
+    resolve_tier,
+    sampling_fields,
+)
 from gateway.generation.service import Generation, run_generation
 from gateway.openai.answers import Answer
 from gateway.openai.encoding import chat_token_logprobs, completion_id, completion_usage, system_fingerprint
 from gateway.openai.schemas import ResponseFormatJsonObject, ResponseFormatJsonSchema
 from gateway.openai.streaming import DONE_FRAME, json_frame
-
-# Prompts longer than this (characters) are rendered and tokenized in a worker thread.
-OFFLOAD_CHARS = 32_000
 
 
 def _finish_reason(engine_reason: str | None, has_calls: bool, truncated: bool = False) -> str:
@@ -52,17 +54,6 @@ def _finish_reason(engine_reason: str | None, has_calls: bool, truncated: bool =
     if has_calls and not truncated:
         return "tool_calls"
     return "length" if engine_reason == "length" else "stop"
-
-
-async def _render(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
-    messages = [to_template_dict(m) for m in body.messages]
-    size = sum(len(m["content"] or "") for m in messages)
-    try:
-        if size > OFFLOAD_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
-        return tokenizer.encode_chat(messages, tools)
-    except ValueError as exc:
-        raise InvalidRequestError(f"Invalid 'messages': {exc}", param="messages") from None
 
 
 async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
@@ -77,7 +68,8 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
     forced_name = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
     forced = use_tools and (tool_choice == "required" or forced_name is not None)
     rendered_tools = [t.model_dump(mode="json", exclude_none=True) for t in tools] if use_tools else None
-    prompt = await _render(tokenizer, body, rendered_tools)
+    messages = [to_template_dict(m) for m in body.messages]
+    prompt = await render_chat(tokenizer, messages, rendered_tools, "messages")
     max_tokens = body.completion_limit
     check_context_length(route, len(prompt), max_tokens, "messages")
 

@@ -1,11 +1,14 @@
 """What every endpoint decides about a request before it becomes a generation, the same way for chat,
 completions, responses and batch lines: the model (one this key may use), the tier (the tenant's, or a
-lower one it asks for), the engine's sampling arguments (OpenAI's defaults), and the context length."""
+lower one it asks for), the engine's sampling arguments (OpenAI's defaults), the prompt's tokens from
+the model's chat template, and the context length."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError, ModelNotFoundError
@@ -27,6 +30,23 @@ def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> M
     if route is None or not principal.may_use(model):
         raise ModelNotFoundError(model)
     return route
+
+
+# Conversations longer than this (characters) are rendered and tokenized in a worker thread.
+OFFLOAD_CHARS = 32_000
+
+
+async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None,
+                      param: str) -> list[int]:
+    """The tokens of ``messages`` (and ``tools``) through the model's chat template, as the engine will
+    run them; a long conversation off the event loop; a template error is a 400 naming ``param``."""
+    size = sum(len(m["content"] or "") for m in messages)
+    try:
+        if size > OFFLOAD_CHARS:
+            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
+        return tokenizer.encode_chat(messages, tools)
+    except ValueError as exc:
+        raise InvalidRequestError(f"Invalid '{param}': {exc}", param=param) from None
 
 
 def sampling_arguments(temperature: float | None, top_p: float | None, *,

@@ -43,6 +43,25 @@ def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
+METADATA_MAX_KEYS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's ``metadata`` (batches, responses): at most 16 keys of 64 characters, values of 512."""
+    if value is None:
+        return None
+    if len(value) > METADATA_MAX_KEYS:
+        raise ValueError(f"at most {METADATA_MAX_KEYS} keys are allowed")
+    for key, item in value.items():
+        if len(key) > METADATA_MAX_KEY_CHARS:
+            raise ValueError(f"keys must be at most {METADATA_MAX_KEY_CHARS} characters")
+        if len(item) > METADATA_MAX_VALUE_CHARS:
+            raise ValueError(f"values must be at most {METADATA_MAX_VALUE_CHARS} characters")
+    return value
+
+
 class StreamOptions(RequestModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None

@@ -18,11 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.chat.schemas import FUNCTION_NAME_PATTERN
+from gateway.chat.schemas import FUNCTION_NAME_PATTERN, UnsupportedContent
 from gateway.errors import InvalidRequestError
-from gateway.openai.schemas import RequestModel, ServiceTierName
-
-METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+from gateway.openai.schemas import RequestModel, ServiceTierName, check_metadata
 
 
 class InputText(RequestModel):
@@ -40,14 +38,6 @@ class Refusal(RequestModel):
     refusal: str
 
 
-class _UnsupportedPart(RequestModel):
-    type: str
-
-    @model_validator(mode="after")
-    def _refuse(self) -> _UnsupportedPart:
-        raise ValueError(f"'{self.type}' content is not supported by this model: send text only")
-
-
 def _part_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind if kind in ("input_text", "output_text", "refusal") else "unsupported"
@@ -55,12 +45,12 @@ def _part_kind(value: Any) -> str:
 
 ContentPart = Annotated[
     Annotated[InputText, Tag("input_text")] | Annotated[OutputText, Tag("output_text")]
-    | Annotated[Refusal, Tag("refusal")] | Annotated[_UnsupportedPart, Tag("unsupported")],
+    | Annotated[Refusal, Tag("refusal")] | Annotated[UnsupportedContent, Tag("unsupported")],
     Discriminator(_part_kind),
 ]
 
 
-def part_text(part: InputText | OutputText | Refusal | _UnsupportedPart) -> str:
+def part_text(part: InputText | OutputText | Refusal | UnsupportedContent) -> str:
     return part.refusal if isinstance(part, Refusal) else getattr(part, "text", "")
 
 
@@ -209,15 +199,7 @@ class CreateResponseRequest(RequestModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > METADATA_MAX_KEYS:
-            raise ValueError(f"metadata has at most {METADATA_MAX_KEYS} keys")
-        for key, item in value.items():
-            if len(key) > METADATA_KEY_CHARS or len(item) > METADATA_VALUE_CHARS:
-                raise ValueError(f"metadata keys have at most {METADATA_KEY_CHARS} characters and values "
-                                 f"at most {METADATA_VALUE_CHARS}")
-        return value
+        return check_metadata(value)
 
     def check(self) -> None:
         """Rules across fields, and what this platform does not do (each a 400 naming its parameter)."""

@@ -26,7 +26,6 @@ that is not this tenant's, expired, or deleted is a 400 naming ``previous_respon
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -45,7 +44,13 @@ from gateway.chat.schemas import FunctionDefinition, FunctionTool
 from gateway.chat.tools import ToolCallParser, forced_call_schema
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
-from gateway.generation.requests import check_context_length, lookup_model, resolve_tier, sampling_arguments
+from gateway.generation.requests import (
+    check_context_length,
+    lookup_model,
+    render_chat,
+    resolve_tier,
+    sampling_arguments,
+)
 from gateway.generation.service import STATUS_CANCELLED, Generation, run_generation
 from gateway.openai.answers import Answer
 from gateway.openai.encoding import chat_token_logprobs, response_usage
@@ -70,8 +75,6 @@ logger = logging.getLogger("tollgate.gateway.responses")
 BACKGROUND_TIER = "flex"
 BACKGROUND_TASK = "responses.background"
 
-# Inputs longer than this (characters) are rendered and tokenized in a worker thread.
-OFFLOAD_CHARS = 32_000
 
 
 @asynccontextmanager
@@ -191,17 +194,6 @@ def _echo(body: CreateResponseRequest, model: str, tier: str) -> dict[str, Any]:
     }
 
 
-async def _render(tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                  tools: list[dict] | None) -> list[int]:
-    size = sum(len(m["content"] or "") for m in messages)
-    try:
-        if size > OFFLOAD_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
-        return tokenizer.encode_chat(messages, tools)
-    except ValueError as exc:
-        raise InvalidRequestError(f"Invalid 'input': {exc}", param="input") from None
-
-
 @dataclass
 class _Plan:
     """What a request becomes before any engine work: validated, rendered and priced in tokens."""
@@ -232,7 +224,8 @@ async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateRespo
     history = (await _history(runtime, principal.tenant_id, body.previous_response_id)
                if body.previous_response_id else [])
     items = input_items(body)
-    prompt = await _render(tokenizer, template_messages(body.instructions, history, items), rendered_tools)
+    messages = template_messages(body.instructions, history, items)
+    prompt = await render_chat(tokenizer, messages, rendered_tools, "input")
     check_context_length(route, len(prompt), body.max_output_tokens, "input", param="input")
 
     sampling = sampling_arguments(body.temperature, body.top_p)

@@ -19,29 +19,21 @@ from typing import Any
 
 from celery import shared_task
 
+from gateway.deps import WorkerRuntime
 from gateway.responses.background import BackgroundRuntime, fail_abandoned, run_background
 from gateway.responses.repository import delete_expired
 from gateway.responses.service import BACKGROUND_TASK
-from tollgate.process_runtime import PerProcess, ProcessRuntime
+from tollgate.process_runtime import PerProcess
 from tollgate.settings import Settings
 
 RETENTION_TASK = "responses.retention"
 
 
-class _ProcessRuntime(ProcessRuntime):
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
-        self.runtime: BackgroundRuntime | None = None
-
-    async def background_runtime(self) -> BackgroundRuntime:
-        if self.runtime is None:
-            runtime = BackgroundRuntime.create(self.settings, self.redis, self.db.sessionmaker)
-            await runtime.start()
-            self.runtime = runtime
-        return self.runtime
+class _ProcessRuntime(WorkerRuntime[BackgroundRuntime]):
+    runtime_class = BackgroundRuntime
 
     async def run_background(self, response_id: str) -> str | None:
-        return await run_background(await self.background_runtime(), response_id)
+        return await run_background(await self.gateway_runtime(), response_id)
 
     async def retention(self) -> dict[str, int]:
         now = datetime.now(UTC)
@@ -49,11 +41,6 @@ class _ProcessRuntime(ProcessRuntime):
             failed = await fail_abandoned(session, now, self.settings.request_timeout_s)
             deleted = await delete_expired(session, now)
         return {"failed": failed, "deleted": deleted}
-
-    def close(self) -> None:
-        if self.runtime is not None:
-            self.loop.run_until_complete(self.runtime.stop())
-        super().close()
 
 
 _runtime = PerProcess(_ProcessRuntime)

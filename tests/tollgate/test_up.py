@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shlex
 import shutil
 import signal
 import socket
@@ -26,6 +25,7 @@ import psycopg
 import pytest
 import redis
 
+from tests.e2e.platform_harness import read_env_file
 from tests.polling import wait_until
 from tollgate.local_services import free_port
 from tollgate.processes import pid_alive
@@ -69,15 +69,6 @@ def descendants(root: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    values = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("export "):
-            name, _, value = line.removeprefix("export ").partition("=")
-            values[name] = shlex.split(value)[0]
-    return values
 
 
 class UpProcess:
