@@ -126,8 +126,11 @@ async def run_gateway(settings: Settings) -> AsyncIterator[GatewayUnderTest]:
     db = Database(settings.database_url or "", pool_size=2)
     app = create_app(settings)
     port = free_port()
+    # Drained as `tollgate gateway` drains (settings.drain_timeout_s): a request still running at the
+    # end of the tests is cut, not waited for forever.
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on"))
+                                           lifespan="on",
+                                           timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s))))
     task = asyncio.create_task(server.serve())
 
     def started() -> bool:
