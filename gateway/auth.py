@@ -38,6 +38,7 @@ from gateway.admission.limits import TenantLimits
 from gateway.errors import AuthenticationError, ServiceUnavailableError
 from gateway.tenants.keys import bearer_token, parse_key, verify_key
 from gateway.tenants.repository import ApiKeyRepository
+from tollgate.models import ApiKey, Tenant
 from tollgate.redis import INVALIDATE_CHANNEL
 from tollgate.settings import Settings
 
@@ -60,6 +61,15 @@ class Principal:
 
     def may_use(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
+
+    @classmethod
+    def of_owner(cls, tenant: Tenant, key: ApiKey | None) -> Principal:
+        """Who work stored earlier runs as (a batch's lines, a background response): its tenant, with
+        the model restrictions of the key that created it (none once that key is gone)."""
+        allowed = key.allowed_models if key is not None else None
+        return cls(tenant_id=tenant.id, api_key_id=key.id if key is not None else None,  # type: ignore[arg-type]
+                   tenant=TenantLimits.from_tenant(tenant),
+                   allowed_models=frozenset(allowed) if allowed is not None else None)
 
 
 @dataclass(slots=True)

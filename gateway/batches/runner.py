@@ -36,7 +36,6 @@ from typing import Any
 
 import orjson
 
-from gateway.admission.limits import TenantLimits
 from gateway.auth import Principal
 from gateway.batches import repository as repo
 from gateway.batches.dispatch import BatchDispatcher
@@ -93,10 +92,8 @@ class BatchRunner:
             if batch is None or batch.status != "validating":
                 return batch.status if batch else None
             file = await FileRepository(session, batch.tenant_id).get(batch.input_file_id)
-            _, key = await repo.owner_of(session, batch)
+            allowed = Principal.of_owner(*await repo.owner_of(session, batch)).allowed_models
             endpoint = batch.endpoint
-            allowed = (frozenset(key.allowed_models)
-                       if key is not None and key.allowed_models is not None else None)
             input_file_id = batch.input_file_id
         if file is None:
             return await self._fail(batch_id, [batch_error(
@@ -160,11 +157,7 @@ class BatchRunner:
             else:
                 stopped = False
                 tenant, key = await repo.owner_of(session, batch)
-                principal = Principal(
-                    tenant_id=tenant.id, api_key_id=key.id if key is not None else None,  # type: ignore[arg-type]
-                    tenant=TenantLimits.from_tenant(tenant),
-                    allowed_models=(frozenset(key.allowed_models)
-                                    if key is not None and key.allowed_models is not None else None))
+                principal = Principal.of_owner(tenant, key)
                 endpoint = batch.endpoint
         if principal is None:
             await self.dispatch.end_chain(batch_id, slot, token)

@@ -32,7 +32,7 @@ from gateway.chat.schemas import (
     NamedToolChoice,
     to_template_dict,
 )
-from gateway.chat.tools import ParsedCall, ToolCallParser, forced_call_schema
+from gateway.chat.tools import ParsedCall, ToolCallParser, ToolUse
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError
 from gateway.generation.requests import (
@@ -62,23 +62,19 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
     body.check()
     route = lookup_model(runtime, principal, body.model)
     tokenizer = runtime.tokenizer(route.name)
-    tool_choice = body.tool_choice
-    tools = body.function_tools
-    use_tools = bool(tools) and tool_choice != "none"
-    forced_name = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
-    forced = use_tools and (tool_choice == "required" or forced_name is not None)
-    rendered_tools = [t.model_dump(mode="json", exclude_none=True) for t in tools] if use_tools else None
+    choice = body.tool_choice
+    tool_use = ToolUse.of(body.function_tools, None if isinstance(choice, NamedToolChoice) else choice,
+                          choice.function.name if isinstance(choice, NamedToolChoice) else None)
     messages = [to_template_dict(m) for m in body.messages]
-    prompt = await render_chat(tokenizer, messages, rendered_tools, "messages")
+    prompt = await render_chat(tokenizer, messages, tool_use.template_tools, "messages")
     max_tokens = body.completion_limit
     check_context_length(route, len(prompt), max_tokens, "messages")
 
     sampling = sampling_fields(body)
     sampling["logprobs"] = bool(body.logprobs)
     sampling["top_logprobs"] = body.top_logprobs or 0
-    if forced:
-        schema = forced_call_schema(tools, forced_name)
-        sampling["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if tool_use.forced:
+        sampling["response_format"] = tool_use.response_format
     elif isinstance(body.response_format, ResponseFormatJsonObject):
         sampling["response_format"] = {"type": "json_object"}
     elif isinstance(body.response_format, ResponseFormatJsonSchema):
@@ -93,12 +89,9 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
                                           routing_key=body.prompt_cache_key)
     except InvalidRequestError as exc:
         if exc.param in ("json_schema", "response_format"):  # the engine names its own field
-            exc.param = "tools" if forced else "response_format"
+            exc.param = "tools" if tool_use.forced else "response_format"
         raise
-    parallel = body.parallel_tool_calls is not False
-    call_names = [forced_name] if forced_name is not None else [t.function.name for t in tools]
-    parsers = [ToolCallParser(forced=forced, parallel=parallel, names=call_names) if use_tools else None
-               for _ in range(n)]
+    parsers = [tool_use.parser(parallel=body.parallel_tool_calls is not False) for _ in range(n)]
     response_id = completion_id("chatcmpl")
     created = int(time.time())
     fingerprint = system_fingerprint(route)

@@ -20,6 +20,9 @@ Models served here use the Hermes/Qwen convention of their chat templates (``eng
   does not exist; still no content. Output that is not even the beginning of a call object (it cannot
   come from the grammar) stays content.
 - ``parallel_tool_calls=false`` keeps only the first call.
+
+``ToolUse`` is what a request's tools and ``tool_choice`` make of a generation, the same for chat and
+the Responses API: the tools the template shows, the forced-call schema, and a parser per completion.
 """
 
 from __future__ import annotations
@@ -56,6 +59,41 @@ def forced_call_schema(tools: list[FunctionTool], name: str | None) -> dict[str,
     if len(chosen) == 1:
         return _call_schema(chosen[0])
     return {"anyOf": [_call_schema(t) for t in chosen]}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """``tools`` in use (none when there are none or ``tool_choice`` is ``none``); ``forced``: the output
+    is one call (``required``, or the function ``forced_name``)."""
+
+    tools: list[FunctionTool]
+    forced_name: str | None
+    forced: bool
+
+    @classmethod
+    def of(cls, tools: list[FunctionTool], choice: str | None, forced_name: str | None) -> ToolUse:
+        """``choice``: ``none``, ``auto``, ``required`` or None (a named function: ``forced_name``)."""
+        used = tools if choice != "none" else []
+        return cls(used, forced_name, bool(used) and (choice == "required" or forced_name is not None))
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template renders them (None: no tools in the prompt)."""
+        return [t.model_dump(mode="json", exclude_none=True) for t in self.tools] or None
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """The engine's constrained decoding of a forced call (None: not forced)."""
+        if not self.forced:
+            return None
+        return {"type": "json_schema", "json_schema": forced_call_schema(self.tools, self.forced_name)}
+
+    def parser(self, *, parallel: bool) -> ToolCallParser | None:
+        """A parser for one completion (None without tools)."""
+        if not self.tools:
+            return None
+        names = [self.forced_name] if self.forced_name is not None else [t.function.name for t in self.tools]
+        return ToolCallParser(forced=self.forced, parallel=parallel, names=names)
 
 
 @dataclass(slots=True)

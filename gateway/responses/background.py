@@ -29,7 +29,6 @@ from sqlalchemy import select, type_coerce, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admission.limits import TenantLimits
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.errors import GatewayError
@@ -59,11 +58,7 @@ async def _claim(session: AsyncSession, response_id: str) -> tuple[StoredRespons
     key = await session.get(ApiKey, row.api_key_id) if row.api_key_id is not None else None
     row.status = STATUS_IN_PROGRESS
     row.body = {**row.body, "status": STATUS_IN_PROGRESS}
-    principal = Principal(tenant_id=tenant.id, api_key_id=row.api_key_id,  # type: ignore[arg-type]
-                          tenant=TenantLimits.from_tenant(tenant),
-                          allowed_models=(frozenset(key.allowed_models)
-                                          if key is not None and key.allowed_models is not None else None))
-    return row, principal
+    return row, Principal.of_owner(tenant, key)
 
 
 async def run_background(runtime: GatewayRuntime, response_id: str) -> str | None:

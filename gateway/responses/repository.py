@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Integer, delete, func, insert, literal, select
+from sqlalchemy import Integer, delete, func, literal, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
@@ -19,6 +19,9 @@ from tollgate.models import StoredResponse
 # A conversation longer than this many responses is cut at its oldest end (a guard against a cycle,
 # which ids generated here cannot form, and against unbounded prompts).
 MAX_CHAIN = 1000
+# A Core statement built once (no ORM bookkeeping, no per-call statement building).
+_INSERT = StoredResponse.__table__.insert()
+_COLUMNS = list(StoredResponse.__table__.columns)
 
 
 class ResponseRepository:
@@ -33,8 +36,7 @@ class ResponseRepository:
         """Insert ``row`` (one statement, no ORM bookkeeping: this runs once per stored response)."""
         if row.tenant_id != self.tenant_id:
             raise ValueError("a response must belong to the repository's tenant")
-        values = {c.key: getattr(row, c.key) for c in StoredResponse.__mapper__.column_attrs}
-        await self.session.execute(insert(StoredResponse).values(values))
+        await self.session.execute(_INSERT, _values(row))
 
     async def get(self, response_id: str, *, for_update: bool = False) -> StoredResponse | None:
         statement = select(StoredResponse).where(StoredResponse.id == response_id, *self._live())
@@ -60,15 +62,14 @@ class ResponseRepository:
         return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-# A Core statement built once (no ORM bookkeeping, no per-call statement building).
-_INSERT = StoredResponse.__table__.insert()
-_COLUMNS = list(StoredResponse.__table__.columns)
+def _values(row: StoredResponse) -> dict[str, object]:
+    return {column.name: getattr(row, column.key) for column in _COLUMNS}
 
 
 async def insert_response(engine: AsyncEngine, row: StoredResponse) -> None:
     """One INSERT on an autocommit engine (``GatewayRuntime.write_engine``): the hot path's one statement
     per stored response, retried once on a fresh connection if its pooled one was dropped."""
-    values = {column.name: getattr(row, column.key) for column in _COLUMNS}
+    values = _values(row)
     for attempt in (0, 1):
         try:
             async with engine.connect() as connection:

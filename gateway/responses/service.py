@@ -41,7 +41,7 @@ from engine.protocol import DeltaRecord
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
 from gateway.chat.schemas import FunctionDefinition, FunctionTool
-from gateway.chat.tools import ToolCallParser, forced_call_schema
+from gateway.chat.tools import ToolCallParser, ToolUse
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from gateway.generation.requests import (
@@ -74,7 +74,6 @@ logger = logging.getLogger("tollgate.gateway.responses")
 # Background responses run at this tier, by a worker (``gateway.responses.background``).
 BACKGROUND_TIER = "flex"
 BACKGROUND_TASK = "responses.background"
-
 
 
 @asynccontextmanager
@@ -215,17 +214,14 @@ async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateRespo
     body.check()
     route = lookup_model(runtime, principal, body.model)
     tokenizer = runtime.tokenizer(route.name)
-    tools = _chat_tools(body)
     choice = body.tool_choice
-    use_tools = bool(tools) and choice != "none"
-    forced_name = choice.name if isinstance(choice, ToolChoiceFunction) else None
-    forced = use_tools and (choice == "required" or forced_name is not None)
-    rendered_tools = [t.model_dump(mode="json", exclude_none=True) for t in tools] if use_tools else None
+    tool_use = ToolUse.of(_chat_tools(body), None if isinstance(choice, ToolChoiceFunction) else choice,
+                          choice.name if isinstance(choice, ToolChoiceFunction) else None)
     history = (await _history(runtime, principal.tenant_id, body.previous_response_id)
                if body.previous_response_id else [])
     items = input_items(body)
     messages = template_messages(body.instructions, history, items)
-    prompt = await render_chat(tokenizer, messages, rendered_tools, "input")
+    prompt = await render_chat(tokenizer, messages, tool_use.template_tools, "input")
     check_context_length(route, len(prompt), body.max_output_tokens, "input", param="input")
 
     sampling = sampling_arguments(body.temperature, body.top_p)
@@ -233,18 +229,15 @@ async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateRespo
     sampling["logprobs"] = logprobs
     sampling["top_logprobs"] = body.top_logprobs or 0
     text_format = body.format
-    if forced:
-        sampling["response_format"] = {"type": "json_schema",
-                                       "json_schema": forced_call_schema(tools, forced_name)}
+    if tool_use.forced:
+        sampling["response_format"] = tool_use.response_format
     elif isinstance(text_format, FormatJsonObject):
         sampling["response_format"] = {"type": "json_object"}
     elif isinstance(text_format, FormatJsonSchema):
         sampling["response_format"] = {"type": "json_schema", "json_schema": text_format.json_schema}
-    parallel = body.parallel_tool_calls is not False
-    names = [forced_name] if forced_name is not None else [t.function.name for t in tools]
-    parser = ToolCallParser(forced=forced, parallel=parallel, names=names) if use_tools else None
+    parser = tool_use.parser(parallel=body.parallel_tool_calls is not False)
     tier = resolve_tier(runtime, principal, body.service_tier)
-    return _Plan(route, tokenizer, prompt, items, sampling, tier, forced, parser, logprobs)
+    return _Plan(route, tokenizer, prompt, items, sampling, tier, tool_use.forced, parser, logprobs)
 
 
 async def start_response(runtime: GatewayRuntime, principal: Principal, request_id: str,
@@ -284,20 +277,24 @@ async def queue_response(runtime: GatewayRuntime, principal: Principal,
     builder = ResponseBuilder(new_id("resp"), _echo(body, plan.route.name, plan.tier))
     builder.status = STATUS_QUEUED
     response = builder.response()
-    request = body.model_dump(mode="json", by_alias=True, exclude_none=True)
-    row = StoredResponse(id=builder.id, tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
-                         previous_response_id=body.previous_response_id, status=STATUS_QUEUED,
-                         model=plan.route.name, input_items=plan.items, body=response, request=request,
-                         created_at=datetime.fromtimestamp(builder.created_at, UTC),
-                         expires_at=_expiry(runtime))
+    row = _row(runtime, principal, body.previous_response_id, plan.items, builder, response,
+               request=body.model_dump(mode="json", by_alias=True, exclude_none=True))
     async with _store(runtime, write=True) as session:
         await ResponseRepository(session, principal.tenant_id).add(row)
     await runtime.task_sender().send(BACKGROUND_TASK, [builder.id])
     return response
 
 
-def _expiry(runtime: GatewayRuntime) -> datetime:
-    return datetime.now(UTC) + timedelta(seconds=runtime.settings.responses_retention_s)
+def _row(runtime: GatewayRuntime, principal: Principal, previous_response_id: str | None,
+         items: list[dict[str, Any]], builder: ResponseBuilder, response: dict[str, Any],
+         request: dict[str, Any] | None = None) -> StoredResponse:
+    """The stored form of ``response`` (``request``: a background one's, for its worker)."""
+    retention = timedelta(seconds=runtime.settings.responses_retention_s)
+    return StoredResponse(id=builder.id, tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
+                          previous_response_id=previous_response_id, status=response["status"],
+                          model=response["model"], input_items=items, body=response, request=request,
+                          created_at=datetime.fromtimestamp(builder.created_at, UTC),
+                          expires_at=datetime.now(UTC) + retention)
 
 
 def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: str | None,
@@ -311,12 +308,8 @@ def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: 
     async def save() -> None:
         response = builder.response()
         if not queued:
-            row = StoredResponse(id=builder.id, tenant_id=tenant_id, api_key_id=principal.api_key_id,
-                                 previous_response_id=previous_response_id, status=response["status"],
-                                 model=response["model"], input_items=items, body=response,
-                                 created_at=datetime.fromtimestamp(builder.created_at, UTC),
-                                 expires_at=_expiry(runtime))
-            await insert_response(runtime.write_engine(), row)
+            await insert_response(runtime.write_engine(),
+                                  _row(runtime, principal, previous_response_id, items, builder, response))
             return
         async with _store(runtime, write=True) as session:
             row = await ResponseRepository(session, tenant_id).get(builder.id, for_update=True)

@@ -152,47 +152,44 @@ async def test_the_batch_token_quota_defers_lines_instead_of_failing_them(
     assert sum(int(v) for v in used.values()) == done[0].prompt_tokens + done[0].completion_tokens
 
 
-async def test_responses_lines_run_through_the_same_generation_service(
-        runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
-    tenant = await make_tenant_key(files_gateway)
-    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses", "body": {
-        "model": "tiny", "input": f"Hello {i}", "max_output_tokens": 4, "temperature": 0}}) for i in range(2)]
-    async with api_client(files_gateway, tenant) as client:
-        batch_id = await start_batch(client, lines, endpoint="/v1/responses")
+async def run_whole_batch(runner: BatchRunner, gateway: GatewayUnderTest, endpoint: str,
+                          lines: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]], list[BatchItem]]:
+    """A batch of ``lines`` validated, run in one chunk and finalized: its object, its output file's
+    records and its items."""
+    tenant = await make_tenant_key(gateway)
+    async with api_client(gateway, tenant) as client:
+        batch_id = await start_batch(client, lines, endpoint=endpoint)
         assert await runner.validate(batch_id) == "in_progress"
-        assert await run_chunk(runner, batch_id) == 2
+        assert await run_chunk(runner, batch_id) == len(lines)
         assert await runner.finalize(batch_id) == "completed"
         batch = (await client.get(f"/batches/{batch_id}")).json()
         output = [json.loads(x) for x in
                   (await client.get(f"/files/{batch['output_file_id']}/content")).text.splitlines()]
+    async with gateway.db.session() as session:
+        items = list(await session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)))
+    return batch, output, items
+
+
+async def test_responses_lines_run_through_the_same_generation_service(
+        runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses", "body": {
+        "model": "tiny", "input": f"Hello {i}", "max_output_tokens": 4, "temperature": 0}}) for i in range(2)]
+    batch, output, items = await run_whole_batch(runner, files_gateway, "/v1/responses", lines)
     assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     assert [o["custom_id"] for o in output] == ["r0", "r1"]
     for record in output:
         assert record["response"]["status_code"] == 200
         assert_conforms(record["response"]["body"], "Response")
-    async with files_gateway.db.session() as session:
-        items = list(await session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)))
     # What the generation billed and where it ran, recorded per line.
     assert all(i.cost_pico_usd and i.cost_pico_usd > 0 and i.served_pool == "interactive" for i in items)
 
 
 async def test_embeddings_lines(runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
-    tenant = await make_tenant_key(files_gateway)
     lines = [json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
                          "body": {"model": "tiny", "input": [f"Hello {i}", "again"]}}) for i in range(2)]
-    async with api_client(files_gateway, tenant) as client:
-        batch_id = await start_batch(client, lines, endpoint="/v1/embeddings")
-        assert await runner.validate(batch_id) == "in_progress"
-        assert await run_chunk(runner, batch_id) == 2
-        assert await runner.finalize(batch_id) == "completed"
-        batch = (await client.get(f"/batches/{batch_id}")).json()
-        output = [json.loads(x) for x in
-                  (await client.get(f"/files/{batch['output_file_id']}/content")).text.splitlines()]
+    _, output, items = await run_whole_batch(runner, files_gateway, "/v1/embeddings", lines)
     for record in output:
         assert record["response"]["status_code"] == 200
         assert_conforms(record["response"]["body"], "CreateEmbeddingResponse")
         assert len(record["response"]["body"]["data"]) == 2
-    async with files_gateway.db.session() as session:
-        items = list(await session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)))
     assert all(i.completion_tokens == 0 and i.prompt_tokens and i.cost_pico_usd for i in items)
-
