@@ -1,7 +1,7 @@
 """Outbox → ledger: copy ``tollgate:usage`` stream entries into ``usage_events``, exactly once in effect.
 
 A flusher is one consumer of the consumer group ``ledger`` on the stream. Each batch:
-1. collects up to ``batch_size`` entries: its own pending ones first (a batch that failed before),
+1. collects up to ``batch_size`` entries (``tollgate.streams.StreamGroup``): its own pending ones first,
    then entries other consumers left pending longer than ``claim_idle_ms`` (their process died:
    ``XAUTOCLAIM``), then new ones (``XREADGROUP >``);
 2. inserts their rows in one transaction (request ids claimed with ``INSERT … ON CONFLICT (request_id)
@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.asyncio.client import Pipeline
 from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord
 from billing.repository import insert_usage_events
 from billing.rollups import add_to_rollups, hold_writer_lock
+from tollgate.streams import StreamGroup
 
 LEDGER_GROUP = "ledger"
 DEAD_LETTER_STREAM = "tollgate:usage:dead"
@@ -44,7 +45,6 @@ DEAD_LETTER_STREAM = "tollgate:usage:dead"
 logger = logging.getLogger("tollgate.billing")
 
 SessionFactory = Callable[[], AbstractAsyncContextManager[AsyncSession]]
-Entry = tuple[str, dict[bytes, bytes] | None]
 
 
 class LedgerUnavailable(RuntimeError):
@@ -69,26 +69,6 @@ class FlushResult:
         return self
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _stream_entries(reply: Any) -> list[Entry]:
-    """Entries of our one stream from an XREADGROUP reply (RESP2 list or RESP3 dict)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        batches = list(reply.values())
-    else:
-        batches = [entries for _, entries in reply]
-    out: list[Entry] = []
-    for entries in batches:
-        for entry in entries:
-            entry_id, fields = entry[0], entry[1]
-            out.append((_s(entry_id), fields or None))
-    return out
-
-
 async def _insert_and_roll_up(session: AsyncSession, rows: list[dict[str, Any]]) -> int:
     """Insert ledger rows and add the ones inserted now to the hourly rollups, in one transaction."""
     await hold_writer_lock(session)
@@ -100,20 +80,16 @@ async def _insert_and_roll_up(session: AsyncSession, rows: list[dict[str, Any]])
 class UsageFlusher:
     def __init__(self, redis: Redis, session_factory: SessionFactory, *, consumer: str,
                  batch_size: int = 500, claim_idle_ms: int = 60_000) -> None:
-        if batch_size < 1 or claim_idle_ms < 0:
-            raise ValueError("batch_size must be >= 1 and claim_idle_ms >= 0")
-        self._redis = redis
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self._group = StreamGroup(redis, USAGE_STREAM, LEDGER_GROUP, consumer=consumer,
+                                  claim_idle_ms=claim_idle_ms)
         self._session_factory = session_factory
         self.consumer = consumer
         self._batch_size = batch_size
-        self._claim_idle_ms = claim_idle_ms
 
     async def ensure_group(self) -> None:
-        try:
-            await self._redis.xgroup_create(USAGE_STREAM, LEDGER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await self._group.ensure_group()
 
     async def flush(self, max_batches: int | None = None) -> FlushResult:
         """Flush batches until the stream has nothing more for us (or ``max_batches``)."""
@@ -129,7 +105,7 @@ class UsageFlusher:
         return total
 
     async def flush_batch(self) -> FlushResult:
-        entries = await self._next_entries()
+        entries = await self._group.next_entries(self._batch_size)
         if not entries:
             return FlushResult()
         records: dict[str, UsageRecord] = {}
@@ -149,35 +125,17 @@ class UsageFlusher:
         inserted, rejected = await self._insert(list(records.values()))
         for record, reason in rejected:
             dead.append(("", record.to_json(), reason))
-        await self._acknowledge([entry_id for entry_id, _ in entries], dead)
+
+        def to_dead_letters(pipe: Pipeline) -> None:
+            for entry_id, raw, reason in dead:
+                pipe.xadd(DEAD_LETTER_STREAM, {RECORD_FIELD: raw, b"reason": reason.encode(),
+                                               b"entry": entry_id.encode()})
+
+        await self._group.acknowledge([entry_id for entry_id, _ in entries], to_dead_letters)
         if dead:
             logger.error("usage outbox: %d record(s) moved to %s", len(dead), DEAD_LETTER_STREAM)
         return FlushResult(entries=len(entries), inserted=inserted,
                            duplicates=decoded - inserted - len(rejected), dead=len(dead))
-
-    async def _next_entries(self) -> list[Entry]:
-        want = self._batch_size
-        seen: set[str] = set()
-        entries: list[Entry] = []
-
-        def take(batch: list[Entry]) -> None:
-            for entry_id, fields in batch:
-                if entry_id not in seen and len(entries) < want:
-                    seen.add(entry_id)
-                    entries.append((entry_id, fields))
-
-        # Our own pending entries (a batch whose insert failed) come first.
-        take(_stream_entries(await self._redis.xreadgroup(
-            LEDGER_GROUP, self.consumer, {USAGE_STREAM: "0"}, count=want)))
-        if len(entries) < want:
-            reply = await self._redis.xautoclaim(USAGE_STREAM, LEDGER_GROUP, self.consumer,
-                                                 self._claim_idle_ms, "0-0", count=want - len(entries))
-            take([(_s(entry_id), fields or None) for entry_id, fields in reply[1]])
-            take([(_s(entry_id), None) for entry_id in (reply[2] if len(reply) > 2 else [])])
-        if len(entries) < want:
-            take(_stream_entries(await self._redis.xreadgroup(
-                LEDGER_GROUP, self.consumer, {USAGE_STREAM: ">"}, count=want - len(entries))))
-        return entries
 
     async def _insert(self, records: list[UsageRecord]) -> tuple[int, list[tuple[UsageRecord, str]]]:
         """Insert and commit; returns (rows inserted, records no database will ever accept)."""
@@ -202,21 +160,5 @@ class UsageFlusher:
                 raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
         return inserted, rejected
 
-    async def _acknowledge(self, entry_ids: list[str], dead: list[tuple[str, bytes, str]]) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for entry_id, raw, reason in dead:
-                pipe.xadd(DEAD_LETTER_STREAM, {RECORD_FIELD: raw, b"reason": reason.encode(),
-                                               b"entry": entry_id.encode()})
-            pipe.xack(USAGE_STREAM, LEDGER_GROUP, *entry_ids)
-            pipe.xdel(USAGE_STREAM, *entry_ids)
-            await pipe.execute()
-
     async def forget_idle_consumers(self, idle_ms: int) -> int:
-        """Remove consumers (dead worker processes) with nothing pending that have been idle longer
-        than ``idle_ms``, so the group's consumer list does not grow forever."""
-        removed = 0
-        for info in await self._redis.xinfo_consumers(USAGE_STREAM, LEDGER_GROUP):
-            name = _s(info["name"])
-            if name != self.consumer and info["pending"] == 0 and info["idle"] > idle_ms:
-                removed += await self._redis.xgroup_delconsumer(USAGE_STREAM, LEDGER_GROUP, name)
-        return removed
+        return await self._group.forget_idle_consumers(idle_ms)

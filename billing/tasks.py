@@ -20,8 +20,6 @@ forks), so a flush every second does not open new Postgres and Redis connections
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -35,6 +33,7 @@ from tollgate.db import Database
 from tollgate.process_runtime import PerProcess, ProcessRuntime
 from tollgate.redis import create_redis
 from tollgate.settings import Settings
+from tollgate.streams import claim_idle_ms, consumer_name
 
 logger = logging.getLogger("tollgate.billing")
 
@@ -46,21 +45,11 @@ CONSUMER_IDLE_FORGET_MS = 24 * 3600 * 1000
 T = TypeVar("T")
 
 
-def claim_idle_ms(settings: Settings) -> int:
-    """How long another consumer's pending entries wait before a flusher takes them over: 30 flush
-    intervals (30 s by default), far above one batch's insert time."""
-    return max(100, int(settings.usage_flush_interval_s * 30_000))
-
-
-def consumer_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
 async def flush_usage(redis: Redis, sessions: SessionFactory, settings: Settings, *,
                       max_batches: int = MAX_BATCHES_PER_RUN) -> dict[str, int]:
     """One flush run: up to ``max_batches`` batches; a Postgres outage postpones it (logged)."""
     flusher = UsageFlusher(redis, sessions, consumer=consumer_name(), batch_size=settings.usage_flush_batch,
-                           claim_idle_ms=claim_idle_ms(settings))
+                           claim_idle_ms=claim_idle_ms(settings.usage_flush_interval_s))
     try:
         result = await flusher.flush(max_batches=max_batches)
     except LedgerUnavailable as exc:

@@ -19,16 +19,16 @@ from typing import Annotated, Generic, Self, TypeVar
 
 from fastapi import Depends, Request
 from redis.asyncio import Redis
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.price_cache import PriceBookCache
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionController, AdmissionPolicy
+from gateway.admission.resp import RedisCommands
 from gateway.auth import Authenticator, Principal
 from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
 from gateway.routing import ModelRoute, Router
-from tollgate.db import autocommit_engine
 from tollgate.process_runtime import ProcessRuntime
 from tollgate.settings import Settings
 from tollgate.task_sender import TaskSender
@@ -56,14 +56,13 @@ class GatewayRuntime:
     authenticates: bool = True
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _task_sender: TaskSender | None = None
-    _write_engine: AsyncEngine | None = None
+    _commands: RedisCommands | None = None
 
-    def write_engine(self) -> AsyncEngine:
-        """Single-statement writes on the hot path (``tollgate.db.autocommit_engine``; made on first use)."""
-        if self._write_engine is None:
-            self._write_engine = autocommit_engine(self.settings.database_url or "",
-                                                   pool_size=self.settings.database_pool_size)
-        return self._write_engine
+    def redis_commands(self) -> RedisCommands:
+        """Raw Redis commands on the lean connection (the stored-response writes; made on first use)."""
+        if self._commands is None:
+            self._commands = RedisCommands(self.redis)
+        return self._commands
 
     def task_sender(self) -> TaskSender:
         """Sends Celery tasks (made on first use: most processes never send one)."""
@@ -114,8 +113,8 @@ class GatewayRuntime:
             await self.auth.stop()
         await self.router.stop()
         await self.engine.aclose()
-        if self._write_engine is not None:
-            await self._write_engine.dispose()
+        if self._commands is not None:
+            self._commands.close()
 
     async def _load_tokenizer(self, route: ModelRoute) -> None:
         if not route.path:

@@ -101,11 +101,3 @@ async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
 
 
 Session = Annotated[AsyncSession, Depends(get_session)]
-
-
-def autocommit_engine(url: str, *, pool_size: int) -> AsyncEngine:
-    """An engine for single-statement writes on a request's hot path: autocommit (no BEGIN/COMMIT round
-    trips) and no pre-ping (no ``SELECT 1`` per checkout); a write on a connection the server dropped
-    fails with ``connection_invalidated`` set, and its caller retries it once on a fresh one."""
-    return create_async_engine(to_psycopg_url(url), pool_size=pool_size, max_overflow=pool_size,
-                               isolation_level="AUTOCOMMIT", json_serializer=_json_text)

@@ -230,3 +230,25 @@ class LeanRedis:
         if self._protocol is not None and self._protocol.transport is not None:
             self._protocol.transport.close()
         self._protocol = None
+
+
+class RedisCommands:
+    """Raw commands in one round trip: on a ``LeanRedis`` connection where it applies, else on redis-py's
+    pipeline; either way the replies in order, error replies as exceptions in the list, and a failed
+    connection raised as redis-py's ``ConnectionError``/``TimeoutError``."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._lean = LeanRedis.for_client(redis)
+
+    async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
+        if self._lean is not None:
+            return await self._lean.pipeline(*commands)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute(raise_on_error=False))
+
+    def close(self) -> None:
+        if self._lean is not None:
+            self._lean.close()

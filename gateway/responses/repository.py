@@ -11,8 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import Integer, delete, func, literal, select
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from tollgate.models import StoredResponse
 
@@ -36,7 +35,7 @@ class ResponseRepository:
         """Insert ``row`` (one statement, no ORM bookkeeping: this runs once per stored response)."""
         if row.tenant_id != self.tenant_id:
             raise ValueError("a response must belong to the repository's tenant")
-        await self.session.execute(_INSERT, _values(row))
+        await self.session.execute(_INSERT, row_values(row))
 
     async def get(self, response_id: str, *, for_update: bool = False) -> StoredResponse | None:
         statement = select(StoredResponse).where(StoredResponse.id == response_id, *self._live())
@@ -62,22 +61,8 @@ class ResponseRepository:
         return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-def _values(row: StoredResponse) -> dict[str, object]:
+def row_values(row: StoredResponse) -> dict[str, object]:
     return {column.name: getattr(row, column.key) for column in _COLUMNS}
-
-
-async def insert_response(engine: AsyncEngine, row: StoredResponse) -> None:
-    """One INSERT on an autocommit engine (``GatewayRuntime.write_engine``): the hot path's one statement
-    per stored response, retried once on a fresh connection if its pooled one was dropped."""
-    values = _values(row)
-    for attempt in (0, 1):
-        try:
-            async with engine.connect() as connection:
-                await connection.execute(_INSERT, values)
-            return
-        except DBAPIError as exc:
-            if attempt or not exc.connection_invalidated:
-                raise
 
 
 async def delete_expired(session: AsyncSession, now: datetime) -> int:

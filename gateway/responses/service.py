@@ -17,25 +17,23 @@ it with ``response.failed``.
 
 Stored responses (``store``, true unless the request says false, as OpenAI): when a response ends
 (completed, incomplete, failed, or cancelled by the client going away) its object and its input items,
-each with an id, are written to Postgres (``gateway.responses.repository``), tenant-scoped, kept
-``responses_retention_s``. ``previous_response_id`` continues a conversation: the stored chain's input
-and output items, oldest first, come before the new input (the previous ``instructions`` do not carry
-over), so the shared prefix is the same tokens and hits the prefix cache (``cached_tokens``). An id
-that is not this tenant's, expired, or deleted is a 400 naming ``previous_response_id``.
+each with an id, are stored tenant-scoped for ``responses_retention_s``: in Redis at once, in Postgres
+with the next flush (``gateway.responses.store``). ``previous_response_id`` continues a conversation:
+the stored chain's input and output items, oldest first, come before the new input (the previous
+``instructions`` do not carry over), so the shared prefix is the same tokens and hits the prefix cache
+(``cached_tokens``). An id that is not this tenant's, expired, or deleted is a 400 naming
+``previous_response_id``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from engine.protocol import DeltaRecord
 from engine.tokenizer import Tokenizer
@@ -43,7 +41,7 @@ from gateway.auth import Principal
 from gateway.chat.schemas import FunctionDefinition, FunctionTool
 from gateway.chat.tools import ToolCallParser, ToolUse
 from gateway.deps import GatewayRuntime
-from gateway.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.generation.requests import (
     check_context_length,
     lookup_model,
@@ -56,7 +54,7 @@ from gateway.openai.answers import Answer
 from gateway.openai.encoding import chat_token_logprobs, response_usage
 from gateway.responses.output import STATUS_CANCELLED as RESPONSE_CANCELLED
 from gateway.responses.output import STATUS_IN_PROGRESS, STATUS_QUEUED, ResponseBuilder, new_id
-from gateway.responses.repository import ResponseRepository, insert_response
+from gateway.responses.repository import ResponseRepository
 from gateway.responses.schemas import (
     CreateResponseRequest,
     FormatJsonObject,
@@ -66,6 +64,7 @@ from gateway.responses.schemas import (
     MessageItem,
     ToolChoiceFunction,
 )
+from gateway.responses.store import ResponseStore, database
 from gateway.routing import ModelRoute
 from tollgate.models import StoredResponse
 
@@ -74,23 +73,6 @@ logger = logging.getLogger("tollgate.gateway.responses")
 # Background responses run at this tier, by a worker (``gateway.responses.background``).
 BACKGROUND_TIER = "flex"
 BACKGROUND_TASK = "responses.background"
-
-
-@asynccontextmanager
-async def _store(runtime: GatewayRuntime, *, write: bool = False) -> AsyncIterator[AsyncSession]:
-    """A session on the response store; the database being unreachable is a 503 to retry, never a
-    500 (the generation endpoints themselves need no database)."""
-    try:
-        async with runtime.sessions() as session:
-            if write:
-                async with session.begin():
-                    yield session
-            else:
-                yield session
-    except (DBAPIError, OSError) as exc:
-        logger.warning("the response store is unavailable: %r", exc)
-        raise ServiceUnavailableError("The response store is temporarily unavailable. Please retry.",
-                                      code="store_unavailable") from None
 
 
 def _text_part(text: str, kind: str = "input_text") -> dict[str, Any]:
@@ -157,8 +139,7 @@ def template_messages(instructions: str | None, history: list[dict[str, Any]],
 async def _history(runtime: GatewayRuntime, tenant_id: int,
                    previous_response_id: str) -> list[dict[str, Any]]:
     """The items of the conversation ending with ``previous_response_id``, oldest first."""
-    async with _store(runtime) as session:
-        chain = await ResponseRepository(session, tenant_id).conversation(previous_response_id)
+    chain = await ResponseStore(runtime, tenant_id).conversation(previous_response_id)
     if not chain or chain[-1].id != previous_response_id:
         raise InvalidRequestError(f"Previous response with id '{previous_response_id}' not found.",
                                   param="previous_response_id", code="previous_response_not_found")
@@ -279,7 +260,7 @@ async def queue_response(runtime: GatewayRuntime, principal: Principal,
     response = builder.response()
     row = _row(runtime, principal, body.previous_response_id, plan.items, builder, response,
                request=body.model_dump(mode="json", by_alias=True, exclude_none=True))
-    async with _store(runtime, write=True) as session:
+    async with database(runtime, write=True) as session:
         await ResponseRepository(session, principal.tenant_id).add(row)
     await runtime.task_sender().send(BACKGROUND_TASK, [builder.id])
     return response
@@ -308,10 +289,10 @@ def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: 
     async def save() -> None:
         response = builder.response()
         if not queued:
-            await insert_response(runtime.write_engine(),
-                                  _row(runtime, principal, previous_response_id, items, builder, response))
+            await ResponseStore(runtime, tenant_id).put(
+                _row(runtime, principal, previous_response_id, items, builder, response))
             return
-        async with _store(runtime, write=True) as session:
+        async with database(runtime, write=True) as session:
             row = await ResponseRepository(session, tenant_id).get(builder.id, for_update=True)
             if row is None:  # deleted (or expired) meanwhile: nothing to keep
                 return
@@ -407,17 +388,14 @@ def _not_found(response_id: str) -> NotFoundError:
 
 
 async def get_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
-    async with _store(runtime) as session:
-        row = await ResponseRepository(session, tenant_id).get(response_id)
+    row = await ResponseStore(runtime, tenant_id).get(response_id)
     if row is None:
         raise _not_found(response_id)
     return row.body
 
 
 async def delete_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
-    async with _store(runtime, write=True) as session:
-        deleted = await ResponseRepository(session, tenant_id).delete(response_id)
-    if not deleted:
+    if not await ResponseStore(runtime, tenant_id).delete(response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -426,8 +404,7 @@ async def list_input_items(runtime: GatewayRuntime, tenant_id: int, response_id:
                            order: str, after: str | None) -> dict[str, Any]:
     """OpenAI's ``ResponseItemList`` of the response's own input items (``order`` ``desc``: newest
     first; ``after``: the id of the last item of the previous page)."""
-    async with _store(runtime) as session:
-        row = await ResponseRepository(session, tenant_id).get(response_id)
+    row = await ResponseStore(runtime, tenant_id).get(response_id)
     if row is None:
         raise _not_found(response_id)
     items = list(reversed(row.input_items)) if order == "desc" else list(row.input_items)
@@ -442,16 +419,24 @@ async def list_input_items(runtime: GatewayRuntime, tenant_id: int, response_id:
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
 
 
+def _background_only() -> InvalidRequestError:
+    return InvalidRequestError("Only background responses can be cancelled.", param="response_id",
+                               code="invalid_value")
+
+
 async def cancel_response(runtime: GatewayRuntime, tenant_id: int, response_id: str) -> dict[str, Any]:
     """Cancel a background response that is queued or running (its worker notices within a poll and
-    stops the generation, which is billed for what it generated); a finished one is returned as is."""
-    async with _store(runtime, write=True) as session:
+    stops the generation, which is billed for what it generated); a finished one is returned as is.
+    Only background responses are rows from the start; any other is first found in Redis or as a row."""
+    found = await ResponseStore(runtime, tenant_id).get(response_id)
+    if found is not None and found.request is None:
+        raise _background_only()
+    async with database(runtime, write=True) as session:
         row = await ResponseRepository(session, tenant_id).get(response_id, for_update=True)
         if row is None:
             raise _not_found(response_id)
         if row.request is None:
-            raise InvalidRequestError("Only background responses can be cancelled.", param="response_id",
-                                      code="invalid_value")
+            raise _background_only()
         if row.status in (STATUS_QUEUED, STATUS_IN_PROGRESS):
             row.status = RESPONSE_CANCELLED
             row.body = {**row.body, "status": RESPONSE_CANCELLED}

@@ -3,6 +3,8 @@
 
 - ``responses.background(response_id)``: sent by the gateway for a ``background`` response; runs it
   (``gateway.responses.background.run_background``). Idempotent: only a ``queued`` response is claimed.
+- ``responses.flush`` every ``usage_flush_interval_s`` (beat): stored responses, Redis → ``responses``
+  (``gateway.responses.store.ResponseFlusher``); safe to run concurrently with itself.
 - ``responses.retention`` every ``responses_retention_sweep_s`` (beat): deletes stored responses past
   their ``expires_at`` (queries stop seeing them at that moment; this frees the rows), and fails
   background responses whose worker died (still ``in_progress`` after ``request_timeout_s``).
@@ -18,15 +20,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import shared_task
+from redis.asyncio import Redis
 
 from gateway.deps import WorkerRuntime
 from gateway.responses.background import BackgroundRuntime, fail_abandoned, run_background
 from gateway.responses.repository import delete_expired
 from gateway.responses.service import BACKGROUND_TASK
+from gateway.responses.store import ResponseFlusher, SessionFactory
 from tollgate.process_runtime import PerProcess
 from tollgate.settings import Settings
+from tollgate.streams import claim_idle_ms, consumer_name
 
 RETENTION_TASK = "responses.retention"
+FLUSH_TASK = "responses.flush"
 
 
 class _ProcessRuntime(WorkerRuntime[BackgroundRuntime]):
@@ -34,6 +40,9 @@ class _ProcessRuntime(WorkerRuntime[BackgroundRuntime]):
 
     async def run_background(self, response_id: str) -> str | None:
         return await run_background(await self.gateway_runtime(), response_id)
+
+    async def flush(self) -> dict[str, int]:
+        return await flush_responses(self.redis, self.db.session, self.settings)
 
     async def retention(self) -> dict[str, int]:
         now = datetime.now(UTC)
@@ -62,7 +71,22 @@ def retention_task() -> dict[str, int]:
     return runtime.loop.run_until_complete(runtime.retention())
 
 
+@shared_task(name=FLUSH_TASK, ignore_result=True)
+def flush_task() -> dict[str, int]:
+    runtime = _runtime.get()
+    return runtime.loop.run_until_complete(runtime.flush())
+
+
+async def flush_responses(redis: Redis, sessions: SessionFactory, settings: Settings) -> dict[str, int]:
+    """One flush run (the task, the tests)."""
+    flusher = ResponseFlusher(redis, sessions, consumer=consumer_name(),
+                              batch_size=settings.usage_flush_batch,
+                              claim_idle_ms=claim_idle_ms(settings.usage_flush_interval_s))
+    result = await flusher.flush()
+    return {"entries": result.entries, "inserted": result.inserted, "postponed": int(result.postponed)}
+
+
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
-    interval = settings.responses_retention_sweep_s
-    return {RETENTION_TASK: {"task": RETENTION_TASK, "schedule": interval,
-                             "options": {"expires": max(1.0, interval)}}}
+    return {task: {"task": task, "schedule": interval, "options": {"expires": max(1.0, interval)}}
+            for task, interval in ((RETENTION_TASK, settings.responses_retention_sweep_s),
+                                   (FLUSH_TASK, settings.usage_flush_interval_s))}

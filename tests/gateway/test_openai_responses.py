@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.gateway.conftest import MODEL, GatewayUnderTest, wait_for_usage
+from tests.gateway.conftest import MODEL, GatewayUnderTest, TenantKey, wait_for_usage
 from tests.openai_schema import assert_conforms
 
 pytestmark = pytest.mark.slow
@@ -317,17 +317,23 @@ async def test_another_tenant_can_neither_read_continue_nor_delete(client: httpx
     assert (await client.get(f"/responses/{mine['id']}")).status_code == 200  # still there for its owner
 
 
-async def test_expired_responses_are_gone_and_deleted_by_retention(client: httpx.AsyncClient,
-                                                                  gateway: GatewayUnderTest) -> None:
+async def test_expired_responses_are_gone_and_deleted_by_retention(
+        client: httpx.AsyncClient, gateway: GatewayUnderTest, tenant_key: TenantKey) -> None:
     from datetime import UTC, datetime, timedelta
 
     from sqlalchemy import select, update
 
     from gateway.responses.repository import delete_expired
+    from gateway.responses.store import response_key
+    from gateway.responses.tasks import flush_responses
     from tollgate.models import StoredResponse
 
     old = (await client.post("/responses", json={"model": MODEL, "input": "old",
                                                   "max_output_tokens": 2})).json()
+    runtime = gateway.runtime
+    assert (await flush_responses(runtime.redis, gateway.db.session, gateway.settings))["inserted"] >= 1
+    # Its retention ends: the Redis copy expires (its TTL) and the row's expires_at passes.
+    await runtime.redis.delete(response_key(tenant_key.tenant_id, old["id"]))
     async with gateway.db.session() as session, session.begin():
         await session.execute(update(StoredResponse).where(StoredResponse.id == old["id"])
                               .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
