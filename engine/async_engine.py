@@ -297,6 +297,7 @@ class AsyncEngine:
             _resolve_threadsafe(c.waiter, error)
         self._thread.join()
         self._compile_pool.shutdown(wait=False)
+        self.engine.close()
 
     # ---- grammar compilation (the compile threads) ------------------------------------------------
     def _compiled(self, compiling: _Compiling) -> None:

@@ -26,6 +26,14 @@ which shares the parent's full prompt blocks by reference count. Only full block
 the partial last block is recomputed by each sibling, so no copy-on-write is needed: a shared block is
 never written again.
 
+Lower tiers (``engine.kv_tiers``, optional): an evicted cached block is offloaded to the host tier
+instead of dropped, and a prompt's chain of hashes continues past its device hits into the host tier,
+whose blocks are copied into fresh device blocks before the step runs (``tiers.take_plan()``; the
+engine executes it). Those are prefix hits like device hits: ``num_cached_tokens`` counts them, and
+``hit_tokens_by_tier`` says where each came from (a host block read from disk counts as ``disk``).
+``disk_reads`` names the files a queued prompt needs read first; ``waiting_for_disk`` holds it back
+until they are on the host.
+
 ``num_cached_tokens`` is set on the first allocation only: recompute after a preemption is the
 platform's cost and is never reported as cached. The query/hit counters count every allocation
 (including re-admissions after preemption): they describe the cache, not billing.
@@ -36,11 +44,15 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from engine.block_hash import hash_block, salt_digest
+from engine.kv_tiers import NO_SALT, HostTier, salt_key
 from engine.sequence import Sequence
+
+TIERS = ("device", "host", "disk")
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 tiers: HostTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -50,6 +62,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_salt: list[str] = [NO_SALT] * num_blocks
+        self.tiers = tiers if enable_prefix_caching else None
+        self._salt_keys: dict[str | None, tuple[bytes, str]] = {}
         self._hash_to_block: dict[bytes, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         # Evictable blocks in LRU order: the first key is the least recently released.
@@ -60,6 +75,7 @@ class BlockManager:
         self._seq_committed: dict[int, int] = {}
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens = 0
+        self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
 
     # ---- capacity -------------------------------------------------------------------------------
     @property
@@ -99,24 +115,67 @@ class BlockManager:
         num_tokens = len(seq.token_ids)
         if num_tokens == 0:
             raise ValueError(f"sequence {seq.seq_id} has no tokens")
-        hits = self._cache_hits(seq) if self.enable_prefix_caching else []
+        hits, host_hits = self._cache_hits(seq) if self.enable_prefix_caching else ([], [])
         num_new = self.blocks_needed(num_tokens) - len(hits)
         hits_evictable = sum(1 for b in hits if self._ref_counts[b] == 0)
         if num_new > self.num_free_blocks - hits_evictable:
             return False
         for block in hits:
             self._take(block)
+        tiers = self.tiers
+        if host_hits:
+            assert tiers is not None
+            tiers.lock(host_hits)  # no eviction below may reuse the slots this step reads
         table = hits + [self._pop_free_block() for _ in range(num_new)]
         seq.block_table = table
-        num_hit_tokens = len(hits) * self.block_size
+        salt = self._salt(seq.cache_salt)[1]
+        for digest, block in zip(host_hits, table[len(hits):], strict=False):
+            origin = tiers.load(digest, block)  # type: ignore[union-attr]
+            self._register(block, digest, salt)
+            self.hit_tokens_by_tier[origin] += self.block_size
+        num_hit_tokens = (len(hits) + len(host_hits)) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_tokens
-        self._seq_committed[seq.seq_id] = len(hits)
+        self._seq_committed[seq.seq_id] = len(hits) + len(host_hits)
         if self.enable_prefix_caching:
             self.prefix_queries_tokens += num_tokens
             self.prefix_hit_tokens += num_hit_tokens
+            self.hit_tokens_by_tier["device"] += len(hits) * self.block_size
         return True
+
+    def disk_reads(self, seq: Sequence) -> list[tuple[bytes, str]]:
+        """The block files to read for ``seq``'s prompt (its chain continues on disk past what the device
+        and host hold); they are marked being read."""
+        if self.tiers is None or self.tiers.disk is None:
+            return []
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        digests = self._hashes_upto(seq, max_blocks)[:max_blocks]
+        start = 0
+        while start < len(digests) and digests[start] in self._hash_to_block:
+            start += 1
+        return self.tiers.disk_run(digests[start:])
+
+    def waiting_for_disk(self, seq: Sequence) -> bool:
+        """Whether a block of ``seq``'s prompt chain (past its device and host hits) is still being read."""
+        if self.tiers is None or self.tiers.disk is None or seq.block_table:
+            return False
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        for digest in self._hashes_upto(seq, max_blocks)[:max_blocks]:
+            if digest in self._hash_to_block or self.tiers.on_host(digest):
+                continue
+            return self.tiers.reading(digest)
+        return False
+
+    def reclaimable(self, victims: list[Sequence]) -> int:
+        """Blocks available once every sequence of ``victims`` is freed: the free ones plus those only
+        victims hold (a block shared with a sequence that stays is not counted)."""
+        refs: dict[int, int] = {}
+        for victim in victims:
+            for block in victim.block_table:
+                refs[block] = refs.get(block, 0) + 1
+        only_victims = sum(1 for block, count in refs.items() if self._ref_counts[block] == count)
+        return self.num_free_blocks + only_victims
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Admit ``child`` (a waiting sibling of ``parent``) sharing the parent's computed full prompt blocks.
@@ -180,12 +239,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes_upto(seq, num_full)
+        salt = self._salt(seq.cache_salt)[1]
         for i in range(committed, num_full):
             block = seq.block_table[i]
             digest = hashes[i]
             if self._block_hash[block] is None and digest not in self._hash_to_block:
-                self._block_hash[block] = digest
-                self._hash_to_block[digest] = block
+                self._register(block, digest, salt)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks become evictable, others free."""
@@ -214,7 +273,7 @@ class BlockManager:
     def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
-            salt = salt_digest(seq.cache_salt)
+            salt = self._salt(seq.cache_salt)[0]
             bs = self.block_size
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_blocks):
@@ -222,17 +281,36 @@ class BlockManager:
                 hashes.append(parent)
         return hashes
 
-    def _cache_hits(self, seq: Sequence) -> list[int]:
+    def _cache_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """The device blocks of the prompt's longest cached prefix, then the hashes continuing it on the
+        host tier (never the block of the last token)."""
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         hits: list[int] = []
+        host: list[bytes] = []
         if max_blocks == 0:
-            return hits
+            return hits, host
         for digest in self._hashes_upto(seq, max_blocks)[:max_blocks]:
             block = self._hash_to_block.get(digest)
-            if block is None:
+            if block is not None and not host:
+                hits.append(block)
+            elif self.tiers is not None and block is None and self.tiers.on_host(digest):
+                host.append(digest)
+            else:
                 break
-            hits.append(block)
-        return hits
+        return hits, host
+
+    def _salt(self, salt: str | None) -> tuple[bytes, str]:
+        """(salt digest, salt key) of a tenant's ``cache_salt``, computed once per salt."""
+        known = self._salt_keys.get(salt)
+        if known is None:
+            digest = salt_digest(salt)
+            known = self._salt_keys[salt] = (digest, salt_key(digest))
+        return known
+
+    def _register(self, block: int, digest: bytes, salt: str) -> None:
+        self._block_hash[block] = digest
+        self._block_salt[block] = salt
+        self._hash_to_block[digest] = block
 
     def _take(self, block: int) -> None:
         if self._ref_counts[block] == 0:
@@ -248,5 +326,7 @@ class BlockManager:
             if digest is not None:
                 del self._hash_to_block[digest]
                 self._block_hash[block] = None
+                if self.tiers is not None:
+                    self.tiers.offload(digest, block, self._block_salt[block])
         self._ref_counts[block] = 1
         return block

@@ -35,6 +35,14 @@ class EngineConfig:
     # (benchmarks of model shapes without a checkpoint, never serving).
     load_format: str = "safetensors"
     seed: int = 0
+    # Lower tiers of the prefix cache (``engine.kv_tiers``): host memory for evicted blocks (0: none)
+    # and, below it, block files in ``kv_disk_dir`` (0: none; they survive a restart).
+    host_kv_gb: float = 0.0
+    disk_kv_gb: float = 0.0
+    kv_disk_dir: str | None = None
+    # Exact tier sizes in blocks, overriding the GiB settings (tests, benchmarks).
+    num_host_kv_blocks: int | None = None
+    num_disk_kv_blocks: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,3 +66,17 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.host_kv_gb < 0 or self.disk_kv_gb < 0:
+            raise ValueError("host_kv_gb and disk_kv_gb must be >= 0")
+        if (self.num_host_kv_blocks or 0) < 0 or (self.num_disk_kv_blocks or 0) < 0:
+            raise ValueError("num_host_kv_blocks and num_disk_kv_blocks must be >= 0")
+        if self.disk_tier and (not self.host_tier or not self.kv_disk_dir):
+            raise ValueError("a disk KV tier (disk_kv_gb) needs a host tier (host_kv_gb) and kv_disk_dir")
+
+    @property
+    def host_tier(self) -> bool:
+        return bool(self.num_host_kv_blocks if self.num_host_kv_blocks is not None else self.host_kv_gb > 0)
+
+    @property
+    def disk_tier(self) -> bool:
+        return bool(self.num_disk_kv_blocks if self.num_disk_kv_blocks is not None else self.disk_kv_gb > 0)

@@ -60,6 +60,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Finish the disk tier's writes (the only state that outlives the process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def stats(self) -> EngineStats:
         return self.engine.stats()

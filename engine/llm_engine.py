@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as SequenceLike
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,8 @@ import numpy as np
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
+from engine.kv_tiers import DiskIndex, HostTier, TransferPlan
+from engine.kv_transfer import KVTransfer, cache_fingerprint
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams
@@ -85,8 +87,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config)
+        self.kv_transfer, tiers = self._kv_tiers()
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, tiers
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.vocab_size: int = self.runner.vocab_size
@@ -104,6 +107,35 @@ class LLMEngine:
         # Deltas produced outside step() (aborts), returned by the next step().
         self._pending: list[RequestDelta] = []
         self._stats = EngineStats(num_kv_blocks=self.runner.num_kv_blocks)
+
+    def _kv_tiers(self) -> tuple[KVTransfer | None, HostTier | None]:
+        """The host and disk tiers of the prefix cache, as configured (none by default)."""
+        config, runner = self.config, self.runner
+        if not config.host_tier or not config.enable_prefix_caching:
+            return None, None
+        block_bytes = config.block_size * runner.kv_bytes_per_token
+
+        def blocks(exact: int | None, gb: float) -> int:
+            return exact if exact is not None else int(gb * 2**30) // block_bytes
+
+        num_slots = max(1, blocks(config.num_host_kv_blocks, config.host_kv_gb))
+        disk_dir = Path(config.kv_disk_dir) if config.disk_tier and config.kv_disk_dir else None
+        block_shape = tuple(runner.kv_caches[0].shape[2:])
+        fingerprint = cache_fingerprint(Path(config.model), runner.dtype, block_shape)
+        transfer = KVTransfer(runner.kv_caches, num_slots, disk_dir, fingerprint)
+        disk = None
+        if disk_dir is not None:
+            disk = DiskIndex(blocks(config.num_disk_kv_blocks, config.disk_kv_gb), transfer.scan())
+            transfer.execute(TransferPlan(delete=disk.trim()))
+            logger.info("KV disk tier: %d blocks of %d found in %s", len(disk), disk.capacity, transfer.root)
+        logger.info("KV host tier: %d blocks (%.2f GiB)", num_slots, num_slots * block_bytes / 2**30)
+        return transfer, HostTier(num_slots, disk)
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (a restart finds every block demoted so far)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.flush()
+            self.kv_transfer.close()
 
     def _grammar_backend(self) -> GrammarBackend | None:
         """Structured output needs the checkpoint's ``tokenizer.json`` and an EOS to end documents."""
@@ -204,6 +236,8 @@ class LLMEngine:
         for completion in completions:
             self._seq_owner[completion.seq.seq_id] = completion
             self.scheduler.add(completion.seq)
+        if self.kv_transfer is not None:  # its prefix on disk is read while it waits
+            self.kv_transfer.read(self.block_manager.disk_reads(completions[0].seq))
         self._stats.prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> bool:
@@ -247,8 +281,17 @@ class LLMEngine:
         """Run one scheduling step; return what every affected request gained."""
         outputs, self._pending = self._pending, []
         started = time.perf_counter()
+        transfer, tiers = self.kv_transfer, self.block_manager.tiers
+        if transfer is not None and tiers is not None:
+            for digest, salt, data in transfer.finished_reads():
+                tiers.fill(digest, salt, data)
         batch = self.scheduler.schedule()
+        if transfer is not None and tiers is not None:
+            transfer.execute(tiers.take_plan())  # before the forward pass overwrites any evicted block
         if not batch:
+            if transfer is not None and tiers is not None and tiers.any_reading():
+                transfer.wait_for_read(timeout_s=0.05)  # every waiting prompt waits for the disk
+                return outputs
             if self.scheduler.has_unfinished():
                 # Every accepted request fits the KV pool alone, so an empty step with work left is a bug.
                 raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
@@ -434,6 +477,8 @@ class LLMEngine:
             computed_decode_tokens=s.computed_decode_tokens,
             prefix_query_tokens=bm.prefix_queries_tokens,
             prefix_hit_tokens=bm.prefix_hit_tokens,
+            prefix_hit_tokens_by_tier=dict(bm.hit_tokens_by_tier),
+            **self._tier_stats(),
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             num_requests_finished=dict(s.num_requests_finished),
@@ -441,6 +486,16 @@ class LLMEngine:
             tokens_per_s=s.tokens_per_s,
             ttft_s=s.ttft_s,
         )
+
+
+    def _tier_stats(self) -> dict[str, object]:
+        tiers, transfer = self.block_manager.tiers, self.kv_transfer
+        if tiers is None or transfer is None:
+            return {}
+        disk = tiers.disk
+        return {"kv_tier_blocks": {"host": len(tiers), "disk": len(disk) if disk else 0},
+                "kv_tier_capacity": {"host": tiers.num_slots, "disk": disk.capacity if disk else 0},
+                "kv_tier_moves": asdict(tiers.counters), "kv_block_bytes": transfer.block_bytes}
 
 
 def _is_int(value: object) -> bool:

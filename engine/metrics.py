@@ -61,6 +61,22 @@ class _StatsCollector(Collector):
                       s.prefix_query_tokens)
         yield counter("tollgate_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       s.prefix_hit_tokens)
+        yield from _labelled(CounterMetricFamily, "tollgate_engine_prefix_cache_hits_by_tier",
+                             "Prompt tokens served from the prefix cache, by the tier that held them.",
+                             names, values, "tier", s.prefix_hit_tokens_by_tier)
+        yield from _labelled(GaugeMetricFamily, "tollgate_engine_kv_tier_blocks",
+                             "Prefix-cache blocks held in the host and disk tiers.", names, values, "tier",
+                             s.kv_tier_blocks)
+        yield from _labelled(GaugeMetricFamily, "tollgate_engine_kv_tier_capacity_blocks",
+                             "Capacity of the host and disk tiers, in blocks.", names, values, "tier",
+                             s.kv_tier_capacity)
+        moves = {kind.removesuffix("_blocks"): n for kind, n in s.kv_tier_moves.items()}
+        yield from _labelled(CounterMetricFamily, "tollgate_engine_kv_tier_moved_blocks",
+                             "Blocks moved between tiers (offloaded, persisted, demoted, loaded, disk_read) "
+                             "or dropped (host_evicted, disk_evicted).", names, values, "kind", moves)
+        yield from _labelled(CounterMetricFamily, "tollgate_engine_kv_tier_moved_bytes",
+                             "Bytes copied between tiers, by kind of move.", names, values, "kind",
+                             {k: n * s.kv_block_bytes for k, n in moves.items() if "evicted" not in k})
         yield counter("tollgate_engine_preemptions", "Sequences preempted (by recompute).", s.num_preemptions)
         yield counter("tollgate_engine_fairness_preemptions", "Of the preemptions, those that gave a tenant "
                       "under its fair share of running slots a slot (also in preemptions).",
@@ -75,6 +91,17 @@ class _StatsCollector(Collector):
         for reason, count in sorted(s.num_requests_finished.items()):
             finished.add_metric([*values, reason], count)
         yield finished
+
+
+def _labelled(family: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,
+              names: list[str], values: list[str], label: str, by: dict[str, int]) -> Iterator[Metric]:
+    """One metric with an extra label, a sample per key of ``by`` (nothing when ``by`` is empty)."""
+    if not by:
+        return
+    metric = family(name, doc, labels=[*names, label])
+    for key, value in sorted(by.items()):
+        metric.add_metric([*values, key], value)
+    yield metric
 
 
 class EngineMetrics:

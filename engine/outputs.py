@@ -160,6 +160,15 @@ class EngineStats:
     computed_decode_tokens: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # Of the hits, where they were served from: device, host (the host tier), disk (read from disk).
+    prefix_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # The lower tiers (``engine.kv_tiers``; empty without them): blocks held and capacity per tier,
+    # blocks moved since start (offloaded, demoted, loaded, disk_read, host_evicted, disk_evicted), and
+    # the bytes of one block (moved blocks x this = bytes copied).
+    kv_tier_blocks: dict[str, int] = field(default_factory=dict)
+    kv_tier_capacity: dict[str, int] = field(default_factory=dict)
+    kv_tier_moves: dict[str, int] = field(default_factory=dict)
+    kv_block_bytes: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_requests_finished: dict[str, int] = field(default_factory=dict)

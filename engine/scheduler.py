@@ -278,6 +278,8 @@ class Scheduler:
                     and seq.request_id not in prompt_ready
                 ):
                     continue
+                if self.block_manager.waiting_for_disk(seq):
+                    return False  # its prefix is being read from disk: it waits at the head of the line
                 fair = fair_pass and self._num_running(level, seq.tenant) < share
                 if not self._make_room(seq, level, share if fair else None, step):
                     return False
@@ -420,14 +422,7 @@ class Scheduler:
                 if len(seqs) > share:
                     seqs.sort(key=lambda s: rank[s.seq_id])
                     victims += seqs[share:]
-        refs: dict[int, int] = {}
-        for victim in victims:
-            for block in victim.block_table:
-                refs[block] = refs.get(block, 0) + 1
-        bm = self.block_manager
-        ref_counts = bm._ref_counts  # read-only peek: freed only if every reference is a victim's
-        freed = sum(1 for block, count in refs.items() if ref_counts[block] == count)
-        return bm.num_free_blocks + freed
+        return self.block_manager.reclaimable(victims)
 
     def _preempt(self, seq: Sequence, step: _Step, fairness: bool = False) -> None:
         self._ungrant(seq, step)

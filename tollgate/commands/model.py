@@ -56,6 +56,12 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--no-prefix-caching", is_flag=True, help="Disable the prefix cache.")
+@click.option("--host-kv-gb", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Host memory for prefix-cache blocks evicted from the device (0: no host tier).")
+@click.option("--disk-kv-gb", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Disk for prefix-cache blocks below the host tier, kept across restarts (0: none).")
+@click.option("--kv-disk-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory of the disk tier's block files (needed with --disk-kv-gb).")
 @click.option("--enforce-eager", is_flag=True, help="Never capture CUDA graphs.")
 def engine(
     model_path: str,
@@ -73,6 +79,9 @@ def engine(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     no_prefix_caching: bool,
+    host_kv_gb: float,
+    disk_kv_gb: float,
+    kv_disk_dir: str | None,
     enforce_eager: bool,
 ) -> None:
     """Run one engine replica: the internal HTTP server over the paged-KV engine."""
@@ -100,6 +109,9 @@ def engine(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=not no_prefix_caching,
+            host_kv_gb=host_kv_gb,
+            disk_kv_gb=disk_kv_gb,
+            kv_disk_dir=kv_disk_dir,
             enforce_eager=enforce_eager,
         )
     except ValueError as e:

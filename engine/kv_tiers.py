@@ -1,0 +1,294 @@
+"""The prefix cache's lower tiers, host memory and disk: which block hash lives where, in LRU order, and
+the copies a step must make. Pure Python (no torch); ``engine.kv_transfer`` makes the copies.
+
+Blocks move down when they are evicted and up when a prompt needs them:
+
+- **Device → host.** When the block manager evicts a cached device block (its pool is short), the block
+  is *offloaded*: it takes a host slot (``HostTier``) and the step's ``TransferPlan`` copies it there
+  before the step's forward pass can overwrite the device block. A hash already on the host is only
+  touched (its copy is the same K/V: equal chain hashes mean equal prefixes).
+- **Host → disk.** With a disk tier, every offloaded block is also written to a file (``persist``,
+  write-through: the disk holds everything the host does, so a restarted replica finds it, and a host
+  eviction costs no write). A host slot taken from a full host tier evicts the least recently used host
+  block; one whose file was dropped meanwhile is *demoted*: the plan writes its slot to a file before the
+  slot is overwritten. The disk tier (``DiskIndex``) keeps at most its capacity of files, dropping the
+  least recently used; its files outlive the engine (the index is rebuilt from the directory at start).
+  Blocks still only on the device when the engine stops are lost.
+- **Host → device.** A prompt whose chain continues on the host after its device hits gets fresh
+  device blocks for those hashes, and the plan copies the host slots into them before the forward pass:
+  a host hit is prefilled like a device hit, never recomputed.
+- **Disk → host.** A prompt whose chain continues on disk has those files read in the background
+  (``disk_run``: the engine's reader thread) as soon as it is queued; each finished read takes a host
+  slot (``fill``). Until its reads are done the request waits at the head of its queue like one
+  waiting for blocks to free, so the running step never waits for the disk.
+
+Invariants:
+- A hash is in at most one host slot and at most one disk file; a slot carries at most one hash.
+- A slot read or written by the current plan is *locked* until the plan is taken, so a later eviction
+  in the same step never overwrites what the plan still reads.
+- Every hash carries its salt key (the tenant's ``cache_salt`` digest, shortened): tiers never mix
+  tenants beyond what the salted chain hash already guarantees, and ``purge`` drops one salt's blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+NO_SALT = "none"
+
+
+def salt_key(salt_digest: bytes) -> str:
+    """The directory and index key of a salt (16 hex digits of its digest; ``none`` for no salt)."""
+    return NO_SALT if not any(salt_digest) else salt_digest[:8].hex()
+
+
+@dataclass
+class TransferPlan:
+    """The copies one step needs, in this order: host slots written to disk (``demote``: before those
+    slots are reused), device blocks copied to host slots (``offload``), offloaded slots written to disk
+    (``persist``), disk data put in host slots (``fill``), host slots copied to device blocks (``load``);
+    then the files to delete."""
+
+    demote: list[tuple[int, bytes, str]] = field(default_factory=list)  # (slot, hash, salt key)
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    persist: list[tuple[int, bytes, str]] = field(default_factory=list)  # (slot, hash, salt key)
+    fill: list[tuple[int, object]] = field(default_factory=list)  # (host slot, data read from disk)
+    load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    delete: list[tuple[bytes, str]] = field(default_factory=list)  # (hash, salt key) of disk files
+
+    def __bool__(self) -> bool:
+        return bool(self.demote or self.offload or self.persist or self.fill or self.load or self.delete)
+
+
+class DiskIndex:
+    """The disk tier's files, least recently used first, at most ``capacity`` of them."""
+
+    def __init__(self, capacity: int, entries: list[tuple[bytes, str]] = ()) -> None:  # type: ignore[assignment]
+        if capacity < 0:
+            raise ValueError(f"disk capacity must be >= 0 blocks, got {capacity}")
+        self.capacity = capacity
+        self._files: OrderedDict[bytes, str] = OrderedDict(entries)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._files
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def salt_of(self, digest: bytes) -> str | None:
+        return self._files.get(digest)
+
+    def touch(self, digest: bytes) -> None:
+        self._files.move_to_end(digest)
+
+    def add(self, digest: bytes, salt: str) -> list[tuple[bytes, str]]:
+        """Record a file; returns the files to delete to stay within capacity (oldest first)."""
+        self._files[digest] = salt
+        self._files.move_to_end(digest)
+        dropped = []
+        while len(self._files) > self.capacity:
+            dropped.append(self._files.popitem(last=False))
+        return dropped
+
+    def discard(self, digest: bytes) -> None:
+        self._files.pop(digest, None)
+
+    def purge(self, salt: str) -> list[bytes]:
+        gone = [digest for digest, s in self._files.items() if s == salt]
+        for digest in gone:
+            del self._files[digest]
+        return gone
+
+    def trim(self) -> list[tuple[bytes, str]]:
+        """Files beyond capacity (a restart with a smaller ``disk_kv_gb``)."""
+        dropped = []
+        while len(self._files) > self.capacity:
+            dropped.append(self._files.popitem(last=False))
+        return dropped
+
+
+@dataclass
+class TierCounters:
+    offloaded_blocks: int = 0  # device → host
+    persisted_blocks: int = 0  # offloaded blocks written through to disk
+    demoted_blocks: int = 0  # host → disk on a host eviction (a block whose file had been dropped)
+    loaded_blocks: int = 0  # host → device
+    disk_read_blocks: int = 0  # disk → host
+    host_evicted_blocks: int = 0  # dropped from the host without a disk copy
+    disk_evicted_blocks: int = 0
+
+
+class HostTier:
+    """Host slots holding evicted device blocks, with the disk tier below them (optional)."""
+
+    def __init__(self, num_slots: int, disk: DiskIndex | None = None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs >= 1 slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.disk = disk
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self._hash_of: list[bytes | None] = [None] * num_slots
+        self._salt_of: list[str] = [NO_SALT] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._locked: set[int] = set()
+        self._reading: set[bytes] = set()
+        self._from_disk: set[bytes] = set()
+        self.plan = TransferPlan()
+        self.counters = TierCounters()
+
+    # ---- queries ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def on_host(self, digest: bytes) -> bool:
+        return digest in self._slot_of
+
+    def on_disk(self, digest: bytes) -> bool:
+        return self.disk is not None and digest in self.disk
+
+    def reading(self, digest: bytes) -> bool:
+        return digest in self._reading
+
+    def any_reading(self) -> bool:
+        return bool(self._reading)
+
+    # ---- moves ------------------------------------------------------------------------------------
+    def offload(self, digest: bytes, device_block: int, salt: str) -> bool:
+        """A cached device block is evicted: keep its K/V on the host. False if no slot can be had."""
+        if digest in self._slot_of:
+            self._slot_of.move_to_end(digest)
+            return True
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        self._put(digest, slot, salt)
+        self.plan.offload.append((device_block, slot))
+        self.counters.offloaded_blocks += 1
+        if self.disk is not None and self.disk.capacity > 0:
+            if digest in self.disk:
+                self.disk.touch(digest)
+            else:
+                self.plan.persist.append((slot, digest, salt))
+                self.counters.persisted_blocks += 1
+                self._add_file(digest, salt)
+        return True
+
+    def lock(self, digests: list[bytes]) -> None:
+        """Keep the slots of ``digests`` (host hits about to be loaded) from reuse until the plan is taken."""
+        for digest in digests:
+            self._locked.add(self._slot_of[digest])
+            self._slot_of.move_to_end(digest)
+
+    def load(self, digest: bytes, device_block: int) -> str:
+        """Copy the host copy of ``digest`` into ``device_block`` this step (a prefix hit on the host);
+        returns the tier the hit counts for: ``disk`` the first time a block read from disk is used."""
+        slot = self._slot_of[digest]
+        self._slot_of.move_to_end(digest)
+        self._locked.add(slot)
+        self.plan.load.append((slot, device_block))
+        self.counters.loaded_blocks += 1
+        if digest in self._from_disk:
+            self._from_disk.discard(digest)
+            return "disk"
+        return "host"
+
+    def disk_run(self, digests: list[bytes]) -> list[tuple[bytes, str]]:
+        """The files to read for a prompt whose chain continues on disk: from the first hash that is on
+        neither the host nor being read, as long as the chain stays on disk, at most what the host tier
+        holds (more would evict the run's own first blocks). Marks them being read."""
+        if self.disk is None:
+            return []
+        reads: list[tuple[bytes, str]] = []
+        for digest in digests:
+            if len(reads) == self.num_slots:
+                break
+            if digest in self._slot_of or digest in self._reading:
+                continue
+            salt = self.disk.salt_of(digest)
+            if salt is None:
+                break
+            self._reading.add(digest)
+            reads.append((digest, salt))
+        return reads
+
+    def fill(self, digest: bytes, salt: str, data: object | None) -> bool:
+        """A disk read finished (``data`` None: the file was unreadable, which drops it). False if no
+        host slot could take it (it stays on disk; the prompt recomputes those tokens)."""
+        self._reading.discard(digest)
+        if data is None:
+            if self.disk is not None:
+                self.disk.discard(digest)
+            return False
+        if digest in self._slot_of:
+            return True
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        self._put(digest, slot, salt)
+        self._from_disk.add(digest)
+        self.plan.fill.append((slot, data))
+        if self.disk is not None and digest in self.disk:
+            self.disk.touch(digest)
+        self.counters.disk_read_blocks += 1
+        return True
+
+    def take_plan(self) -> TransferPlan:
+        """The step's copies (the caller executes them before the forward pass); unlocks every slot."""
+        plan, self.plan = self.plan, TransferPlan()
+        self._locked.clear()
+        return plan
+
+    def purge(self, salt: str) -> int:
+        """Drop every block of ``salt`` from the host and disk tiers (their files are deleted by the
+        next plan); returns the blocks dropped."""
+        gone = [digest for digest, slot in self._slot_of.items() if self._salt_of[slot] == salt]
+        for digest in gone:
+            slot = self._slot_of.pop(digest)
+            self._hash_of[slot] = None
+            self._from_disk.discard(digest)
+            self._free.append(slot)
+        dropped = len(gone)
+        if self.disk is not None:
+            files = self.disk.purge(salt)
+            self.plan.delete.extend((digest, salt) for digest in files)
+            dropped += len(files)
+        return dropped
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _put(self, digest: bytes, slot: int, salt: str) -> None:
+        self._slot_of[digest] = slot
+        self._hash_of[slot] = digest
+        self._salt_of[slot] = salt
+        self._locked.add(slot)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for digest, slot in self._slot_of.items():  # LRU first, skipping what this step's plan uses
+            if slot in self._locked:
+                continue
+            del self._slot_of[digest]
+            self._hash_of[slot] = None
+            self._from_disk.discard(digest)
+            self._demote(digest, slot)
+            return slot
+        return None
+
+    def _demote(self, digest: bytes, slot: int) -> None:
+        salt = self._salt_of[slot]
+        if self.disk is None or self.disk.capacity == 0:
+            self.counters.host_evicted_blocks += 1
+            return
+        if digest in self.disk:
+            self.disk.touch(digest)
+            return
+        self.plan.demote.append((slot, digest, salt))
+        self.counters.demoted_blocks += 1
+        self._add_file(digest, salt)
+
+    def _add_file(self, digest: bytes, salt: str) -> None:
+        assert self.disk is not None
+        for old, old_salt in self.disk.add(digest, salt):
+            self.plan.delete.append((old, old_salt))
+            self.counters.disk_evicted_blocks += 1
