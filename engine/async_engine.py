@@ -150,6 +150,7 @@ class AsyncEngine:
 
             engine = LLMEngine(config)
         self.engine = engine
+        self.kv_events = engine.kv_events  # read by the server's /kv/events (thread-safe)
         self.config = config
         self.model_name = model_name or config.model
         self.pool = pool

@@ -34,6 +34,9 @@ engine executes it). Those are prefix hits like device hits: ``num_cached_tokens
 ``disk_reads`` names the files a queued prompt needs read first; ``waiting_for_disk`` holds it back
 until they are on the host.
 
+With an event log (``engine.kv_events``), every hash registered in or dropped from any tier is published
+in order, for the gateways' routing index.
+
 ``num_cached_tokens`` is set on the first allocation only: recompute after a preemption is the
 platform's cost and is never reported as cached. The query/hit counters count every allocation
 (including re-admissions after preemption): they describe the cache, not billing.
@@ -44,6 +47,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from engine.block_hash import hash_block, salt_digest
+from engine.kv_events import KVEventLog
 from engine.kv_tiers import NO_SALT, HostTier, salt_key
 from engine.sequence import Sequence
 
@@ -52,7 +56,7 @@ TIERS = ("device", "host", "disk")
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 tiers: HostTier | None = None) -> None:
+                 tiers: HostTier | None = None, events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -64,6 +68,7 @@ class BlockManager:
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_salt: list[str] = [NO_SALT] * num_blocks
         self.tiers = tiers if enable_prefix_caching else None
+        self.events = events
         self._salt_keys: dict[str | None, tuple[bytes, str]] = {}
         self._hash_to_block: dict[bytes, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
@@ -263,8 +268,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (in-use blocks keep their contents, evictable ones become free)."""
-        for block in self._hash_to_block.values():
+        for digest, block in self._hash_to_block.items():
             self._block_hash[block] = None
+            if self.events is not None:
+                self.events.removed(digest, "device")
         self._hash_to_block.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()
@@ -311,6 +318,8 @@ class BlockManager:
         self._block_hash[block] = digest
         self._block_salt[block] = salt
         self._hash_to_block[digest] = block
+        if self.events is not None:
+            self.events.stored(digest, "device")
 
     def _take(self, block: int) -> None:
         if self._ref_counts[block] == 0:
@@ -326,6 +335,8 @@ class BlockManager:
             if digest is not None:
                 del self._hash_to_block[digest]
                 self._block_hash[block] = None
+                if self.events is not None:
+                    self.events.removed(digest, "device")
                 if self.tiers is not None:
                     self.tiers.offload(digest, block, self._block_salt[block])
         self._ref_counts[block] = 1

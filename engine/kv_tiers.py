@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from engine.kv_events import KVEventLog
+
 NO_SALT = "none"
 
 
@@ -64,11 +66,20 @@ class TransferPlan:
 class DiskIndex:
     """The disk tier's files, least recently used first, at most ``capacity`` of them."""
 
-    def __init__(self, capacity: int, entries: list[tuple[bytes, str]] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self, capacity: int, entries: list[tuple[bytes, str]] | None = None,
+                 events: KVEventLog | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"disk capacity must be >= 0 blocks, got {capacity}")
         self.capacity = capacity
-        self._files: OrderedDict[bytes, str] = OrderedDict(entries)
+        self.events = events
+        self._files: OrderedDict[bytes, str] = OrderedDict(entries or [])
+        if events is not None:
+            for digest in self._files:
+                events.stored(digest, "disk")
+
+    def _removed(self, digest: bytes) -> None:
+        if self.events is not None:
+            self.events.removed(digest, "disk")
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._files
@@ -86,25 +97,27 @@ class DiskIndex:
         """Record a file; returns the files to delete to stay within capacity (oldest first)."""
         self._files[digest] = salt
         self._files.move_to_end(digest)
-        dropped = []
-        while len(self._files) > self.capacity:
-            dropped.append(self._files.popitem(last=False))
-        return dropped
+        if self.events is not None:
+            self.events.stored(digest, "disk")
+        return self.trim()
 
     def discard(self, digest: bytes) -> None:
-        self._files.pop(digest, None)
+        if self._files.pop(digest, None) is not None:
+            self._removed(digest)
 
     def purge(self, salt: str) -> list[bytes]:
         gone = [digest for digest, s in self._files.items() if s == salt]
         for digest in gone:
             del self._files[digest]
+            self._removed(digest)
         return gone
 
     def trim(self) -> list[tuple[bytes, str]]:
-        """Files beyond capacity (a restart with a smaller ``disk_kv_gb``)."""
+        """The oldest files beyond capacity, dropped from the index (to delete)."""
         dropped = []
         while len(self._files) > self.capacity:
             dropped.append(self._files.popitem(last=False))
+            self._removed(dropped[-1][0])
         return dropped
 
 
@@ -122,11 +135,13 @@ class TierCounters:
 class HostTier:
     """Host slots holding evicted device blocks, with the disk tier below them (optional)."""
 
-    def __init__(self, num_slots: int, disk: DiskIndex | None = None) -> None:
+    def __init__(self, num_slots: int, disk: DiskIndex | None = None,
+                 events: KVEventLog | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"the host tier needs >= 1 slot, got {num_slots}")
         self.num_slots = num_slots
         self.disk = disk
+        self.events = events
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._hash_of: list[bytes | None] = [None] * num_slots
         self._salt_of: list[str] = [NO_SALT] * num_slots
@@ -248,6 +263,7 @@ class HostTier:
             self._hash_of[slot] = None
             self._from_disk.discard(digest)
             self._free.append(slot)
+            self._host_removed(digest)
         dropped = len(gone)
         if self.disk is not None:
             files = self.disk.purge(salt)
@@ -261,6 +277,12 @@ class HostTier:
         self._hash_of[slot] = digest
         self._salt_of[slot] = salt
         self._locked.add(slot)
+        if self.events is not None:
+            self.events.stored(digest, "host")
+
+    def _host_removed(self, digest: bytes) -> None:
+        if self.events is not None:
+            self.events.removed(digest, "host")
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -271,6 +293,7 @@ class HostTier:
             del self._slot_of[digest]
             self._hash_of[slot] = None
             self._from_disk.discard(digest)
+            self._host_removed(digest)
             self._demote(digest, slot)
             return slot
         return None

@@ -39,6 +39,7 @@ import numpy as np
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
+from engine.kv_events import KVEventLog
 from engine.kv_tiers import DiskIndex, HostTier, TransferPlan
 from engine.kv_transfer import KVTransfer, cache_fingerprint
 from engine.model_runner import ModelRunner
@@ -87,9 +88,10 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config)
+        self.kv_events = KVEventLog()
         self.kv_transfer, tiers = self._kv_tiers()
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, tiers
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, tiers, self.kv_events
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.vocab_size: int = self.runner.vocab_size
@@ -125,11 +127,12 @@ class LLMEngine:
         transfer = KVTransfer(runner.kv_caches, num_slots, disk_dir, fingerprint)
         disk = None
         if disk_dir is not None:
-            disk = DiskIndex(blocks(config.num_disk_kv_blocks, config.disk_kv_gb), transfer.scan())
+            disk = DiskIndex(blocks(config.num_disk_kv_blocks, config.disk_kv_gb), transfer.scan(),
+                             self.kv_events)
             transfer.execute(TransferPlan(delete=disk.trim()))
             logger.info("KV disk tier: %d blocks of %d found in %s", len(disk), disk.capacity, transfer.root)
         logger.info("KV host tier: %d blocks (%.2f GiB)", num_slots, num_slots * block_bytes / 2**30)
-        return transfer, HostTier(num_slots, disk)
+        return transfer, HostTier(num_slots, disk, self.kv_events)
 
     def close(self) -> None:
         """Finish the disk tier's queued writes (a restart finds every block demoted so far)."""

@@ -33,6 +33,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from engine.kv_events import EventPage
+
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 
 MAX_STOP_SEQUENCES = 16
@@ -260,3 +262,22 @@ class LoadReport(BaseModel):
     step_time_s: float
     # Recent mean time to first token of finished requests, seconds.
     ttft_s: float
+
+
+class KVEventsResponse(BaseModel):
+    """``GET /kv/events``: the engine start it comes from (``epoch``), the sequence number it brings the
+    reader to, and either the events after the reader's cursor (``[seq, "stored" | "removed", tier,
+    hash hex]``) or, when ``snapshot`` is set, every held hash (hex) with its tiers as a bit set (device 1,
+    host 2, disk 4) as of ``seq``: the reader replaces its view of the replica with it."""
+
+    epoch: str
+    seq: int
+    events: list[tuple[int, str, str, str]]
+    snapshot: dict[str, int] | None = None
+
+
+def encode_kv_events(page: EventPage) -> bytes:
+    """The ``KVEventsResponse`` body of a page of events (built directly: it may carry many hashes)."""
+    snapshot = None if page.snapshot is None else {d.hex(): bits for d, bits in page.snapshot.items()}
+    return orjson.dumps({"epoch": page.epoch, "seq": page.seq, "snapshot": snapshot,
+                         "events": [(seq, kind, tier, d.hex()) for seq, kind, tier, d in page.events]})

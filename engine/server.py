@@ -8,6 +8,9 @@
 - ``POST /abort`` ``{"request_id"}``: 200 ``{"aborted": bool}`` (false if it was not in flight).
 - ``GET /health`` (200 once the model is loaded: the app exists only after that), ``GET /info``,
   ``GET /load``, ``GET /metrics`` (Prometheus text from the replica's own registry).
+- ``GET /kv/events?epoch=&after=&limit=``: the prefix cache's block events after a cursor, or a snapshot
+  of every held block hash when the cursor is of another engine start or too old (``engine.kv_events``;
+  the wire form is ``engine.protocol.KVEventsResponse``). The gateways' routing index follows it.
 
 ``serve(model, ...)`` builds the engine and runs uvicorn (one worker: the engine owns the device).
 ``model="synthetic"`` runs ``engine.synthetic.SyntheticEngine`` instead, which emits tokens on a timer
@@ -31,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import EngineError, RequestStream
 from engine.config import EngineConfig
+from engine.kv_events import KVEventLog
 from engine.metrics import CONTENT_TYPE
 from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.pooling import PoolingParams
@@ -42,6 +46,7 @@ from engine.protocol import (
     HealthResponse,
     InfoResponse,
     LoadReport,
+    encode_kv_events,
     encode_record,
 )
 from engine.sampling_params import SamplingParams
@@ -59,6 +64,7 @@ class ServingEngine(Protocol):
     max_model_len: int
 
     pooling: PoolingParams  # the checkpoint's embedding pooling
+    kv_events: KVEventLog  # what its prefix cache holds, in order
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           tenant: str = "", cache_salt: str | None = None, priority: int = 0,
@@ -204,6 +210,11 @@ def create_app(engine: ServingEngine) -> FastAPI:
             step_time_s=s.step_time_s,
             ttft_s=s.ttft_s,
         )
+
+    @app.get("/kv/events")
+    async def kv_events(after: int = 0, epoch: str | None = None, limit: int = 10_000) -> Response:
+        page = engine.kv_events.since(max(0, after), epoch, limit=max(1, min(limit, 100_000)))
+        return Response(encode_kv_events(page), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.async_engine import RequestStream
 from engine.block_hash import prefix_block_hashes
+from engine.kv_events import KVEventLog
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams
@@ -76,6 +77,7 @@ class SyntheticEngine:
         self.token_interval_s = token_interval_s
         self.ttft_s = ttft_s
         self._cache: OrderedDict[bytes, None] = OrderedDict()
+        self.kv_events = KVEventLog()  # its simulated device cache, published like a real engine's
         self._cache_blocks = cache_blocks
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stats = EngineStats(num_kv_blocks=cache_blocks)
@@ -218,10 +220,12 @@ class SyntheticEngine:
             self._cache.move_to_end(digest)
             hits += 1
         for digest in hashes:
+            if digest not in self._cache:
+                self.kv_events.stored(digest, "device")
             self._cache[digest] = None
             self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_blocks:
-            self._cache.popitem(last=False)
+            self.kv_events.removed(self._cache.popitem(last=False)[0], "device")
         return hits * self.block_size
 
     async def _emit(self, stream: RequestStream, prompt: list[int], params: SamplingParams,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -225,8 +225,27 @@ class EngineClient:
     async def info(self, base_url: str) -> InfoResponse:
         return await self._get(base_url, "/info", InfoResponse)
 
+    async def kv_events(self, base_url: str, epoch: str | None, after: int) -> dict[str, Any]:
+        """A page of the replica's block events after ``after`` (``engine.protocol.KVEventsResponse``,
+        parsed but not validated field by field: a snapshot may carry a million hashes)."""
+        query = f"/kv/events?after={after}" + (f"&epoch={epoch}" if epoch else "")
+        try:
+            page = orjson.loads(await self._get_bytes(base_url, query))
+        except orjson.JSONDecodeError:
+            page = None
+        if not isinstance(page, dict) or not isinstance(page.get("events"), list) or "seq" not in page:
+            raise EngineUnavailable(f"{base_url}/kv/events: unreadable answer")
+        return page
+
     async def _get(self, base_url: str, path: str, model: type[M]) -> M:
         """Raises ``EngineUnavailable`` on any failure (probes decide health on it)."""
+        content = await self._get_bytes(base_url, path)
+        try:
+            return model.model_validate(orjson.loads(content))
+        except (ValueError, ValidationError) as exc:
+            raise EngineUnavailable(f"{base_url}{path}: unreadable answer") from exc
+
+    async def _get_bytes(self, base_url: str, path: str) -> bytes:
         try:
             response = await self._send("GET", f"{base_url}{path}", None, self._probe_timeout_s)
             try:
@@ -239,10 +258,7 @@ class EngineClient:
             raise EngineUnavailable(f"{base_url}{path}: {type(exc).__name__}") from exc
         if status != 200:
             raise EngineUnavailable(f"{base_url}{path}: HTTP {status}")
-        try:
-            return model.model_validate(orjson.loads(content))
-        except (ValueError, ValidationError) as exc:
-            raise EngineUnavailable(f"{base_url}{path}: unreadable answer") from exc
+        return content
 
 
 def _error_for_status(status: int, body: bytes) -> Exception:

@@ -10,21 +10,27 @@ Invariants and policies:
   request: ``mark_failed``) is out at once; one whose probes fail otherwise (time out, answer garbage)
   is out after ``PROBE_FAILURES_TO_DOWN`` consecutive failures, so a replica that is merely busy
   answering a probe slowly keeps serving. A later successful probe brings a replica back.
-- Prefix affinity: a request's leading full-block hashes (``engine.block_hash``, salted per tenant, so
-  affinity never crosses tenants either) are looked up deepest-first in a bounded LRU map of
-  block hash → replica that recently served it; a hit sends the request where its prefix is cached.
-  Without a hit, rendezvous hashing on the first block hash picks a stable replica, so requests sharing
-  a system prompt converge on one replica. Either choice is skipped while that replica is over its load
-  watermark (queue or KV cache nearly full, or far more in flight from this gateway than the least
-  loaded one); then the least loaded healthy replica is used. Prompts shorter than a block go to the
-  least loaded replica.
+- Where a prompt goes (``settings.routing_policy``), by its leading full-block hashes
+  (``engine.block_hash``, salted per tenant, so no choice ever crosses tenants):
+  - ``index`` (the default): by what each replica's prefix cache really holds (``gateway.kv_index``,
+    followed from the replicas' ``/kv/events`` every ``kv_index_poll_interval_s``): the replica whose
+    held leading blocks weigh most (device above host above disk), ties to the less loaded one.
+  - ``affinity``: a per-process guess, the replica this process last sent the deepest known block to
+    (a bounded LRU map of block hash → replica, written by ``remember``).
+  - ``round_robin``: the replicas in turn (a baseline for benchmarks).
+  Without any holding or guess, rendezvous hashing on the first block hash picks a stable replica, so
+  requests sharing a system prompt converge on one replica. A choice is skipped while that replica is
+  over its load watermark (queue or KV cache nearly full, or far more in flight from this gateway than
+  the least loaded one); then the least loaded healthy replica is used. Prompts shorter than a block
+  go to the least loaded replica.
 - Routing key (``prompt_cache_key``): a request that carries one is routed by rendezvous hashing on
   that key instead of its blocks, so one tenant's requests with one key go to one replica whatever
   their prompts. The caller derives the key per tenant (``gateway.generation``), so the same key string
   of two tenants is two unrelated routing identities. The keyed choice takes precedence over both
   affinity choices and obeys the same rules: healthy and not excluded (failover moves the key to the
   next replica in its rendezvous order), and the least loaded replica while it is over the watermark.
-- ``pick`` never blocks and never does I/O; the hot path reads in-memory state only.
+- ``pick`` never blocks and never does I/O; the hot path reads in-memory state only (the index is
+  updated by a background task).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pathlib import Path
 from engine.protocol import InfoResponse, LoadReport
 from gateway.engine_client import EngineClient, EngineUnavailable
 from gateway.errors import ServiceUnavailableError
+from gateway.kv_index import GapError, ReplicaKVIndex
 from tollgate.settings import Settings
 
 logger = logging.getLogger("tollgate.gateway.routing")
@@ -71,6 +78,7 @@ class Replica:
     last_error: str | None = None
     checked_at: float = 0.0
     probe_failures: int = 0
+    kv: ReplicaKVIndex = field(default_factory=ReplicaKVIndex)
 
     @property
     def load_score(self) -> float:
@@ -113,8 +121,11 @@ class Router:
             for url in pool_cfg.replicas if pool_cfg else ():
                 route.replicas.append(Replica(url=url.rstrip("/"), pool=pool))
             self.models[cfg.name] = route
+        self.policy = settings.routing_policy
+        self._kv_interval = settings.kv_index_poll_interval_s
         self._affinity: OrderedDict[bytes, Replica] = OrderedDict()
-        self._task: asyncio.Task[None] | None = None
+        self._turn = 0
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def replicas(self) -> list[Replica]:
@@ -123,14 +134,17 @@ class Router:
     async def start(self) -> None:
         """Probe every replica once (so the first requests find healthy ones), then poll in the background."""
         await self.poll_once()
-        self._task = asyncio.create_task(self._poll_forever(), name="tollgate-router-poll")
+        self._tasks.append(asyncio.create_task(self._poll_forever(), name="tollgate-router-poll"))
+        if self.policy == "index":
+            await self.follow_kv_once()
+            self._tasks.append(asyncio.create_task(self._follow_kv_forever(), name="tollgate-kv-index"))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._tasks.clear()
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._probe(r) for r in self.replicas))
@@ -163,6 +177,34 @@ class Router:
             replica.last_error = None
         replica.checked_at = time.monotonic()
 
+    async def follow_kv_once(self) -> None:
+        """Bring every healthy replica's index up to date with its block events."""
+        await asyncio.gather(*(self._follow_kv(r) for r in self.replicas if r.healthy))
+
+    async def _follow_kv_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._kv_interval)
+            try:
+                await self.follow_kv_once()
+            except Exception:  # a bug here must not stop the index from following
+                logger.exception("following the replicas' KV events failed")
+
+    async def _follow_kv(self, replica: Replica) -> None:
+        index = replica.kv
+        for _ in range(100):  # pages until caught up; the rest next round
+            try:
+                page = await self._client.kv_events(replica.url, index.epoch, index.seq)
+            except EngineUnavailable:
+                return  # the probes decide the replica's health; its index is rebuilt when it is back
+            try:
+                index.apply(page)
+            except (GapError, KeyError, TypeError, ValueError) as exc:
+                logger.warning("KV index of %s rebuilt: %s", replica.url, exc)
+                index.reset()
+                continue
+            if page.get("snapshot") is None and not page["events"]:
+                return
+
     def mark_failed(self, replica: Replica, reason: str) -> None:
         """Take a replica out until a probe finds it answering again."""
         if replica.healthy:
@@ -186,27 +228,51 @@ class Router:
         if routing_key is not None:
             preferred = max(candidates, key=lambda r: _rendezvous(routing_key, r.url))
             return least if preferred.over_watermark(least_inflight) else preferred
+        if self.policy == "round_robin":  # the turn moves on when a replica accepts (``remember``)
+            return candidates[self._turn % len(candidates)]
         if block_hashes:
-            for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
-                replica = self._affinity.get(h)
-                if replica is not None:
-                    if replica in candidates and not replica.over_watermark(least_inflight):
-                        return replica
-                    break
+            held = self._holder(candidates, block_hashes, least_inflight)
+            if held is not None:
+                return held
             preferred = max(candidates, key=lambda r: _rendezvous(block_hashes[0], r.url))
             if not preferred.over_watermark(least_inflight):
                 return preferred
         return least
 
+    def _holder(self, candidates: list[Replica], block_hashes: Sequence[bytes],
+                least_inflight: int) -> Replica | None:
+        """The replica that holds (index) or most likely holds (affinity) the prompt's prefix, if it is
+        not over its watermark."""
+        if self.policy == "index":
+            scored = [(r.kv.prefix_weight(block_hashes), -r.load_score, r) for r in candidates
+                      if not r.over_watermark(least_inflight)]
+            best = max(scored, key=lambda s: s[:2], default=None)
+            return best[2] if best is not None and best[0] > 0 else None
+        for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
+            replica = self._affinity.get(h)
+            if replica is not None:
+                if replica in candidates and not replica.over_watermark(least_inflight):
+                    return replica
+                return None
+        return None
+
     def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks ``replica`` most likely still holds (it served them recently)."""
+        """How many leading blocks ``replica`` holds (index) or most likely still holds (it served them
+        recently)."""
+        if self.policy == "index":
+            return len(replica.kv.held_prefix(block_hashes))
         for depth in range(min(len(block_hashes), AFFINITY_BLOCKS), 0, -1):
             if self._affinity.get(block_hashes[depth - 1]) is replica:
                 return depth
         return 0
 
     def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
-        """Record that ``replica`` now holds these leading blocks (called when it accepted the request)."""
+        """Record that ``replica`` now holds these leading blocks (called when it accepted the request;
+        the affinity policy guesses from it, round robin moves to the next turn)."""
+        if self.policy == "round_robin":
+            self._turn += 1
+        if self.policy != "affinity":
+            return
         affinity = self._affinity
         for h in block_hashes[:AFFINITY_BLOCKS]:
             affinity[h] = replica

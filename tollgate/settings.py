@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     health_poll_interval_s: float = 1.0
+    # How requests are spread over a pool's replicas (``gateway.routing``): "index" (by the blocks each
+    # replica's prefix cache really holds, followed from its /kv/events every kv_index_poll_interval_s),
+    # "affinity" (a per-process guess from where this process sent each prefix before), "round_robin".
+    routing_policy: Literal["index", "affinity", "round_robin"] = "index"
+    kv_index_poll_interval_s: float = 0.1
     # Bearer token a Prometheus scrape presents at the gateway's ``GET /metrics`` (the scrape config's
     # ``authorization: {credentials: ...}``); an admin API token is accepted too. None: admin tokens only.
     metrics_token: SecretStr | None = None

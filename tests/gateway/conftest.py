@@ -46,13 +46,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def run_engine(model_dir: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``tollgate engine`` as a subprocess on a free port, once it answers ``/health``."""
-    port = free_port()
-    with open(log, "wb") as out:
+def run_engine(model_dir: Path, log: Path, port: int | None = None,
+               options: tuple[str, ...] = ("--num-kv-blocks", "512"),
+               ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``tollgate engine`` as a subprocess (on ``port``, else a free one), once it answers ``/health``."""
+    port = port or free_port()
+    with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from tollgate.cli import main; main()", "engine", "--model",
-             str(model_dir), "--port", str(port), "--num-kv-blocks", "512", "--max-num-seqs", "16"],
+             str(model_dir), "--port", str(port), "--max-num-seqs", "16", *options],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     url = f"http://127.0.0.1:{port}"

@@ -1,5 +1,5 @@
 """Replica choice: healthy only, prefix affinity (learned and rendezvous), load watermark, failover, and
-the per-tenant ``prompt_cache_key`` routing key."""
+the per-tenant ``prompt_cache_key`` routing key. Routing by the replicas' KV index: test_kv_index.py."""
 
 from __future__ import annotations
 
@@ -22,10 +22,9 @@ def load(waiting: int = 0, kv_usage: float = 0.1) -> LoadReport:
                       num_preemptions=0, tokens_per_s=100.0, step_time_s=0.01, ttft_s=0.1)
 
 
-@pytest.fixture
-async def router():
+async def make_router(policy: str = "index"):  # type: ignore[no-untyped-def]
     settings = Settings(environment="test", models=[ModelConfig(name="m", path=None)],
-                        pools={"interactive": PoolConfig(replicas=URLS)})
+                        pools={"interactive": PoolConfig(replicas=URLS)}, routing_policy=policy)
     client = EngineClient(request_timeout_s=5)
     r = Router(settings, client)
     for replica in r.replicas:
@@ -33,6 +32,24 @@ async def router():
         replica.load = load()
     yield r
     await client.aclose()
+
+
+@pytest.fixture
+async def router():
+    async for r in make_router():
+        yield r
+
+
+@pytest.fixture(params=["index", "affinity"])
+async def any_router(request: pytest.FixtureRequest):
+    async for r in make_router(request.param):
+        yield r
+
+
+@pytest.fixture
+async def affinity_router():
+    async for r in make_router("affinity"):
+        yield r
 
 
 def hashes(seed: int, blocks: int = 4) -> list[bytes]:
@@ -46,14 +63,16 @@ def test_same_prefix_goes_to_the_same_replica(router: Router) -> None:
         assert len({router.pick("m", hashes(s)).url for _ in range(5)}) == 1
 
 
-def test_learned_affinity_follows_the_deepest_known_block(router: Router) -> None:
+def test_learned_affinity_follows_the_deepest_known_block(affinity_router: Router) -> None:
+    router = affinity_router
     h = hashes(1, blocks=6)
     chosen = router.replicas[3]
     router.remember(chosen, h[:5])
     assert router.pick("m", h) is chosen
 
 
-def test_cached_prefix_estimate(router: Router) -> None:
+def test_cached_prefix_estimate(affinity_router: Router) -> None:
+    router = affinity_router
     h = hashes(4, blocks=5)
     replica = router.replicas[1]
     assert router.cached_prefix_blocks(replica, h) == 0
@@ -62,7 +81,8 @@ def test_cached_prefix_estimate(router: Router) -> None:
     assert router.cached_prefix_blocks(router.replicas[2], h) == 0
 
 
-def test_watermark_overrides_affinity(router: Router) -> None:
+def test_watermark_overrides_affinity(any_router: Router) -> None:
+    router = any_router
     h = hashes(2)
     preferred = router.pick("m", h)
     preferred.load = load(waiting=WATERMARK_WAITING)

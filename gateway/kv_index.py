@@ -1,0 +1,82 @@
+"""What each engine replica's prefix cache really holds, followed from its block events.
+
+Every gateway process follows each replica's ``GET /kv/events`` (``engine.kv_events``) on its own:
+events are applied in sequence order from a cursor; a snapshot (the engine restarted: a new ``epoch``;
+or the cursor fell behind what the engine keeps) replaces the view wholesale. So every process converges
+on the same index, and it reflects evictions, offloads to the host and disk tiers, and restarts, which
+no guess from past routing decisions can.
+
+``ReplicaKVIndex.held_prefix(hashes)`` answers the router on the hot path, in memory: the tier of each
+leading block of a prompt that the replica holds, up to the first it does not. Hashes are salted per
+tenant (``engine.block_hash``), so the index never matches one tenant's prompt to another's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.kv_events import TIER_BITS
+
+DEVICE, HOST, DISK = TIER_BITS["device"], TIER_BITS["host"], TIER_BITS["disk"]
+# What a held block is worth to a new request, by the best tier it is in: a device hit is free, a host
+# hit costs a copy over PCIe, a disk hit a read (still far cheaper than recomputing the block).
+TIER_WEIGHT = {DEVICE: 1.0, HOST: 0.8, DISK: 0.5}
+
+
+def best_tier(bits: int) -> int:
+    return DEVICE if bits & DEVICE else HOST if bits & HOST else DISK
+
+
+class GapError(ValueError):
+    """A page does not continue from the cursor: the follower asks for a snapshot."""
+
+
+class ReplicaKVIndex:
+    def __init__(self) -> None:
+        self.epoch: str | None = None
+        self.seq = 0
+        self.held: dict[bytes, int] = {}
+        self.snapshots = 0  # how often the view was rebuilt from a snapshot
+
+    def apply(self, page: dict[str, Any]) -> None:
+        """Apply one ``/kv/events`` answer (parsed JSON). Raises ``GapError`` when its events do not
+        follow the cursor (the caller resets and asks again from 0)."""
+        snapshot = page.get("snapshot")
+        if snapshot is not None:
+            self.held = {bytes.fromhex(h): int(bits) for h, bits in snapshot.items()}
+            self.epoch, self.seq = page["epoch"], int(page["seq"])
+            self.snapshots += 1
+            return
+        if page["epoch"] != self.epoch:
+            raise GapError("events of another engine start")
+        held = self.held
+        for seq, kind, tier, digest_hex in page["events"]:
+            if seq != self.seq + 1:
+                raise GapError(f"event {seq} after {self.seq}")
+            digest, bit = bytes.fromhex(digest_hex), TIER_BITS[tier]
+            if kind == "stored":
+                held[digest] = held.get(digest, 0) | bit
+            else:
+                left = held.get(digest, 0) & ~bit
+                if left:
+                    held[digest] = left
+                else:
+                    held.pop(digest, None)
+            self.seq = seq
+
+    def reset(self) -> None:
+        self.epoch, self.seq, self.held = None, 0, {}
+
+    def held_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """The best tier of each leading block held, up to the first block not held."""
+        held, tiers = self.held, []
+        for digest in hashes:
+            bits = held.get(digest)
+            if not bits:
+                break
+            tiers.append(best_tier(bits))
+        return tiers
+
+    def prefix_weight(self, hashes: Sequence[bytes]) -> float:
+        return sum(TIER_WEIGHT[tier] for tier in self.held_prefix(hashes))
