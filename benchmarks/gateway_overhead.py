@@ -66,16 +66,20 @@ P99_LIMIT_S = 1.0
 
 @dataclass
 class Platform:
-    """Postgres, Redis, one engine replica and a gateway, started by ``platform()``."""
+    """Postgres, Redis, engine replicas and a gateway, started by ``platform()``."""
 
     root: Path
     database_url: str
     redis_url: str
-    engine_url: str
+    engine_urls: list[str]
     gateway_url: str
     gateway_pid: int
     tokenizer_dir: Path
     tenant_ids: dict[str, int] = field(default_factory=dict)  # API key -> tenant id
+
+    @property
+    def engine_url(self) -> str:
+        return self.engine_urls[0]
 
     def create_tenant_key(self, **tenant_columns: Any) -> str:
         """A committed tenant (with these columns) and an API key for it."""
@@ -116,11 +120,14 @@ class Platform:
 @contextlib.contextmanager
 def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[str, float] | None = None,
              model: str = MODEL, gateway_env: dict[str, str] | None = None,
-             engine_env: dict[str, str] | None = None) -> Iterator[Platform]:
+             engine_env: dict[str, str] | None = None, replicas: int = 1,
+             gateway_workers: int = 1) -> Iterator[Platform]:
     """Start everything in a temporary directory; stop everything at exit.
 
     The engine is the synthetic one with ``engine_extra`` timings, unless ``real_engine_args`` is given:
-    then ``tollgate engine --model <tiny checkpoint> <real_engine_args>`` (the real CPU engine)."""
+    then ``tollgate engine --model <tiny checkpoint> <real_engine_args>`` (the real CPU engine), as
+    ``replicas`` replicas of the interactive pool (``{root}`` in an argument is the platform's directory,
+    ``{replica}`` the replica's number)."""
     from engine.tiny import create_tiny_checkpoint
     from tests.factories import create_price
     from tollgate import schema
@@ -168,20 +175,23 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
         tiny = create_tiny_checkpoint(root / "tiny", arch="llama", seed=0)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "PROMETHEUS_"))}
         env["PYTHONUNBUFFERED"] = "1"
-        engine_port = free_port()
-        if real_engine_args is None:
-            extra = engine_extra or {"token_interval_s": 0.0, "ttft_s": 0.0}
-            code = (f"from engine.server import serve; serve('synthetic', port={engine_port}, "
-                    f"model_name={model!r}, extra={extra!r})")
-            argv = [sys.executable, "-c", code]
-        else:
-            argv = [sys.executable, "-m", "tollgate", "engine", "--model", str(tiny), "--model-name", model,
-                    "--port", str(engine_port), *real_engine_args]
-        engine_log = root / "engine.log"
-        engine = spawn(argv, log_path=engine_log, env={**env, **(engine_env or {})})
-        procs.append((engine, 15))
-        engine_url = f"http://127.0.0.1:{engine_port}"
-        wait_http_ok(f"{engine_url}/health", engine, engine_log, 120.0)
+        engine_urls = []
+        for number in range(replicas):
+            engine_port = free_port()
+            if real_engine_args is None:
+                extra = engine_extra or {"token_interval_s": 0.0, "ttft_s": 0.0}
+                code = (f"from engine.server import serve; serve('synthetic', port={engine_port}, "
+                        f"model_name={model!r}, extra={extra!r})")
+                argv = [sys.executable, "-c", code]
+            else:
+                args = [a.format(root=root, replica=number) for a in real_engine_args]
+                argv = [sys.executable, "-m", "tollgate", "engine", "--model", str(tiny),
+                        "--model-name", model, "--port", str(engine_port), *args]
+            engine_log = root / f"engine{number}.log"
+            engine = spawn(argv, log_path=engine_log, env={**env, **(engine_env or {})})
+            procs.append((engine, 15))
+            engine_urls.append(f"http://127.0.0.1:{engine_port}")
+            wait_http_ok(f"{engine_urls[-1]}/health", engine, engine_log, 120.0)
 
         tiers = {name: {"engine_priority": prio, "ttft_slo_ms": 600_000, "tpot_slo_ms": 60_000, "rank": rank}
                  for name, prio, rank in (("priority", 0, 3), ("default", 1, 2), ("flex", 2, 1))}
@@ -189,15 +199,15 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
         gw_env = {**env, "TOLLGATE_ENVIRONMENT": "test", "TOLLGATE_DATABASE_URL": database_url,
                   "TOLLGATE_REDIS_URL": rd.url(0), "TOLLGATE_TIERS": json.dumps(tiers),
                   "TOLLGATE_MODELS": json.dumps([{"name": model, "path": str(tiny)}]),
-                  "TOLLGATE_POOLS": json.dumps({"interactive": {"replicas": [engine_url]}}),
+                  "TOLLGATE_POOLS": json.dumps({"interactive": {"replicas": engine_urls}}),
                   "TOLLGATE_KEY_CACHE_TTL_S": "60", **(gateway_env or {})}
         gw_log = root / "gateway.log"
         gateway = spawn([sys.executable, "-m", "tollgate", "gateway", "--port", str(gw_port),
-                         "--workers", "1"], log_path=gw_log, env=gw_env)
+                         "--workers", str(gateway_workers)], log_path=gw_log, env=gw_env)
         procs.append((gateway, 15))
         gateway_url = f"http://127.0.0.1:{gw_port}"
         wait_http_ok(f"{gateway_url}/health", gateway, gw_log, 120.0)
-        yield Platform(root, database_url, rd.url(0), engine_url, gateway_url, gateway.pid, tiny)
+        yield Platform(root, database_url, rd.url(0), engine_urls, gateway_url, gateway.pid, tiny)
     finally:
         for proc, sig in reversed(procs):
             stop(proc, sig=sig, timeout=20)

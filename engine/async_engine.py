@@ -33,6 +33,7 @@ synthetic engine can share ``RequestStream``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -161,6 +162,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._purges: list[tuple[str | None, concurrent.futures.Future[int]]] = []
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         if grammar_compile_threads < 1:
@@ -259,6 +261,16 @@ class AsyncEngine:
             async for delta in stream:
                 yield delta
 
+    def purge_cache(self, cache_salt: str | None) -> concurrent.futures.Future[int]:
+        """Drop one tenant's cached blocks from every tier before the next step (its blocks dropped)."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineError("the engine is shutting down")
+            self._purges.append((cache_salt, done))
+            self._cond.notify()
+        return done
+
     def abort(self, request_id: str) -> bool:
         """Abort a request before the next step; returns False if it is not in flight.
 
@@ -347,12 +359,19 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stopping or engine.has_unfinished()):
+                while not (self._adds or self._aborts or self._purges or self._stopping
+                           or engine.has_unfinished()):
                     self._cond.wait()
                 if self._stopping:
                     break
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                purges, self._purges = self._purges, []
+            for salt, done in purges:
+                try:
+                    done.set_result(engine.purge_cache(salt))
+                except Exception as exc:
+                    done.set_exception(exc)
             for add in adds:
                 try:
                     engine.add_request(add.request_id, add.prompt_token_ids, add.params, tenant=add.tenant,

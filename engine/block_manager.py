@@ -266,6 +266,21 @@ class BlockManager:
         self._seq_committed.pop(seq.seq_id, None)
         self._seq_hashes.pop(seq.seq_id, None)
 
+    def purge(self, cache_salt: str | None) -> int:
+        """Forget every cached block of one tenant's salt, in every tier (a deleted tenant); blocks in
+        use keep their contents but are no longer shared. Returns the blocks dropped."""
+        key = self._salt(cache_salt)[1]
+        gone = [(d, block) for d, block in self._hash_to_block.items() if self._block_salt[block] == key]
+        for digest, block in gone:
+            del self._hash_to_block[digest]
+            self._block_hash[block] = None
+            if self.events is not None:
+                self.events.removed(digest, "device")
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
+        return len(gone) + (self.tiers.purge(key) if self.tiers is not None else 0)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (in-use blocks keep their contents, evictable ones become free)."""
         for digest, block in self._hash_to_block.items():
@@ -305,6 +320,9 @@ class BlockManager:
             else:
                 break
         return hits, host
+
+    def salt_key(self, salt: str | None) -> str:
+        return self._salt(salt)[1]
 
     def _salt(self, salt: str | None) -> tuple[bytes, str]:
         """(salt digest, salt key) of a tenant's ``cache_salt``, computed once per salt."""

@@ -2,7 +2,8 @@
 tier (device, host, disk), each with a sequence number, for the gateways' routing index.
 
 The block manager and the tiers emit events from the engine thread; the HTTP server reads them from
-another (``GET /kv/events``), so ``KVEventLog`` is guarded by a lock. It keeps the last ``capacity``
+another (``GET /kv/events``, a long poll: ``wait`` returns as soon as there is something new), so
+``KVEventLog`` is guarded by a lock. It keeps the last ``capacity``
 events and a mirror of the holdings they add up to, so a reader that is too far behind, or that has
 never read (a new gateway process, a restarted replica: ``epoch`` changes with every engine start),
 gets a snapshot (every held hash with its tiers, as of a sequence number) and continues from there.
@@ -43,7 +44,7 @@ class KVEventLog:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.epoch = os.urandom(8).hex()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._events: deque[tuple[int, str, str, bytes]] = deque(maxlen=capacity)
         self._seq = 0
         self._held: dict[bytes, int] = {}  # hash -> bit set of TIER_BITS
@@ -72,6 +73,13 @@ class KVEventLog:
     def _append(self, kind: str, tier: str, digest: bytes) -> None:
         self._seq += 1
         self._events.append((self._seq, kind, tier, digest))
+        self._lock.notify_all()
+
+    def wait(self, after: int, epoch: str | None, timeout_s: float) -> None:
+        """Block (a server thread, never the engine's) until there is something after ``after`` for a
+        reader of ``epoch``, or ``timeout_s`` passed: the long poll of ``GET /kv/events``."""
+        with self._lock:
+            self._lock.wait_for(lambda: epoch != self.epoch or self._seq > after, timeout=timeout_s)
 
     def since(self, after: int, epoch: str | None = None, limit: int = 10_000) -> EventPage:
         """Events with ``seq > after`` (at most ``limit``), or a snapshot when the reader's cursor is of

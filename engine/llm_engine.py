@@ -134,6 +134,16 @@ class LLMEngine:
         logger.info("KV host tier: %d blocks (%.2f GiB)", num_slots, num_slots * block_bytes / 2**30)
         return transfer, HostTier(num_slots, disk, self.kv_events)
 
+    def purge_cache(self, cache_salt: str | None) -> int:
+        """Drop every cached block of ``cache_salt`` from the device, host and disk tiers (between steps);
+        returns how many blocks went."""
+        dropped = self.block_manager.purge(cache_salt)
+        tiers, transfer = self.block_manager.tiers, self.kv_transfer
+        if tiers is not None and transfer is not None:
+            transfer.execute(tiers.take_plan())
+            transfer.delete_salt(self.block_manager.salt_key(cache_salt))
+        return dropped
+
     def close(self) -> None:
         """Finish the disk tier's queued writes (a restart finds every block demoted so far)."""
         if self.kv_transfer is not None:

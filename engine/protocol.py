@@ -264,6 +264,12 @@ class LoadReport(BaseModel):
     ttft_s: float
 
 
+class PurgeRequest(_Strict):
+    """``POST /kv/purge``: the tenant's cache salt whose blocks every tier drops."""
+
+    cache_salt: str | None
+
+
 class KVEventsResponse(BaseModel):
     """``GET /kv/events``: the engine start it comes from (``epoch``), the sequence number it brings the
     reader to, and either the events after the reader's cursor (``[seq, "stored" | "removed", tier,

@@ -20,38 +20,8 @@ step. Invariants and policies:
 - **No starvation.** Priorities are strict, so batch work waits while interactive work is present and
   is served as soon as it stops. Admission is head-of-line: when the next request in order cannot be
   admitted, no later request is admitted ahead of it (a long prompt is not starved by short ones).
-- **Tenant fairness.** Within one priority, work is picked tenant by tenant: the tenant with the least
-  *served tokens* (a virtual token counter, charged with every token computed for it) goes first,
-  FCFS within a tenant and between equal tenants. A tenant that becomes active starts at the current
-  minimum of the active tenants (the virtual time), so idle time never banks credit.
-- **Fair share of running slots (and the KV blocks they hold).** Ordering the waiting queue is not
-  enough: once one tenant holds every running slot, another tenant's request would wait for one of its
-  streams to end. Within priority ``p``, a tenant's fair share is ``ceil(max_num_seqs / T)`` running
-  sequences, ``T`` the number of distinct tenants with running or waiting sequences at ``p``. When a
-  waiting sequence of tenant ``t`` cannot be admitted (sequence slots or blocks short), ``t`` holds fewer
-  than its share at ``p`` and another tenant ``u`` holds more than its share at ``p``, the latest-arrived
-  running sequence of the tenant furthest over its share is preempted by recompute (the usual path: it
-  re-enters waiting at its place in line, nothing is re-billed as cached) and ``t``'s sequence is
-  admitted. Lower-priority work is preempted first, as before, and a fairness preemption never crosses
-  priorities. No thrash: a tenant at or below its share is never a victim, and a tenant already at its
-  share never triggers one, so a preemption can never be undone by the reverse one. Admission scans the
-  tenants under their share first (up to their share), then everyone, each pass in fair order and
-  head-of-line (a blocked head stops admission, for lower priorities too). When a running
-  sequence needs a block and none is free, the victim is still of the lowest priority present, but
-  within it a sequence of a tenant over its share goes before the latest arrival. The victim returns
-  when a slot frees up and no tenant under its share is waiting, at the latest when the other tenants'
-  work ends. Counted in ``num_fairness_preemptions`` (also in ``num_preemptions``).
-- **A fairness admission gets its own step.** When admitting a waiting sequence at priority ``p``
-  required a fairness preemption, that step carries only the admissions of the tenants under their
-  share at ``p`` (the first admission pass; each chunk then grows into the budget freed below, its
-  blocks being allocated already) and the work of strictly higher priorities: the decodes and chunks of
-  the running sequences at ``p`` or lower are dropped from this step only (their served tokens are
-  refunded, ``num_computed_tokens`` does not move) and nothing else is admitted; they all run the next
-  step. The newcomer's prefill is thus not slowed by the saturating tenant's decodes (the cost: one
-  step of theirs per fairness preemption, which only happens when a tenant under its share arrives).
-  A block that ``ensure_slots`` reserved for a dropped token stays in the sequence's table: it covers
-  the position computed next step, where ``ensure_slots`` finds it. Steps without a fairness preemption
-  (unsaturated engine, single tenant, priority or block-pressure preemptions) are unchanged.
+- **Tenant fairness.** Within a priority, tenants take turns by served tokens and hold a fair share of
+  running slots, taken back by preemption when needed: see ``engine.fairness`` (``TenantFairness``).
 - **n > 1.** Siblings (same ``request_id``) are admitted once the first stream has computed its prompt,
   so they reuse its full prompt blocks: through the prefix cache, or through ``BlockManager.fork`` when
   prefix caching is disabled.
@@ -64,12 +34,11 @@ the sequences that stop.
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
-from collections.abc import Iterable, Iterator
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.fairness import TenantFairness
 from engine.sequence import FinishReason, ScheduledBatch, ScheduledSeq, Sequence, SequenceStatus
 
 
@@ -85,15 +54,11 @@ class Scheduler:
         self._arrival_rank: dict[int, int] = {}
         self._arrivals = itertools.count()
         self._by_request: dict[str, list[Sequence]] = {}
-        # Virtual token counters: tokens served per tenant, and the tenants with unfinished work.
-        self._served: dict[str, int] = {}
-        self._active: dict[str, int] = {}
-        self._vtime = 0
+        self.fairness = TenantFairness(self.max_num_seqs, self._arrival_rank)
         self.num_preemptions = 0
         self.num_fairness_preemptions = 0
         self.num_partial_prefill_chunks = 0
         self.computed_prefill_tokens = 0
-        self.computed_decode_tokens = 0
         self.num_finished = 0
         self.num_aborted = 0
 
@@ -119,7 +84,7 @@ class Scheduler:
             )
         self._arrival_rank[seq.seq_id] = next(self._arrivals)
         self._by_request.setdefault(seq.request_id, []).append(seq)
-        self._activate(seq.tenant)
+        self.fairness.activate(seq.tenant)
         self._push_waiting(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
@@ -149,7 +114,7 @@ class Scheduler:
             siblings.remove(seq)
             if not siblings:
                 del self._by_request[seq.request_id]
-        self._deactivate(seq.tenant)
+        self.fairness.deactivate(seq.tenant)
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or self._num_waiting > 0
@@ -162,52 +127,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def num_waiting_tokens(self) -> int:
-        """Tokens still to compute for waiting sequences (for time-to-first-token predictions)."""
-        return sum(
-            len(s.token_ids) for tenants in self._waiting.values() for q in tenants.values() for s in q
-        )
-
-    def served_tokens(self, tenant: str) -> int:
-        """The tenant's virtual token counter (tokens served, shifted by the virtual time on activation)."""
-        return self._served.get(tenant, self._vtime)
-
-    def stats(self) -> dict[str, float | int]:
-        """Counters and gauges for ``/load`` and ``/metrics``."""
-        bm = self.block_manager
-        return {
-            "num_waiting": self._num_waiting,
-            "num_running": len(self.running),
-            "num_waiting_tokens": self.num_waiting_tokens(),
-            "kv_usage": bm.usage,
-            "num_kv_blocks": bm.num_blocks,
-            "num_free_kv_blocks": bm.num_free_blocks,
-            "num_cached_kv_blocks": bm.num_cached_blocks,
-            "prefix_queries_tokens": bm.prefix_queries_tokens,
-            "prefix_hit_tokens": bm.prefix_hit_tokens,
-            "prefix_hit_rate": bm.prefix_hit_rate,
-            "num_preemptions": self.num_preemptions,
-            "num_fairness_preemptions": self.num_fairness_preemptions,
-            "num_partial_prefill_chunks": self.num_partial_prefill_chunks,
-            "computed_prefill_tokens": self.computed_prefill_tokens,
-            "computed_decode_tokens": self.computed_decode_tokens,
-            "num_finished": self.num_finished,
-            "num_aborted": self.num_aborted,
-        }
-
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick the work of one step (see the module docstring for the policy)."""
-        self._advance_vtime()
+        self.fairness.advance_vtime()
         step = _Step(self.max_num_batched_tokens)
-        running_by_level: dict[int, list[Sequence]] = {}
+        running_by_level: dict[int, dict[str, list[Sequence]]] = {}
         for seq in self.running:
-            running_by_level.setdefault(seq.priority, []).append(seq)
+            running_by_level.setdefault(seq.priority, {}).setdefault(seq.tenant, []).append(seq)
         admitting = True
         for level in sorted(running_by_level.keys() | self._waiting.keys()):
             if step.fair_level is not None:
                 break  # a fairness admission step carries no lower-priority work
-            for seq in self._fair_order(_group_by_tenant(running_by_level.get(level, ()))):
+            for seq in self.fairness.fair_order(running_by_level.get(level, {})):
                 if step.budget <= 0:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled:
@@ -244,8 +176,6 @@ class Scheduler:
                 )
             prompt_part = max(0, min(end, seq.num_prompt_tokens) - start)
             self.computed_prefill_tokens += prompt_part
-            if start >= seq.num_prompt_tokens and item.num_tokens == 1:
-                self.computed_decode_tokens += 1
             if not samples:
                 self.num_partial_prefill_chunks += 1
             seq.num_computed_tokens = end
@@ -260,14 +190,12 @@ class Scheduler:
         prefilling = {s.request_id for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
         prompt_ready = {s.request_id for s in self.running if s.num_computed_tokens >= s.num_prompt_tokens}
         share = self._fair_share(level)
-        waiting = self._waiting.get(level, {})
         # Two passes in fair order: first the tenants under their share of running slots (they may
         # preempt tenants over theirs), each for at most the sequences that bring it to its share; then
         # everyone, with lower-priority victims only. A blocked head stops admission (head-of-line).
-        counts = _count_by_tenant(s for s in self.running if s.priority == level)
-        under = {t: q[: share - counts.get(t, 0)] for t, q in waiting.items() if counts.get(t, 0) < share}
+        under = self.fairness.under_share(self._waiting.get(level, {}), self._running_at(level), share)
         for fair_pass in (True, False):
-            for seq in self._fair_order(under if fair_pass else self._waiting.get(level, {})):
+            for seq in self.fairness.fair_order(under if fair_pass else self._waiting.get(level, {})):
                 if step.budget <= 0:
                     return True
                 if seq.status is not SequenceStatus.WAITING or seq in step.preempted:
@@ -318,7 +246,7 @@ class Scheduler:
             if extra > 0:
                 admitted.num_tokens += extra
                 step.budget -= extra
-                self._served[seq.tenant] += extra
+                self.fairness.charge(seq.tenant, extra)
 
     def _make_room(self, seq: Sequence, level: int, share: int | None, step: _Step) -> bool:
         """A sequence slot and blocks for ``seq``, preempting if that is enough; False if it is not.
@@ -332,7 +260,7 @@ class Scheduler:
             victim = self._pick_victim(lower_than=level)
             if victim is not None or share is None:
                 return victim, False
-            victim = self._fair_victim(level, seq.tenant, share)
+            victim = self.fairness.fair_victim(self._running_at(level), seq.tenant, share)
             return victim, victim is not None
 
         if len(self.running) >= self.max_num_seqs and next_victim()[0] is None:
@@ -392,23 +320,7 @@ class Scheduler:
         if not self.running:
             return None
         lowest = max(s.priority for s in self.running)
-        candidates = [s for s in self.running if s.priority == lowest]
-        share = self._fair_share(lowest)
-        counts = _count_by_tenant(candidates)
-        return max(candidates, key=lambda s: (counts[s.tenant] > share, rank[s.seq_id]))
-
-    def _fair_victim(self, level: int, tenant: str, share: int) -> Sequence | None:
-        """The latest-arrived running sequence at ``level`` of the tenant furthest over its fair share,
-        if ``tenant`` is under its share and another tenant is over it."""
-        running = [s for s in self.running if s.priority == level]
-        counts = _count_by_tenant(running)
-        if counts.get(tenant, 0) >= share:
-            return None
-        candidates = [s for s in running if s.tenant != tenant and counts[s.tenant] > share]
-        if not candidates:
-            return None
-        rank = self._arrival_rank
-        return max(candidates, key=lambda s: (counts[s.tenant], rank[s.seq_id]))
+        return self.fairness.block_victim(self._running_at(lowest), self._fair_share(lowest))
 
     def _reclaimable_blocks(self, level: int, tenant: str, share: int | None) -> int:
         """Blocks available to a waiting sequence of ``tenant`` at ``level`` once every victim that
@@ -416,12 +328,7 @@ class Scheduler:
         over their share). Exact: a block shared with a sequence that stays is not counted."""
         victims = [s for s in self.running if s.priority > level]
         if share is not None:
-            rank = self._arrival_rank
-            same = [s for s in self.running if s.priority == level and s.tenant != tenant]
-            for seqs in _group_by_tenant(same).values():
-                if len(seqs) > share:
-                    seqs.sort(key=lambda s: rank[s.seq_id])
-                    victims += seqs[share:]
+            victims += self.fairness.over_share(self._running_at(level), tenant, share)
         return self.block_manager.reclaimable(victims)
 
     def _preempt(self, seq: Sequence, step: _Step, fairness: bool = False) -> None:
@@ -444,38 +351,20 @@ class Scheduler:
         item = step.scheduled.pop(seq.seq_id, None)
         if item is not None:
             step.budget += item.num_tokens
-            self._served[seq.tenant] -= item.num_tokens
+            self.fairness.refund(seq.tenant, item.num_tokens)
 
     def _grant(self, seq: Sequence, num: int, step: _Step) -> None:
         step.scheduled[seq.seq_id] = ScheduledSeq(seq, num)
         step.budget -= num
-        self._served[seq.tenant] = self._served.get(seq.tenant, self._vtime) + num
-
-    def _fair_order(self, by_tenant: dict[str, list[Sequence]]) -> Iterator[Sequence]:
-        """Yield sequences tenant by tenant, least-served tenant first, re-reading counters as they grow.
-
-        Iterates over snapshots, so callers may admit or preempt while iterating.
-        """
-        queues = {tenant: list(seqs) for tenant, seqs in by_tenant.items() if seqs}
-        rank = self._arrival_rank
-        heap = [(self.served_tokens(t), rank[q[0].seq_id], t) for t, q in queues.items()]
-        heapq.heapify(heap)
-        position = dict.fromkeys(queues, 0)
-        while heap:
-            _, _, tenant = heapq.heappop(heap)
-            queue = queues[tenant]
-            i = position[tenant]
-            yield queue[i]
-            position[tenant] = i + 1
-            if i + 1 < len(queue):
-                heapq.heappush(heap, (self.served_tokens(tenant), rank[queue[i + 1].seq_id], tenant))
+        self.fairness.charge(seq.tenant, num)
 
     # ---- internals: queues and tenants ----------------------------------------------------------
     def _fair_share(self, level: int) -> int:
-        """Running sequences each tenant may hold at ``level``: ceil(max_num_seqs / active tenants there)."""
-        tenants = {s.tenant for s in self.running if s.priority == level}
-        tenants.update(self._waiting.get(level, {}))
-        return -(-self.max_num_seqs // max(1, len(tenants)))
+        """Running sequences each tenant may hold at ``level`` (see ``TenantFairness.fair_share``)."""
+        return self.fairness.fair_share(self._running_at(level), self._waiting.get(level, {}))
+
+    def _running_at(self, level: int) -> list[Sequence]:
+        return [s for s in self.running if s.priority == level]
 
     def _num_running(self, level: int, tenant: str) -> int:
         return sum(1 for s in self.running if s.priority == level and s.tenant == tenant)
@@ -496,28 +385,6 @@ class Scheduler:
             if not tenants:
                 del self._waiting[seq.priority]
 
-    def _activate(self, tenant: str) -> None:
-        count = self._active.get(tenant, 0)
-        if count == 0:
-            self._advance_vtime()
-            self._served[tenant] = max(self._served.get(tenant, self._vtime), self._vtime)
-        self._active[tenant] = count + 1
-
-    def _deactivate(self, tenant: str) -> None:
-        count = self._active[tenant] - 1
-        if count:
-            self._active[tenant] = count
-            return
-        del self._active[tenant]
-        self._advance_vtime()
-        if self._served.get(tenant, 0) <= self._vtime:
-            # It would restart at the virtual time anyway; forget it so idle tenants cost no memory.
-            self._served.pop(tenant, None)
-
-    def _advance_vtime(self) -> None:
-        if self._active:
-            self._vtime = max(self._vtime, min(self._served.get(t, self._vtime) for t in self._active))
-
 
 class _Step:
     """What one ``schedule()`` call has granted so far."""
@@ -533,17 +400,3 @@ class _Step:
         # or lower that the step keeps.
         self.fair_level: int | None = None
         self.fair_admitted: list[Sequence] = []
-
-
-def _group_by_tenant(seqs: Iterable[Sequence]) -> dict[str, list[Sequence]]:
-    groups: dict[str, list[Sequence]] = {}
-    for seq in seqs:
-        groups.setdefault(seq.tenant, []).append(seq)
-    return groups
-
-
-def _count_by_tenant(seqs: Iterable[Sequence]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for seq in seqs:
-        counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
-    return counts

@@ -8,9 +8,12 @@
 - ``POST /abort`` ``{"request_id"}``: 200 ``{"aborted": bool}`` (false if it was not in flight).
 - ``GET /health`` (200 once the model is loaded: the app exists only after that), ``GET /info``,
   ``GET /load``, ``GET /metrics`` (Prometheus text from the replica's own registry).
-- ``GET /kv/events?epoch=&after=&limit=``: the prefix cache's block events after a cursor, or a snapshot
-  of every held block hash when the cursor is of another engine start or too old (``engine.kv_events``;
+- ``GET /kv/events?epoch=&after=&limit=&wait_s=``: the prefix cache's block events after a cursor (with
+  ``wait_s``, a long poll: it answers as soon as there is one), or a snapshot of every held block hash
+  when the cursor is of another engine start or too old (``engine.kv_events``;
   the wire form is ``engine.protocol.KVEventsResponse``). The gateways' routing index follows it.
+- ``POST /kv/purge`` ``{"cache_salt"}``: drop one tenant's cached blocks from every tier (device, host,
+  disk files); 200 ``{"purged_blocks": n}``.
 
 ``serve(model, ...)`` builds the engine and runs uvicorn (one worker: the engine owns the device).
 ``model="synthetic"`` runs ``engine.synthetic.SyntheticEngine`` instead, which emits tokens on a timer
@@ -19,6 +22,8 @@ without any model — a stand-in for gateway load tests only, never a default.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -46,6 +51,7 @@ from engine.protocol import (
     HealthResponse,
     InfoResponse,
     LoadReport,
+    PurgeRequest,
     encode_kv_events,
     encode_record,
 )
@@ -54,6 +60,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
+MAX_EVENTS_WAIT_S = 10.0
 
 
 class ServingEngine(Protocol):
@@ -65,6 +72,8 @@ class ServingEngine(Protocol):
 
     pooling: PoolingParams  # the checkpoint's embedding pooling
     kv_events: KVEventLog  # what its prefix cache holds, in order
+
+    def purge_cache(self, cache_salt: str | None) -> concurrent.futures.Future[int]: ...
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           tenant: str = "", cache_salt: str | None = None, priority: int = 0,
@@ -212,9 +221,17 @@ def create_app(engine: ServingEngine) -> FastAPI:
         )
 
     @app.get("/kv/events")
-    async def kv_events(after: int = 0, epoch: str | None = None, limit: int = 10_000) -> Response:
-        page = engine.kv_events.since(max(0, after), epoch, limit=max(1, min(limit, 100_000)))
+    async def kv_events(after: int = 0, epoch: str | None = None, limit: int = 10_000,
+                        wait_s: float = 0.0) -> Response:
+        log = engine.kv_events
+        if wait_s > 0 and epoch == log.epoch and after >= log.seq:
+            await asyncio.to_thread(log.wait, after, epoch, min(wait_s, MAX_EVENTS_WAIT_S))
+        page = log.since(max(0, after), epoch, limit=max(1, min(limit, 100_000)))
         return Response(encode_kv_events(page), media_type="application/json")
+
+    @app.post("/kv/purge")
+    async def kv_purge(body: PurgeRequest) -> dict[str, int]:
+        return {"purged_blocks": await asyncio.wrap_future(engine.purge_cache(body.cache_salt))}
 
     @app.get("/metrics")
     async def metrics() -> Response:

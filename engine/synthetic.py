@@ -25,6 +25,7 @@ EMBEDDING_DIMENSIONS``), L2-normalised unless asked not to, so equal prompts emb
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections import OrderedDict
 from typing import Any
@@ -76,7 +77,7 @@ class SyntheticEngine:
         self.block_size = block_size
         self.token_interval_s = token_interval_s
         self.ttft_s = ttft_s
-        self._cache: OrderedDict[bytes, None] = OrderedDict()
+        self._cache: OrderedDict[bytes, str | None] = OrderedDict()  # block hash -> its cache salt
         self.kv_events = KVEventLog()  # its simulated device cache, published like a real engine's
         self._cache_blocks = cache_blocks
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -141,6 +142,15 @@ class SyntheticEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def purge_cache(self, cache_salt: str | None) -> concurrent.futures.Future[int]:
+        gone = [digest for digest, salt in self._cache.items() if salt == cache_salt]
+        for digest in gone:
+            del self._cache[digest]
+            self.kv_events.removed(digest, "device")
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(len(gone))
+        return done
 
     def info(self) -> dict[str, Any]:
         return {"model": self.model_name, "pool": self.pool, "max_model_len": self.max_model_len,
@@ -222,7 +232,7 @@ class SyntheticEngine:
         for digest in hashes:
             if digest not in self._cache:
                 self.kv_events.stored(digest, "device")
-            self._cache[digest] = None
+            self._cache[digest] = cache_salt
             self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_blocks:
             self.kv_events.removed(self._cache.popitem(last=False)[0], "device")

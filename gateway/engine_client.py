@@ -225,12 +225,14 @@ class EngineClient:
     async def info(self, base_url: str) -> InfoResponse:
         return await self._get(base_url, "/info", InfoResponse)
 
-    async def kv_events(self, base_url: str, epoch: str | None, after: int) -> dict[str, Any]:
+    async def kv_events(self, base_url: str, epoch: str | None, after: int,
+                        wait_s: float = 0.0) -> dict[str, Any]:
         """A page of the replica's block events after ``after`` (``engine.protocol.KVEventsResponse``,
-        parsed but not validated field by field: a snapshot may carry a million hashes)."""
-        query = f"/kv/events?after={after}" + (f"&epoch={epoch}" if epoch else "")
+        parsed but not validated field by field: a snapshot may carry a million hashes); with ``wait_s``
+        the engine holds the answer until there is an event (a long poll)."""
+        query = f"/kv/events?after={after}&wait_s={wait_s}" + (f"&epoch={epoch}" if epoch else "")
         try:
-            page = orjson.loads(await self._get_bytes(base_url, query))
+            page = orjson.loads(await self._get_bytes(base_url, query, self._probe_timeout_s + wait_s))
         except orjson.JSONDecodeError:
             page = None
         if not isinstance(page, dict) or not isinstance(page.get("events"), list) or "seq" not in page:
@@ -245,9 +247,9 @@ class EngineClient:
         except (ValueError, ValidationError) as exc:
             raise EngineUnavailable(f"{base_url}{path}: unreadable answer") from exc
 
-    async def _get_bytes(self, base_url: str, path: str) -> bytes:
+    async def _get_bytes(self, base_url: str, path: str, timeout_s: float | None = None) -> bytes:
         try:
-            response = await self._send("GET", f"{base_url}{path}", None, self._probe_timeout_s)
+            response = await self._send("GET", f"{base_url}{path}", None, timeout_s or self._probe_timeout_s)
             try:
                 status, content = response.status, await response.read()
             finally:

@@ -13,8 +13,10 @@ Invariants and policies:
 - Where a prompt goes (``settings.routing_policy``), by its leading full-block hashes
   (``engine.block_hash``, salted per tenant, so no choice ever crosses tenants):
   - ``index`` (the default): by what each replica's prefix cache really holds (``gateway.kv_index``,
-    followed from the replicas' ``/kv/events`` every ``kv_index_poll_interval_s``): the replica whose
-    held leading blocks weigh most (device above host above disk), ties to the less loaded one.
+    followed from each replica's ``/kv/events`` by a long poll, so within milliseconds of each event,
+    retried every ``kv_index_poll_interval_s`` while a replica is unreachable; plus what this process
+    just sent, until the events say so): the replica whose held leading blocks weigh most (device
+    above host above disk), ties in the rendezvous order of the first block (the same in every process).
   - ``affinity``: a per-process guess, the replica this process last sent the deepest known block to
     (a bounded LRU map of block hash → replica, written by ``remember``).
   - ``round_robin``: the replicas in turn (a baseline for benchmarks).
@@ -65,6 +67,8 @@ WATERMARK_KV_USAGE = 0.95
 # ... or this gateway has this many more requests in flight on it than on the least loaded replica.
 WATERMARK_INFLIGHT_GAP = 16
 PROBE_FAILURES_TO_DOWN = 3
+# How long one long poll of a replica's /kv/events may wait for an event.
+KV_EVENTS_WAIT_S = 1.0
 
 
 @dataclass(eq=False)
@@ -182,20 +186,29 @@ class Router:
         await asyncio.gather(*(self._follow_kv(r) for r in self.replicas if r.healthy))
 
     async def _follow_kv_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._kv_interval)
-            try:
-                await self.follow_kv_once()
-            except Exception:  # a bug here must not stop the index from following
-                logger.exception("following the replicas' KV events failed")
+        await asyncio.gather(*(self._follow_replica(r) for r in self.replicas))
 
-    async def _follow_kv(self, replica: Replica) -> None:
+    async def _follow_replica(self, replica: Replica) -> None:
+        """Long-poll one replica's block events for as long as the router runs."""
+        while True:
+            try:
+                followed = replica.healthy and await self._follow_kv(replica, wait_s=KV_EVENTS_WAIT_S)
+            except Exception:  # a bug here must not stop the index from following
+                logger.exception("following the KV events of %s failed", replica.url)
+                followed = False
+            if not followed:
+                await asyncio.sleep(self._kv_interval)
+
+    async def _follow_kv(self, replica: Replica, wait_s: float = 0.0) -> bool:
+        """Apply the replica's events until caught up (the first request may wait ``wait_s`` for one);
+        False if the replica could not be reached."""
         index = replica.kv
         for _ in range(100):  # pages until caught up; the rest next round
             try:
-                page = await self._client.kv_events(replica.url, index.epoch, index.seq)
+                page = await self._client.kv_events(replica.url, index.epoch, index.seq, wait_s)
             except EngineUnavailable:
-                return  # the probes decide the replica's health; its index is rebuilt when it is back
+                return False  # the probes decide the replica's health; its index is rebuilt when it is back
+            wait_s = 0.0
             try:
                 index.apply(page)
             except (GapError, KeyError, TypeError, ValueError) as exc:
@@ -203,7 +216,8 @@ class Router:
                 index.reset()
                 continue
             if page.get("snapshot") is None and not page["events"]:
-                return
+                return True
+        return True
 
     def mark_failed(self, replica: Replica, reason: str) -> None:
         """Take a replica out until a probe finds it answering again."""
@@ -244,8 +258,10 @@ class Router:
         """The replica that holds (index) or most likely holds (affinity) the prompt's prefix, if it is
         not over its watermark."""
         if self.policy == "index":
-            scored = [(r.kv.prefix_weight(block_hashes), -r.load_score, r) for r in candidates
-                      if not r.over_watermark(least_inflight)]
+            # Ties go to the rendezvous order of the first block, the same in every gateway process.
+            now, first = time.monotonic(), block_hashes[0]
+            scored = [(r.kv.prefix_weight(block_hashes, now), _rendezvous(first, r.url), r)
+                      for r in candidates if not r.over_watermark(least_inflight)]
             best = max(scored, key=lambda s: s[:2], default=None)
             return best[2] if best is not None and best[0] > 0 else None
         for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
@@ -268,7 +284,11 @@ class Router:
 
     def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
         """Record that ``replica`` now holds these leading blocks (called when it accepted the request;
-        the affinity policy guesses from it, round robin moves to the next turn)."""
+        the index expects them there until the replica's events say so, the affinity policy guesses from
+        it, round robin moves to the next turn)."""
+        if self.policy == "index":
+            replica.kv.expect(block_hashes)
+            return
         if self.policy == "round_robin":
             self._turn += 1
         if self.policy != "affinity":

@@ -98,6 +98,18 @@ def test_responses_conversation_retrieve_and_delete(client: openai.OpenAI) -> No
         client.responses.retrieve(follow.id)
 
 
+def test_a_stored_response_reaches_postgres_through_the_worker(client: openai.OpenAI,
+                                                               platform: Platform) -> None:
+    response = client.responses.create(model=MODEL, input="Keep me", max_output_tokens=3)
+    with psycopg.connect(platform.database_url, autocommit=True) as conn:
+        def row() -> tuple | None:
+            return conn.execute("SELECT status, body->>'id' FROM responses WHERE id = %s",
+                                (response.id,)).fetchone()
+
+        flushed = wait_until(row, "beat's responses.flush to copy the response")
+    assert flushed == (response.status, response.id)
+
+
 def _finished(client: openai.OpenAI, response_id: str) -> Any:
     response = client.responses.retrieve(response_id)
     return response if response.status not in ("queued", "in_progress") else None

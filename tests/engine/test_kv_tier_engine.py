@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.block_hash import prefix_block_hashes
 from engine.metrics import EngineMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -77,3 +78,20 @@ def test_another_tenant_never_hits_anothers_blocks_in_any_tier(tiny_llama_dir: P
         assert restarted.stats.prefix_hit_tokens_by_tier.get("disk", 0) == 0
     # Each tenant's files live under its own salt's key (what a purge of the tenant deletes).
     assert len({path.parent.name for path in tmp_path.rglob("*.kv")} - {"none"}) == 2
+
+
+def test_purging_a_tenant_drops_its_blocks_from_every_tier(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    tiers = {"num_host_kv_blocks": 4, "num_disk_kv_blocks": 64, "kv_disk_dir": str(tmp_path)}
+    with engine(tiny_llama_dir, **tiers) as llm:
+        rounds(llm, salt="tenant-a", times=1)
+        rounds(llm, salt="tenant-b", times=1)
+        dirs = {path.parent.name for path in tmp_path.rglob("*.kv")}
+        hashes_a = {d for p in PROMPTS for d in prefix_block_hashes(p, 16, "tenant-a")}
+        assert hashes_a & llm.engine.kv_events.holdings().keys()
+        assert llm.engine.purge_cache("tenant-a") > 0
+        assert not hashes_a & llm.engine.kv_events.holdings().keys()  # in no tier, as the router sees it
+        llm.engine.kv_transfer.flush()
+        assert len({path.parent.name for path in tmp_path.rglob("*.kv")}) == len(dirs) - 1
+        # Tenant A's prompts compute everything again; B's still hit.
+        assert all(cached == 0 for _, cached in rounds(llm, salt="tenant-a", times=1))
+        assert rounds(llm, salt="tenant-b", times=1)[-1][1] == 48

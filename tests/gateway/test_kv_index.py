@@ -6,6 +6,7 @@ engines after evictions and a restart and sends a returning session to the repli
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from engine.kv_events import KVEventLog
 from engine.protocol import KVEventsResponse, encode_kv_events
 from gateway.engine_client import EngineClient
 from gateway.kv_index import GapError, ReplicaKVIndex
-from gateway.routing import WATERMARK_WAITING, Router
+from gateway.routing import WATERMARK_WAITING, Router, _rendezvous
 from tests.gateway.conftest import run_engine
 from tests.gateway.test_routing import load, make_router
 from tollgate.local_services import free_port
@@ -117,9 +118,9 @@ def test_device_outweighs_host_outweighs_disk(router: Router) -> None:
     assert router.pick("m", p) is router.replicas[1]
     hold(router, 3, p[:4], "device")
     assert router.pick("m", p) is router.replicas[3]
-    hold(router, 0, p[:4], "device")  # device and disk copies: counted at its best tier; load breaks ties
-    router.replicas[3].inflight = 2
-    assert router.pick("m", p) is router.replicas[0]
+    hold(router, 0, p[:4], "device")  # device and disk copies: counted at its best tier
+    tied = {router.replicas[0].url, router.replicas[3].url}
+    assert router.pick("m", p).url == max(tied, key=lambda url: _rendezvous(p[0], url))  # same everywhere
 
 
 def test_a_holder_over_its_watermark_is_passed_over(router: Router) -> None:
@@ -128,6 +129,22 @@ def test_a_holder_over_its_watermark_is_passed_over(router: Router) -> None:
     hold(router, 2, p[:3])
     router.replicas[1].load = load(waiting=WATERMARK_WAITING)
     assert router.pick("m", p) is router.replicas[2]
+
+
+def test_what_this_process_just_sent_counts_until_the_events_say_otherwise(router: Router) -> None:
+    p = prompt_hashes(6)
+    hold(router, 0, p[:2])
+    router.remember(router.replicas[2], p)  # sent there a moment ago; no event yet
+    assert router.pick("m", p) is router.replicas[2]
+    index = router.replicas[2].kv
+    log = KVEventLog()
+    follow(log, index)  # its snapshot: the replica holds nothing of it (yet)
+    assert router.pick("m", p) is router.replicas[2]  # the expectation outlives a snapshot ...
+    assert index.held_prefix(p, now=time.monotonic() + 10) == []  # ... but not its time
+    log.stored(p[0], "device")
+    log.removed(p[0], "device")
+    follow(log, index)  # an event about a hash replaces its expectation
+    assert index.held_prefix(p) == []
 
 
 def test_nobody_holding_it_converges_by_rendezvous(router: Router) -> None:
