@@ -167,7 +167,7 @@ def test_new_tenant_cannot_bank_credit():
         step(sched)
     newcomer = make_seq(16, max_tokens=8, tenant="b")
     sched.add(newcomer)
-    assert sched.served_tokens("b") == sched.served_tokens("a") > 0
+    assert sched.fairness.served_tokens("b") == sched.fairness.served_tokens("a") > 0
 
 
 def test_abort_frees_blocks_and_finishes_all_streams():
@@ -209,8 +209,8 @@ def test_prefix_cache_hits_through_the_scheduler():
     assert sizes[second.request_id] == 2 and sizes[other.request_id] == 50
     run_to_completion(sched)
     assert sched.computed_prefill_tokens == 50 + 2 + 50
-    stats = sched.stats()
-    assert stats["prefix_hit_tokens"] == 48 and stats["prefix_queries_tokens"] == 150
+    bm = sched.block_manager
+    assert bm.prefix_hit_tokens == 48 and bm.prefix_queries_tokens == 150
 
 
 def test_cached_tokens_not_recounted_after_preemption():

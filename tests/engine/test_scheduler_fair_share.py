@@ -55,7 +55,6 @@ def test_new_tenant_runs_at_once_when_another_holds_every_slot():
     assert b.status is SequenceStatus.RUNNING and b in [item.seq for item in batch.seqs]
     assert batch.preempted == [youngest_running_a] and youngest_running_a.status is SequenceStatus.WAITING
     assert sched.num_fairness_preemptions == 1 == sched.num_preemptions
-    assert sched.stats()["num_fairness_preemptions"] == 1
     assert running_by_tenant(sched) == {"a": 3, "b": 1}
     check_block_invariants(sched)
 

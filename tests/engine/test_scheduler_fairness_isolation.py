@@ -36,7 +36,7 @@ def test_fairness_admission_step_carries_only_the_newcomer_and_the_next_step_eve
     a_seqs = saturate(sched)
     running_a = [s for s in a_seqs if s.status is SequenceStatus.RUNNING]
     assert len(running_a) == 4
-    served_a = sched.served_tokens("a")
+    served_a = sched.fairness.served_tokens("a")
     computed = {s.seq_id: s.num_computed_tokens for s in running_a}
     b = make_seq(8, max_tokens=4, tenant="b")
     sched.add(b)
@@ -47,7 +47,7 @@ def test_fairness_admission_step_carries_only_the_newcomer_and_the_next_step_eve
     kept = running_a[:3]
     assert all(s.status is SequenceStatus.RUNNING for s in kept)
     assert all(s.num_computed_tokens == computed[s.seq_id] for s in kept)  # skipped, not advanced
-    assert sched.served_tokens("a") == served_a  # the dropped decodes were not charged
+    assert sched.fairness.served_tokens("a") == served_a  # the dropped decodes were not charged
     check_block_invariants(sched)
 
     batch = step(sched)
