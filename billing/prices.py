@@ -1,12 +1,16 @@
 """Price book and cost: integer pico-USD (1e-12 USD) per token, exact arithmetic only.
 
 Invariants:
-- A ``Price`` holds six non-negative integer per-token prices: ``input``, ``cached_input``, ``output``
-  and their batch counterparts. ``Price.of`` fills the optional ones with the platform defaults:
-  cached input = 10% of input, batch = half of the synchronous price, each rounded down to whole
+- A ``Price`` holds eight non-negative integer per-token prices (``PRICE_FIELDS``): ``input``,
+  ``cached_input``, ``output``, their batch counterparts, and ``embedding_input`` with its batch
+  counterpart. ``Price.of`` fills the optional ones with the platform defaults: cached input = 10% of
+  input, embedding input = input, batch = half of the synchronous price, each rounded down to whole
   pico-USD (a default never charges more than the stated discount).
 - ``cost_pico_usd`` is exact: cached prompt tokens at the cached price, the rest of the prompt at the
   input price, completion tokens at the output price; the batch prices for ``request_class="batch"``.
+- An embedding request (``embedding=True``: ``/v1/embeddings``, and batch lines targeting it) generates
+  nothing: it costs every prompt token at the (batch) embedding input price, cached or not (no cached
+  discount, as OpenAI prices embeddings), and a completion token count other than 0 is refused.
 - A model has no price until a ``prices`` row says so. There is deliberately no fallback price:
   ``PriceBook.price_for`` raises ``PriceNotFound`` and the gateway refuses to serve an unpriced model
   rather than serve it for free. ``tollgate up`` seeds a row for the tiny demo model
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Literal
@@ -43,6 +47,8 @@ class Price:
     batch_input: int
     batch_cached_input: int
     batch_output: int
+    embedding_input: int
+    batch_embedding_input: int
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -52,9 +58,12 @@ class Price:
 
     @classmethod
     def of(cls, *, input: int, output: int, cached_input: int | None = None, batch_input: int | None = None,
-           batch_cached_input: int | None = None, batch_output: int | None = None) -> Price:
-        """A price with the defaults filled in (cached = input // 10, batch = synchronous // 2)."""
+           batch_cached_input: int | None = None, batch_output: int | None = None,
+           embedding_input: int | None = None, batch_embedding_input: int | None = None) -> Price:
+        """A price with the defaults filled in (cached = input // 10, embedding = input,
+        batch = synchronous // 2)."""
         cached = input // 10 if cached_input is None else cached_input
+        embedding = input if embedding_input is None else embedding_input
         return cls(
             input=input,
             cached_input=cached,
@@ -62,35 +71,60 @@ class Price:
             batch_input=input // 2 if batch_input is None else batch_input,
             batch_cached_input=cached // 2 if batch_cached_input is None else batch_cached_input,
             batch_output=output // 2 if batch_output is None else batch_output,
+            embedding_input=embedding,
+            batch_embedding_input=embedding // 2 if batch_embedding_input is None else batch_embedding_input,
         )
 
     def for_class(self, request_class: str) -> tuple[int, int, int]:
         """(input, cached_input, output) per-token prices for ``request_class``."""
-        if request_class == "interactive":
-            return self.input, self.cached_input, self.output
-        if request_class == "batch":
+        if _is_batch(request_class):
             return self.batch_input, self.batch_cached_input, self.batch_output
+        return self.input, self.cached_input, self.output
+
+    def embedding_for_class(self, request_class: str) -> int:
+        """The per-token price of an embedding request's prompt for ``request_class``."""
+        return self.batch_embedding_input if _is_batch(request_class) else self.embedding_input
+
+
+PRICE_FIELDS: tuple[str, ...] = tuple(column.name for column in fields(Price))
+
+
+def _is_batch(request_class: str) -> bool:
+    if request_class not in REQUEST_CLASSES:
         raise ValueError(f"request_class must be one of {REQUEST_CLASSES}, got {request_class!r}")
+    return request_class == "batch"
+
+
+def _embedding_cost(price: Price, prompt_tokens: int, completion_tokens: int, request_class: str) -> int:
+    if completion_tokens:
+        raise ValueError(f"an embedding request has no completion tokens, got {completion_tokens}")
+    return prompt_tokens * price.embedding_for_class(request_class)
 
 
 def cost_pico_usd(price: Price, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                  request_class: str) -> int:
-    """Exact cost of one request in pico-USD."""
+                  request_class: str, *, embedding: bool = False) -> int:
+    """Exact cost of one request in pico-USD (an ``embedding`` request: its prompt at the embedding price,
+    cached tokens included)."""
     if prompt_tokens < 0 or cached_tokens < 0 or completion_tokens < 0:
         raise ValueError("token counts must be >= 0")
     if cached_tokens > prompt_tokens:
         raise ValueError(f"cached_tokens ({cached_tokens}) exceeds prompt_tokens ({prompt_tokens})")
+    if embedding:
+        return _embedding_cost(price, prompt_tokens, completion_tokens, request_class)
     input_price, cached_price, output_price = price.for_class(request_class)
     return ((prompt_tokens - cached_tokens) * input_price + cached_tokens * cached_price
             + completion_tokens * output_price)
 
 
 def max_cost_pico_usd(price: Price, prompt_tokens: int, max_completion_tokens: int,
-                      request_class: str) -> int:
+                      request_class: str, *, embedding: bool = False) -> int:
     """The most a request can cost (what admission holds against the monthly budget): every prompt token
-    at the dearer of the input and cached prices, every allowed completion token at the output price."""
+    at the dearer of the input and cached prices, every allowed completion token at the output price;
+    for an ``embedding`` request (``max_completion_tokens`` 0), exactly its cost."""
     if prompt_tokens < 0 or max_completion_tokens < 0:
         raise ValueError("token counts must be >= 0")
+    if embedding:
+        return _embedding_cost(price, prompt_tokens, max_completion_tokens, request_class)
     input_price, cached_price, output_price = price.for_class(request_class)
     return prompt_tokens * max(input_price, cached_price) + max_completion_tokens * output_price
 

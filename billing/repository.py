@@ -10,15 +10,13 @@ from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.prices import Price
+from billing.prices import PRICE_FIELDS, Price
 from tollgate.models import Price as PriceRow
 from tollgate.models import UsageEvent, UsageRequestId
 
-_PRICE_COLUMNS = ("input", "cached_input", "output", "batch_input", "batch_cached_input", "batch_output")
-
 
 def _price_of(row: PriceRow) -> Price:
-    return Price(**{name: getattr(row, name) for name in _PRICE_COLUMNS})
+    return Price(**{name: getattr(row, name) for name in PRICE_FIELDS})
 
 
 async def all_prices(session: AsyncSession) -> list[tuple[str, datetime, Price]]:
@@ -36,7 +34,7 @@ async def get_price_row(session: AsyncSession, model: str, effective_from: datet
 
 
 async def upsert_price(session: AsyncSession, model: str, effective_from: datetime, price: Price) -> None:
-    values = {name: getattr(price, name) for name in _PRICE_COLUMNS}
+    values = {name: getattr(price, name) for name in PRICE_FIELDS}
     stmt = insert(PriceRow).values(model=model, effective_from=effective_from, **values)
     await session.execute(stmt.on_conflict_do_update(index_elements=["model", "effective_from"], set_=values))
 

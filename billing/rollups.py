@@ -11,7 +11,9 @@ Invariants:
   between concurrent flushers). A redelivered record inserts no ledger row and adds nothing.
 - Exact split: the three kind costs of a row add up to its ledger cost. The row was priced at
   admission, up to ``admission_window`` before it was recorded, so the price rows in effect during
-  that window are tried, newest first, and the one that reproduces the ledger cost is used. If none
+  that window are tried, newest first, and the one that reproduces the ledger cost is used. Each is
+  tried as a generation and, for a row without completion tokens, as an embeddings request (its whole
+  prompt at the embedding price: all of the cost is input, none cached, whatever its cached tokens). If none
   does (a row written by hand, or without any price), the cost is apportioned to the kinds by the
   newest price's weights (token counts without a price) with the largest-remainder method, so the
   split still adds up exactly.
@@ -65,6 +67,17 @@ def _apportion(total: int, weights: Sequence[int]) -> list[int]:
     return shares
 
 
+def _priced_splits(price: Price, request_class: str,
+                   kinds: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """The kind costs of a row with ``kinds`` tokens at ``price``: as a generation, then (no completion
+    tokens) as an embeddings request, whose whole cost is input."""
+    input_price, cached_price, output_price = price.for_class(request_class)
+    splits = [(kinds[0] * input_price, kinds[1] * cached_price, kinds[2] * output_price)]
+    if kinds[2] == 0:
+        splits.append(((kinds[0] + kinds[1]) * price.embedding_for_class(request_class), 0, 0))
+    return splits
+
+
 class PriceHistory:
     """Every price row per model, to find the one a ledger row was priced with."""
 
@@ -102,10 +115,9 @@ class PriceHistory:
         cost = row["cost_pico_usd"]
         candidates = self.candidates(row["model"], row["created_at"])
         for price in candidates:
-            per_token = price.for_class(row["request_class"])
-            parts = tuple(n * p for n, p in zip(kinds, per_token, strict=True))
-            if sum(parts) == cost:
-                return parts  # type: ignore[return-value]
+            for parts in _priced_splits(price, row["request_class"], kinds):
+                if sum(parts) == cost:
+                    return parts
         if candidates:
             per_token = candidates[0].for_class(row["request_class"])
             weights = [n * p for n, p in zip(kinds, per_token, strict=True)]

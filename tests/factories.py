@@ -60,15 +60,21 @@ async def create_api_key(session: AsyncSession, tenant: Tenant | None = None, *,
 async def create_price(session: AsyncSession, *, model: str = "tiny", effective_from: datetime | None = None,
                        input: int = DEFAULT_INPUT_PRICE, output: int = DEFAULT_OUTPUT_PRICE,
                        cached_input: int | None = None, batch_input: int | None = None,
-                       batch_cached_input: int | None = None, batch_output: int | None = None) -> Price:
-    """Defaults follow ARCHITECTURE.md: cached input 10% of input, batch prices half, rounded down."""
+                       batch_cached_input: int | None = None, batch_output: int | None = None,
+                       embedding_input: int | None = None, batch_embedding_input: int | None = None) -> Price:
+    """Defaults follow ARCHITECTURE.md: cached input 10% of input, embedding input the input price, batch
+    prices half, rounded down."""
     cached_input = input // 10 if cached_input is None else cached_input
+    embedding_input = input if embedding_input is None else embedding_input
     return await _add(session, Price(
         model=model, effective_from=effective_from or datetime(2020, 1, 1, tzinfo=UTC),
         input=input, cached_input=cached_input, output=output,
         batch_input=input // 2 if batch_input is None else batch_input,
         batch_cached_input=cached_input // 2 if batch_cached_input is None else batch_cached_input,
         batch_output=output // 2 if batch_output is None else batch_output,
+        embedding_input=embedding_input,
+        batch_embedding_input=(embedding_input // 2 if batch_embedding_input is None
+                               else batch_embedding_input),
     ))
 
 

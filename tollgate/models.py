@@ -124,7 +124,8 @@ class Price(Base):
     __table_args__ = (
         CheckConstraint(
             "input >= 0 AND cached_input >= 0 AND output >= 0 AND batch_input >= 0"
-            " AND batch_cached_input >= 0 AND batch_output >= 0",
+            " AND batch_cached_input >= 0 AND batch_output >= 0 AND embedding_input >= 0"
+            " AND batch_embedding_input >= 0",
             name="non_negative",
         ),
     )
@@ -137,6 +138,8 @@ class Price(Base):
     batch_input: Mapped[int] = mapped_column(BigInteger, nullable=False)
     batch_cached_input: Mapped[int] = mapped_column(BigInteger, nullable=False)
     batch_output: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    embedding_input: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    batch_embedding_input: Mapped[int] = mapped_column(BigInteger, nullable=False)
     created_at: Mapped[datetime] = _created_at()
 
 

@@ -2,7 +2,7 @@
 
 Rows are added with ``gateway.admin.service.add_price`` (audit log, never in the past, conflicts
 refused), the admin API's code. Prices are entered in USD per million tokens; omitted optional prices
-take the platform defaults (cached input 10% of input, batch half).
+take the platform defaults (cached input 10% of input, embedding input the input price, batch half).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from gateway.admin.schemas import PRICE_FIELDS, PriceCreateRequest
 from gateway.errors import GatewayError
 
 router = APIRouter(prefix="/admin/prices")
-OPTIONAL = ("cached_input", "batch_input", "batch_cached_input", "batch_output")
+OPTIONAL = ("cached_input", "batch_input", "batch_cached_input", "batch_output", "embedding_input",
+            "batch_embedding_input")
 
 
 async def _page(request: Request, admin: AdminPrincipal, *, form: dict[str, Any] | None = None,

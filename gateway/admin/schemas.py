@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from billing.prices import pico_to_usd_per_mtok, usd_per_mtok_to_pico
+from billing.prices import PRICE_FIELDS, pico_to_usd_per_mtok, usd_per_mtok_to_pico
 from gateway.tenants.schemas import (
     PICO_PER_USD,
     TENANT_NAME_PATTERN,
@@ -37,7 +37,6 @@ from gateway.tenants.schemas import (
 BIGINT_MAX = 2**63 - 1
 INTEGER_MAX = 2**31 - 1
 FLOAT_EXACT_DIGITS = 15
-PRICE_FIELDS = ("input", "cached_input", "output", "batch_input", "batch_cached_input", "batch_output")
 
 
 def usd_string(pico: int | Decimal) -> str:
@@ -185,7 +184,8 @@ class ApiKeyList(BaseModel):
 
 class PriceCreateRequest(BaseModel):
     """A price row from ``effective_from`` (now when omitted; never in the past) in USD per 1M tokens.
-    Omitted optional prices take the defaults: cached input 10% of input, batch half."""
+    Omitted optional prices take the defaults: cached input 10% of input, embedding input (what
+    ``/v1/embeddings`` charges per prompt token) the input price, batch half."""
 
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
@@ -197,6 +197,8 @@ class PriceCreateRequest(BaseModel):
     batch_input_usd_per_mtok: UsdPerMtok = None
     batch_cached_input_usd_per_mtok: UsdPerMtok = None
     batch_output_usd_per_mtok: UsdPerMtok = None
+    embedding_input_usd_per_mtok: UsdPerMtok = None
+    batch_embedding_input_usd_per_mtok: UsdPerMtok = None
 
     @field_validator("effective_from")
     @classmethod

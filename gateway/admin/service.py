@@ -284,7 +284,9 @@ async def add_price(session: AsyncSession, data: PriceCreateRequest, *, actor: s
                          cached_input=data.cached_input_usd_per_mtok,
                          batch_input=data.batch_input_usd_per_mtok,
                          batch_cached_input=data.batch_cached_input_usd_per_mtok,
-                         batch_output=data.batch_output_usd_per_mtok)
+                         batch_output=data.batch_output_usd_per_mtok,
+                         embedding_input=data.embedding_input_usd_per_mtok,
+                         batch_embedding_input=data.batch_embedding_input_usd_per_mtok)
         start = await set_price(session, data.model, price, start, now=now)
     except PriceConflict as e:
         raise AdminConflict(str(e), param="effective_from") from e

@@ -3,10 +3,11 @@
 
 It runs on the one generation service (``gateway.generation``): priced, shed, admitted (the inputs'
 tokens and one token each of reservation, settled to the real use), routed with prefix affinity and
-``prompt_cache_key``-free, billed at the model's input price and metered as one usage record with
-``prompt_tokens`` only. A model whose replicas report no ``embedding_dimensions`` does not embed.
-``dimensions`` keeps each vector's first values and re-normalises them (Matryoshka-trained embedding
-models keep their quality this way; OpenAI's ``text-embedding-3`` shorten the same way).
+``prompt_cache_key``-free, billed at the model's embedding input price (every prompt token, cached or
+not) and metered as one usage record with ``prompt_tokens`` only. A model whose replicas report no
+``embedding_dimensions`` does not embed. ``dimensions`` keeps each vector's first values and
+re-normalises them (Matryoshka-trained embedding models keep their quality this way; OpenAI's
+``text-embedding-3`` shorten the same way).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Invariants:
   meters ``interactive``; the batch tier runs the same pipeline on a runtime whose ``request_class`` is
   ``batch`` (``gateway.batches.runtime``). Admission is an ``AdmissionPolicy``: the service calls the
   same four methods on either, and never asks which one it has.
+- An embeddings request (``sampling["pooling"]``) generates nothing: admission holds and the ledger bills
+  its prompt tokens at the model's embedding input price (``billing.prices``, ``embedding=True``), while
+  its token reservation still counts the one token per prompt the engine request asks for.
 - After ``finish()``, ``cost_pico_usd`` is what the request was billed and ``served_pool`` the pool of
   the replica that ran it (what a batch line records); wire formats live with the endpoints.
 - The engine request id is the gateway request id (suffixed ``-<prompt index>`` for several prompts),
@@ -121,6 +124,11 @@ class Generation:
         return sum(len(p) for p in self.prompts)
 
     @property
+    def embedding(self) -> bool:
+        """An embeddings request (``sampling["pooling"]``): priced at the model's embedding input price."""
+        return "pooling" in self.sampling
+
+    @property
     def served_pool(self) -> str | None:
         """The pool of the replica that ran the (first) prompt; None if none did."""
         return self._streams[0][1].pool if self._streams else None
@@ -160,7 +168,8 @@ class Generation:
                     raise decision.error()
             self.admission = await rt.admission.admit(
                 self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
-                max_cost_pico_usd(price, self.prompt_tokens, completion_budget, rt.request_class),
+                max_cost_pico_usd(price, self.prompt_tokens, 0 if self.embedding else completion_budget,
+                                  rt.request_class, embedding=self.embedding),
             )
         try:
             priority = settings.tiers[self.tier].engine_priority
@@ -339,7 +348,8 @@ class Generation:
         rt = self.runtime
         try:
             cost = cost_pico_usd(rt.prices.price_for(self.route.name), self.usage.prompt_tokens,
-                                 self.usage.cached_tokens, self.usage.completion_tokens, rt.request_class)
+                                 self.usage.cached_tokens, self.usage.completion_tokens, rt.request_class,
+                                 embedding=self.embedding)
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
             cost = 0

@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from tests.admin_ui.conftest import Dashboard, login_client
 from tests.factories import create_tenant
-from tollgate.models import AuditLog, Tenant
+from tollgate.models import AuditLog, Price, Tenant
 
 # Meant for one worker sharing the gateway + engine + browser (pytest -n --dist loadgroup); with pytest 9
 # and xdist 3.8 the group is not honoured, so each worker builds its own (slower, still correct).
@@ -127,3 +127,18 @@ async def test_refusals_render_pages(dashboard: Dashboard,
     no_price = await client.post("/admin/prices", data={"csrf_token": token, "model": "m", "input": "x",
                                                         "output": "2"})
     assert no_price.status_code == 400
+
+
+async def test_a_price_with_embedding_prices_shows_in_the_table(
+        dashboard: Dashboard, admin_client: tuple[httpx.AsyncClient, str]) -> None:
+    client, token = admin_client
+    added = await client.post("/admin/prices", data={
+        "csrf_token": token, "model": "form-embedder", "input": "3", "output": "15",
+        "embedding_input": "0.02", "batch_embedding_input": "0.015"})
+    assert added.status_code == 303, added.text
+    page = (await client.get(added.headers["location"])).text
+    assert "embedding input" in page and "batch embedding input" in page
+    assert "$0.02" in page and "$0.015" in page
+    async with dashboard.db.session() as session:
+        row = await session.scalar(select(Price).where(Price.model == "form-embedder"))
+    assert row is not None and (row.embedding_input, row.batch_embedding_input) == (20_000, 15_000)

@@ -206,6 +206,17 @@ def test_the_split_uses_the_price_the_request_was_admitted_with() -> None:
     assert sum(history.split(row)) == 1_000_003
 
 
+def test_an_embeddings_row_is_split_at_the_embedding_price_all_input() -> None:
+    price = Price.of(input=3_000_000, output=15_000_000, embedding_input=20_000)
+    history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), price)])
+    row = {"model": "alpha", "request_class": "batch", "prompt_tokens": 100, "cached_tokens": 40,
+           "completion_tokens": 0, "created_at": datetime(2026, 10, 10, tzinfo=UTC),
+           "cost_pico_usd": cost_pico_usd(price, 100, 40, 0, "batch", embedding=True)}
+    assert history.split(row) == (100 * 10_000, 0, 0)
+    row["cost_pico_usd"] = cost_pico_usd(price, 100, 40, 0, "batch")  # a generation that stopped at once
+    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0)
+
+
 async def test_monthly_partitions_take_their_rows_out_of_the_default_partition(db_session) -> None:
     tenant = await create_tenant(db_session)
     far = datetime(2031, 3, 15, tzinfo=UTC)

@@ -154,6 +154,21 @@ def test_prices_cli_sets_exact_prices_and_refuses_fractions(new_database, settin
     result = runner.invoke(cli, ["prices", "list", "cli-model"])
     assert result.output.count("cli-model") == 1 and "input=$4/Mtok" in result.output
 
+    result = runner.invoke(cli, ["prices", "set", "cli-embedder", "--input", "3", "--output", "15",
+                                 "--embedding-input", "0.02"])
+    assert result.exit_code == 0, result.output
+    assert "embedding_input=$0.02/Mtok batch_embedding_input=$0.01/Mtok" in result.output
+    result = runner.invoke(cli, ["prices", "set", "cli-embedder", "--input", "3", "--output", "15",
+                                 "--embedding-input", "0.02", "--batch-embedding-input", "0.018",
+                                 "--effective-from", "2099-01-01T00:00:00"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["prices", "list", "cli-embedder"])
+    assert result.output.count("batch_embedding_input=$0.01/Mtok") == 1
+    assert "batch_embedding_input=$0.018/Mtok" in result.output
+    result = runner.invoke(cli, ["prices", "set", "cli-embedder", "--input", "3", "--output", "15",
+                                 "--embedding-input", "0.0000001"])
+    assert result.exit_code == 2 and "--embedding-input" in result.output
+
 
 def test_celery_tasks_run_in_a_worker_process_runtime(new_database, service_settings, monkeypatch) -> None:
     monkeypatch.setenv("TOLLGATE_DATABASE_URL", new_database)

@@ -24,7 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
-from billing.prices import Price, cost_pico_usd
+from billing.prices import PRICE_FIELDS, Price, cost_pico_usd
 from billing.spend import month_field, month_to_date_spend
 from gateway.batches.lines import line_request_id
 from gateway.batches.schemas import FINAL_STATUSES
@@ -83,9 +83,7 @@ async def platform_price(db: Database) -> Price:
     """The price ``tollgate up`` gave the model: its only one (the platform's database is new)."""
     async with db.session() as session:
         row = (await session.scalars(select(PriceRow).where(PriceRow.model == MODEL))).one()
-    return Price(input=row.input, cached_input=row.cached_input, output=row.output,
-                 batch_input=row.batch_input, batch_cached_input=row.batch_cached_input,
-                 batch_output=row.batch_output)
+    return Price(**{name: getattr(row, name) for name in PRICE_FIELDS})
 
 
 def sdk(platform: Platform, key: str) -> openai.AsyncOpenAI:

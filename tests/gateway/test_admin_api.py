@@ -369,7 +369,8 @@ async def test_add_and_list_prices_with_effective_dates(client: httpx.AsyncClien
     assert now_row.status_code == 201, now_row.text
     assert now_row.json()["pico_usd_per_token"] == {
         "input": 3_000_000, "cached_input": 300_000, "output": 15_000_000,
-        "batch_input": 1_500_000, "batch_cached_input": 150_000, "batch_output": 7_500_000}
+        "batch_input": 1_500_000, "batch_cached_input": 150_000, "batch_output": 7_500_000,
+        "embedding_input": 3_000_000, "batch_embedding_input": 1_500_000}
     for start, price in ((soon, "2.5"), (later, "2")):
         response = await client.post("/admin/v1/prices", json={
             "model": model, "input_usd_per_mtok": price, "output_usd_per_mtok": "10",
@@ -389,6 +390,29 @@ async def test_add_and_list_prices_with_effective_dates(client: httpx.AsyncClien
     assert rows[1]["pico_usd_per_token"]["input"] == 2_250_000
     assert rows[2]["pico_usd_per_token"]["cached_input"] == 1
     assert model in {r["model"] for r in (await client.get("/admin/v1/prices")).json()["data"]}
+
+
+async def test_a_price_with_embedding_prices_reads_back(client: httpx.AsyncClient) -> None:
+    model = unique("embedder")
+    created = await client.post("/admin/v1/prices", json={
+        "model": model, "input_usd_per_mtok": "3", "output_usd_per_mtok": "15",
+        "embedding_input_usd_per_mtok": "0.02"})
+    assert created.status_code == 201, created.text
+    assert created.json()["usd_per_mtok"]["embedding_input"] == "0.02"
+    [row] = (await client.get("/admin/v1/prices", params={"model": model})).json()["data"]
+    assert row == created.json()
+    pico = row["pico_usd_per_token"]
+    assert (pico["input"], pico["embedding_input"], pico["batch_embedding_input"]) == (
+        3_000_000, 20_000, 10_000)
+    explicit = await client.post("/admin/v1/prices", json={
+        "model": model, "input_usd_per_mtok": "3", "output_usd_per_mtok": "15",
+        "embedding_input_usd_per_mtok": "0.02", "batch_embedding_input_usd_per_mtok": "0.015",
+        "effective_from": (datetime.now(UTC) + timedelta(days=1)).isoformat()})
+    assert explicit.status_code == 201, explicit.text
+    assert explicit.json()["usd_per_mtok"]["batch_embedding_input"] == "0.015"
+    assert_error(await client.post("/admin/v1/prices", json={
+        "model": model, "input_usd_per_mtok": "3", "output_usd_per_mtok": "15",
+        "embedding_input_usd_per_mtok": "-1"}), 400)
 
 
 # ------------------------------------------------------------------------------------------ usage

@@ -9,13 +9,18 @@ from __future__ import annotations
 import base64
 import math
 import struct
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import delete
 
+from tests.factories import DEFAULT_INPUT_PRICE, create_price
 from tests.gateway.conftest import MODEL, GatewayUnderTest, wait_for_usage
 from tests.openai_schema import assert_conforms
+from tollgate.models import Price
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +48,35 @@ async def test_embeddings_conform_and_are_metered(client: httpx.AsyncClient, gat
     assert record["tenant_id"] == tenant_key.tenant_id and record["status"] == "completed"
     assert (record["prompt_tokens"], record["completion_tokens"]) == (usage["prompt_tokens"], 0)
     assert record["cost_pico_usd"] > 0
+
+
+@pytest.fixture
+async def embedding_price(gateway: GatewayUnderTest) -> AsyncIterator[int]:
+    """A price row for MODEL from now on that differs from the session's only in its embedding prices
+    (so nothing else served meanwhile costs more or less), in the gateway's price book until the test
+    ends; then removed again."""
+    price = 7_000  # pico-USD per token: $0.007 per million tokens, not the chat input price
+    start = datetime.now(UTC)
+    async with gateway.db.session() as session:
+        await create_price(session, model=MODEL, effective_from=start, embedding_input=price)
+    await gateway.runtime.prices.refresh()
+    try:
+        yield price
+    finally:
+        async with gateway.db.session() as session:
+            await session.execute(delete(Price).where(Price.model == MODEL, Price.effective_from == start))
+        await gateway.runtime.prices.refresh()
+
+
+async def test_embeddings_are_billed_at_the_embedding_price(client: httpx.AsyncClient,
+                                                             gateway: GatewayUnderTest,
+                                                             embedding_price: int) -> None:
+    r = await client.post("/embeddings", json={"model": MODEL, "input": ["Priced per token.", "Again."]})
+    assert r.status_code == 200, r.text
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    [record] = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (prompt_tokens, 0)
+    assert record["cost_pico_usd"] == prompt_tokens * embedding_price != prompt_tokens * DEFAULT_INPUT_PRICE
 
 
 async def test_base64_dimensions_and_token_ids(client: httpx.AsyncClient) -> None:

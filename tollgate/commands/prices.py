@@ -2,8 +2,9 @@
 pico-USD per token in the database (exact ``Decimal`` conversion; a price that is not a whole number of
 pico-USD per token is refused, never rounded).
 
-Defaults for the optional prices: cached input = 10% of input, batch = half of the synchronous price
-(rounded down to whole pico-USD). A row that has taken effect is never rewritten; add a new one with a
+Defaults for the optional prices: cached input = 10% of input, embedding input (what ``/v1/embeddings``
+charges per prompt token) = input, batch = half of the synchronous price (rounded down to whole
+pico-USD). A row that has taken effect is never rewritten; add a new one with a
 later ``--effective-from``. ``--effective-from`` in the past is refused (exit code 2), as the admin API
 refuses it (``billing.prices.new_price_start``): a backdated row would reprice requests already billed.
 """
@@ -50,11 +51,14 @@ def prices() -> None:
 @click.option("--batch-input", callback=_pico, help="[half of --input]")
 @click.option("--batch-cached-input", callback=_pico, help="[half of the cached input price]")
 @click.option("--batch-output", callback=_pico, help="[half of --output]")
+@click.option("--embedding-input", callback=_pico,
+              help="USD per 1M /v1/embeddings input tokens, cached or not [--input].")
+@click.option("--batch-embedding-input", callback=_pico, help="[half of the embedding input price]")
 @click.option("--effective-from", callback=_when,
               help="ISO 8601 start, now or later (UTC if no offset) [now].")
 def set_price(model: str, input_: int, output: int, cached_input: int | None, batch_input: int | None,
-              batch_cached_input: int | None, batch_output: int | None,
-              effective_from: datetime | None) -> None:
+              batch_cached_input: int | None, batch_output: int | None, embedding_input: int | None,
+              batch_embedding_input: int | None, effective_from: datetime | None) -> None:
     """Set MODEL's price from --effective-from on."""
     from billing.prices import PastEffectiveFrom, Price, new_price_start
     from billing.service import PriceConflict
@@ -68,7 +72,8 @@ def set_price(model: str, input_: int, output: int, cached_input: int | None, ba
             "by the row in effect). Omit --effective-from to start now.",
             param_hint="'--effective-from'") from None
     price = Price.of(input=input_, output=output, cached_input=cached_input, batch_input=batch_input,
-                     batch_cached_input=batch_cached_input, batch_output=batch_output)
+                     batch_cached_input=batch_cached_input, batch_output=batch_output,
+                     embedding_input=embedding_input, batch_embedding_input=batch_embedding_input)
     try:
         start = asyncio.run(_set(model, price, effective_from))
     except PriceConflict as exc:
@@ -88,10 +93,9 @@ def list_prices(model: str | None) -> None:
 
 
 def _describe(price: object) -> str:
-    from billing.prices import pico_to_usd_per_mtok
+    from billing.prices import PRICE_FIELDS, pico_to_usd_per_mtok
 
-    fields = ("input", "cached_input", "output", "batch_input", "batch_cached_input", "batch_output")
-    usd = {name: format(pico_to_usd_per_mtok(getattr(price, name)), "f") for name in fields}
+    usd = {name: format(pico_to_usd_per_mtok(getattr(price, name)), "f") for name in PRICE_FIELDS}
     return " ".join(f"{name}=${value}/Mtok" for name, value in usd.items())
 
 
