@@ -37,6 +37,9 @@ until they are on the host.
 With an event log (``engine.kv_events``), every hash registered in or dropped from any tier is published
 in order, for the gateways' routing index.
 
+``commit_computed`` counts the prompt blocks a sequence registers (``seq.num_cache_write_tokens``: what
+the request wrote to the cache, first admission only).
+
 ``num_cached_tokens`` is set on the first allocation only: recompute after a preemption is the
 platform's cost and is never reported as cached. The query/hit counters count every allocation
 (including re-admissions after preemption): they describe the cache, not billing.
@@ -245,11 +248,14 @@ class BlockManager:
             return
         hashes = self._hashes_upto(seq, num_full)
         salt = self._salt(seq.cache_salt)[1]
+        prompt_blocks = seq.num_prompt_tokens // self.block_size if not seq.num_preemptions else 0
         for i in range(committed, num_full):
             block = seq.block_table[i]
             digest = hashes[i]
             if self._block_hash[block] is None and digest not in self._hash_to_block:
                 self._register(block, digest, salt)
+                if i < prompt_blocks:
+                    seq.num_cache_write_tokens += self.block_size
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks become evictable, others free."""

@@ -428,6 +428,7 @@ class LLMEngine:
             prompt_tokens=len(request.prompt_token_ids),
             cached_tokens=first.num_cached_tokens or 0,
             completion_tokens=sum(s.num_output_tokens for s in seqs),
+            cache_write_tokens=sum(s.num_cache_write_tokens for s in seqs),
         )
         timings = self._timings(request, seqs)
         counts = self._stats.num_requests_finished

@@ -31,6 +31,9 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # Prompt tokens newly written to the prefix cache by this request (full blocks; OpenAI's
+    # ``cache_write_tokens``).
+    cache_write_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -161,6 +161,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # Prompt tokens this request newly wrote to the prefix cache (whole blocks).
+    cache_write_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -58,6 +58,9 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None
+    # Prompt tokens this sequence newly wrote into the prefix cache (the full prompt blocks it registered
+    # on its first admission; recompute after a preemption is not counted).
+    num_cache_write_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -123,14 +123,14 @@ class SyntheticEngine:
         if request_id in self._tasks:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
         stream = RequestStream(request_id, self.abort)
-        cached = self._lookup_prefix(prompt, cache_salt)
+        cached, written = self._lookup_prefix(prompt, cache_salt)
         self._stats.prompt_tokens += len(prompt)
         self._stats.prefix_query_tokens += len(prompt)
         self._stats.prefix_hit_tokens += cached
         self._stats.num_running += params.n
         prefill = self._queue_prefill(priority, len(prompt) - cached) if self.prefill_tokens_per_s else None
         self._tasks[request_id] = asyncio.create_task(self._emit(stream, prompt, params, cached, prefill,
-                                                                 pooling))
+                                                                 pooling, written))
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -220,7 +220,8 @@ class SyntheticEngine:
             self._refresh_backlog()
 
     # ---- internals ------------------------------------------------------------------------------
-    def _lookup_prefix(self, prompt: list[int], cache_salt: str | None) -> int:
+    def _lookup_prefix(self, prompt: list[int], cache_salt: str | None) -> tuple[int, int]:
+        """(Prompt tokens found cached, prompt tokens newly written to the cache)."""
         hashes = prefix_block_hashes(prompt, self.block_size, cache_salt)
         usable = (len(prompt) - 1) // self.block_size
         hits = 0
@@ -229,18 +230,20 @@ class SyntheticEngine:
                 break
             self._cache.move_to_end(digest)
             hits += 1
+        written = 0
         for digest in hashes:
             if digest not in self._cache:
                 self.kv_events.stored(digest, "device")
+                written += self.block_size
             self._cache[digest] = cache_salt
             self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_blocks:
             self.kv_events.removed(self._cache.popitem(last=False)[0], "device")
-        return hits * self.block_size
+        return hits * self.block_size, written
 
     async def _emit(self, stream: RequestStream, prompt: list[int], params: SamplingParams,
                     cached: int, prefill: _Prefill | None = None,
-                    pooling: PoolingParams | None = None) -> None:
+                    pooling: PoolingParams | None = None, written: int = 0) -> None:
         start = time.monotonic()
         n = params.n
         outputs: list[list[int]] = [[] for _ in range(n)]
@@ -293,7 +296,7 @@ class SyntheticEngine:
         timings = Timings(queued=queued, ttft=ttft,
                           tpot=(end - first_token) / (longest - 1) if first_token and longest > 1 else 0.0,
                           e2e=end - start)
-        usage = Usage(len(prompt), cached, sum(len(o) for o in outputs))
+        usage = Usage(len(prompt), cached, sum(len(o) for o in outputs), written)
         self.metrics.observe_finished(timings, usage.completion_tokens)
         counts = self._stats.num_requests_finished
         for reason in reasons:

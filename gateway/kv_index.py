@@ -50,6 +50,7 @@ class ReplicaKVIndex:
         self.seq = 0
         self.held: dict[bytes, int] = {}
         self.snapshots = 0  # how often the view was rebuilt from a snapshot
+        self.blocks = dict.fromkeys(TIER_BITS, 0)  # hashes held per tier (the index's size)
         self._expected: OrderedDict[bytes, float] = OrderedDict()  # hash -> until (monotonic)
 
     def expect(self, hashes: Sequence[bytes], now: float | None = None) -> None:
@@ -70,6 +71,8 @@ class ReplicaKVIndex:
             self.held = {bytes.fromhex(h): int(bits) for h, bits in snapshot.items()}
             self.epoch, self.seq = page["epoch"], int(page["seq"])
             self.snapshots += 1
+            self.blocks = {tier: sum(1 for bits in self.held.values() if bits & bit)
+                           for tier, bit in TIER_BITS.items()}
             return
         if page["epoch"] != self.epoch:
             raise GapError("events of another engine start")
@@ -79,18 +82,19 @@ class ReplicaKVIndex:
                 raise GapError(f"event {seq} after {self.seq}")
             digest, bit = bytes.fromhex(digest_hex), TIER_BITS[tier]
             expected.pop(digest, None)
-            if kind == "stored":
-                held[digest] = held.get(digest, 0) | bit
+            before = held.get(digest, 0)
+            after = before | bit if kind == "stored" else before & ~bit
+            if after:
+                held[digest] = after
             else:
-                left = held.get(digest, 0) & ~bit
-                if left:
-                    held[digest] = left
-                else:
-                    held.pop(digest, None)
+                held.pop(digest, None)
+            if after != before:
+                self.blocks[tier] += 1 if kind == "stored" else -1
             self.seq = seq
 
     def reset(self) -> None:
         self.epoch, self.seq, self.held = None, 0, {}
+        self.blocks = dict.fromkeys(TIER_BITS, 0)
         self._expected.clear()
 
     def held_prefix(self, hashes: Sequence[bytes], now: float | None = None) -> list[int]:

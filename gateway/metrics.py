@@ -16,6 +16,10 @@ or an admin API token; anything else is a 401 in OpenAI's error body.
   ``cached`` (the part of ``prompt`` served from the prefix cache) and ``completion``: exactly the numbers
   of the usage record each generation appends to the billing outbox.
 - ``tollgate_gateway_generations_total{model, tier, status}``: generations by how they ended.
+- ``tollgate_gateway_kv_index_blocks{replica, tier}``: block hashes this process's routing index says a
+  replica holds per tier (every process follows the same events, so the merged value is the largest);
+  ``tollgate_gateway_kv_index_snapshots_total{replica}``: rebuilds of a replica's view from a snapshot
+  (a gateway start, a replica restart, or a gap).
 - ``tollgate_gateway_ttft_seconds{model, tier}``: time to first token as the gateway sees it (request
   accepted → first token from the engine: admission, routing and queueing included);
   ``tollgate_gateway_tpot_seconds{model, tier}``: the engine's time per output token of the request.
@@ -112,6 +116,11 @@ class GatewayMetrics:
                               ["model", "tier"], buckets=_TTFT_BUCKETS, registry=reg)
         self.tpot = Histogram("tollgate_gateway_tpot_seconds", "Time per output token (engine-measured).",
                               ["model", "tier"], buckets=_TPOT_BUCKETS, registry=reg)
+        self.kv_index_blocks = Gauge("tollgate_gateway_kv_index_blocks", "Block hashes the routing index "
+                                     "says a replica holds, by tier.", ["replica", "tier"], registry=reg,
+                                     multiprocess_mode="max")
+        self.kv_index_snapshots = Counter("tollgate_gateway_kv_index_snapshots", "Rebuilds of a replica's "
+                                          "routing index from a snapshot.", ["replica"], registry=reg)
         # Label lookups cost a lock and a few dict probes; the hot path reuses bound children.
         self._request_children: dict[tuple[str, str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}
@@ -172,6 +181,18 @@ def observe_generation(*, model: str, tier: str, status: str, prompt_tokens: int
             m.tpot.labels(model, tier).observe(tpot_s)
     except Exception:  # observability must never break metering
         logger.exception("recording generation metrics failed")
+
+
+def observe_kv_index(replica: str, blocks: dict[str, int], new_snapshots: int) -> None:
+    """A replica's routing index after following its events. Never raises."""
+    try:
+        m = gateway_metrics()
+        for tier, count in blocks.items():
+            m.kv_index_blocks.labels(replica, tier).set(count)
+        if new_snapshots:
+            m.kv_index_snapshots.labels(replica).inc(new_snapshots)
+    except Exception:
+        logger.exception("recording routing index metrics failed")
 
 
 _SHUTTING_DOWN_BODY = orjson.dumps(error_body(

@@ -52,6 +52,7 @@ from engine.protocol import InfoResponse, LoadReport
 from gateway.engine_client import EngineClient, EngineUnavailable
 from gateway.errors import ServiceUnavailableError
 from gateway.kv_index import GapError, ReplicaKVIndex
+from gateway.metrics import observe_kv_index
 from tollgate.settings import Settings
 
 logger = logging.getLogger("tollgate.gateway.routing")
@@ -202,6 +203,14 @@ class Router:
     async def _follow_kv(self, replica: Replica, wait_s: float = 0.0) -> bool:
         """Apply the replica's events until caught up (the first request may wait ``wait_s`` for one);
         False if the replica could not be reached."""
+        index = replica.kv
+        snapshots = index.snapshots
+        try:
+            return await self._follow_pages(replica, wait_s)
+        finally:
+            observe_kv_index(replica.url, index.blocks, index.snapshots - snapshots)
+
+    async def _follow_pages(self, replica: Replica, wait_s: float) -> bool:
         index = replica.kv
         for _ in range(100):  # pages until caught up; the rest next round
             try:

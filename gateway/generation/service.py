@@ -282,6 +282,7 @@ class Generation:
         self._finals += 1
         self.usage.prompt_tokens += record.usage.prompt_tokens
         self.usage.cached_tokens += record.usage.cached_tokens
+        self.usage.cache_write_tokens += record.usage.cache_write_tokens
         self.usage.completion_tokens += record.usage.completion_tokens
         for i, reason in enumerate(record.finish_reasons):
             self.finish_reasons[offset + i] = reason

@@ -10,6 +10,8 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # Prompt tokens the engines newly wrote to their prefix caches (OpenAI's ``cache_write_tokens``).
+    cache_write_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

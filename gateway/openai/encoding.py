@@ -42,7 +42,8 @@ def completion_usage(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0,
+                                  "cache_write_tokens": usage.cache_write_tokens},
         "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
                                       "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
@@ -52,7 +53,8 @@ def response_usage(usage: Usage) -> dict[str, Any]:
     """OpenAI's ``ResponseUsage`` (the Responses API)."""
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                 "cache_write_tokens": usage.cache_write_tokens},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.total_tokens,

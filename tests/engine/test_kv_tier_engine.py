@@ -95,3 +95,14 @@ def test_purging_a_tenant_drops_its_blocks_from_every_tier(tiny_llama_dir: Path,
         # Tenant A's prompts compute everything again; B's still hit.
         assert all(cached == 0 for _, cached in rounds(llm, salt="tenant-a", times=1))
         assert rounds(llm, salt="tenant-b", times=1)[-1][1] == 48
+
+
+def test_cache_write_tokens_count_the_prompt_blocks_a_request_newly_wrote(tiny_llama_dir: Path) -> None:
+    llm = engine(tiny_llama_dir)
+    prompt = PROMPTS[0]  # 50 tokens: 3 full blocks
+    first = llm.generate([prompt], GREEDY)[0].usage
+    again = llm.generate([prompt + [7] * 20], GREEDY)[0].usage  # 70 tokens: 4 full blocks, 3 cached
+    other = llm.generate([prompt], GREEDY, cache_salt="tenant-b")[0].usage
+    assert (first.cached_tokens, first.cache_write_tokens) == (0, 48)
+    assert (again.cached_tokens, again.cache_write_tokens) == (48, 16)
+    assert (other.cached_tokens, other.cache_write_tokens) == (0, 48)

@@ -41,6 +41,9 @@ def follow(log: KVEventLog, index: ReplicaKVIndex) -> None:
     except GapError:
         index.reset()
         index.apply(page(log, index))
+    # The per-tier sizes it keeps as it goes equal a count over what it holds.
+    assert index.blocks == {tier: sum(1 for bits in index.held.values() if bits & bit)
+                            for tier, bit in {"device": 1, "host": 2, "disk": 4}.items()}
 
 
 # -- the event log and the index ------------------------------------------------------------------------

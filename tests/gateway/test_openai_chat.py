@@ -275,6 +275,10 @@ async def test_repeated_long_prompt_reports_cached_tokens(client: httpx.AsyncCli
     usage = second.json()["usage"]
     assert first["usage"]["prompt_tokens"] == usage["prompt_tokens"] > 64
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 64
+    # The first request wrote the prompt's full blocks to the cache; the second found them there.
+    written = first["usage"]["prompt_tokens_details"]["cache_write_tokens"]
+    assert written == first["usage"]["prompt_tokens"] // 16 * 16
+    assert usage["prompt_tokens_details"]["cache_write_tokens"] == 0
     records = await wait_for_usage(gateway.settings.redis_url, second.headers["x-request-id"])
     assert records[0]["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
 
