@@ -6,7 +6,6 @@ engines after evictions and a restart and sends a returning session to the repli
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from engine.block_hash import prefix_block_hashes
 from engine.kv_events import KVEventLog
 from engine.protocol import KVEventsResponse, encode_kv_events
 from gateway.engine_client import EngineClient
-from gateway.kv_index import GapError, ReplicaKVIndex
+from gateway.kv_index import EXPECT_TTL_S, GapError, ReplicaKVIndex
 from gateway.routing import WATERMARK_WAITING, Router, _rendezvous
 from tests.gateway.conftest import run_engine
 from tests.gateway.test_routing import load, make_router
@@ -143,7 +142,10 @@ def test_what_this_process_just_sent_counts_until_the_events_say_otherwise(route
     log = KVEventLog()
     follow(log, index)  # its snapshot: the replica holds nothing of it (yet)
     assert router.pick("m", p) is router.replicas[2]  # the expectation outlives a snapshot ...
-    assert index.held_prefix(p, now=time.monotonic() + 10) == []  # ... but not its time
+    other = ReplicaKVIndex()
+    other.expect(p, now=1000.0)
+    assert len(other.held_prefix(p, now=1000.0 + EXPECT_TTL_S - 0.5)) == len(p)
+    assert other.held_prefix(p, now=1000.0 + EXPECT_TTL_S) == []  # ... but not its time
     log.stored(p[0], "device")
     log.removed(p[0], "device")
     follow(log, index)  # an event about a hash replaces its expectation
