@@ -125,15 +125,19 @@ def ideal_hits(prompts: list[tuple[int, list[int]]], block_size: int) -> int:
     return hits
 
 
-def computed_prefill(p: Platform) -> float:
-    """Prompt tokens the replicas computed so far (recompute after preemption included)."""
-    total = 0.0
+def engine_counters(p: Platform, name: str) -> list[float]:
+    """One counter of each replica's ``/metrics``."""
+    values = []
     for url in p.engine_urls:
         text = httpx.get(f"{url}/metrics", timeout=10).text
-        match = re.search(r"^tollgate_engine_computed_prefill_tokens_total{[^}]*} ([0-9.e+]+)$", text,
-                          re.MULTILINE)
-        total += float(match.group(1)) if match else 0.0
-    return total
+        match = re.search(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.MULTILINE)
+        values.append(float(match.group(1)) if match else 0.0)
+    return values
+
+
+def computed_prefill(p: Platform) -> float:
+    """Prompt tokens the replicas computed so far (recompute after preemption included)."""
+    return sum(engine_counters(p, "tollgate_engine_computed_prefill_tokens_total"))
 
 
 async def workload(p: Platform, args: argparse.Namespace,
@@ -189,6 +193,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         turns, prompts = asyncio.run(workload(p, args, keys))
         elapsed = time.perf_counter() - started
         prefill = computed_prefill(p) - before
+        by_replica = engine_counters(p, "tollgate_engine_prompt_tokens_total")
         records = p.usage_records()
     prompt = sum(t.prompt_tokens for t in turns)
     cached = sum(t.cached_tokens for t in turns)
@@ -203,6 +208,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         if returning else float("nan"),
         "cost_billed_usd": sum(r.cost_pico_usd for r in records) / 1e12, "usage_records": len(records),
         "template_tokens_match": sum(len(t) for _, t in prompts) == prompt, "elapsed_s": elapsed,
+        # The share of prompt tokens the busier replica was sent (0.5: an even spread).
+        "busiest_replica_share": max(by_replica) / sum(by_replica) if sum(by_replica) else 0.0,
     }
 
 

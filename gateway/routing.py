@@ -16,7 +16,10 @@ Invariants and policies:
     followed from each replica's ``/kv/events`` by a long poll, so within milliseconds of each event,
     retried every ``kv_index_poll_interval_s`` while a replica is unreachable; plus what this process
     just sent, until the events say so): the replica whose held leading blocks weigh most (device
-    above host above disk), ties in the rendezvous order of the first block (the same in every process).
+    above host above disk), ties in the rendezvous order of the first block (the same in every process);
+    unless it is far busier than the least loaded replica (``BALANCE_RATIO``, ``BALANCE_SLACK``), which
+    then gets the request: without it, every session of a tenant follows the tenant's system prompt to
+    one replica, whose cache then thrashes while the other's idles.
   - ``affinity``: a per-process guess, the replica this process last sent the deepest known block to
     (a bounded LRU map of block hash → replica, written by ``remember``).
   - ``round_robin``: the replicas in turn (a baseline for benchmarks).
@@ -68,6 +71,10 @@ WATERMARK_KV_USAGE = 0.95
 # ... or this gateway has this many more requests in flight on it than on the least loaded replica.
 WATERMARK_INFLIGHT_GAP = 16
 PROBE_FAILURES_TO_DOWN = 3
+# The index's holder is passed over for the least loaded replica when its load score exceeds
+# BALANCE_RATIO x the least's + BALANCE_SLACK (one replica would otherwise take every session of a tenant).
+BALANCE_RATIO = 2.0
+BALANCE_SLACK = 2.0
 # How long one long poll of a replica's /kv/events may wait for an event.
 KV_EVENTS_WAIT_S = 1.0
 
@@ -272,7 +279,12 @@ class Router:
             scored = [(r.kv.prefix_weight(block_hashes, now), _rendezvous(first, r.url), r)
                       for r in candidates if not r.over_watermark(least_inflight)]
             best = max(scored, key=lambda s: s[:2], default=None)
-            return best[2] if best is not None and best[0] > 0 else None
+            if best is None or best[0] <= 0:
+                return None
+            least = min(candidates, key=lambda r: r.load_score)
+            if best[2].load_score > BALANCE_RATIO * least.load_score + BALANCE_SLACK:
+                return least  # far busier than the least loaded: spread rather than pile up
+            return best[2]
         for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
             replica = self._affinity.get(h)
             if replica is not None:

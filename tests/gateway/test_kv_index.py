@@ -152,6 +152,16 @@ def test_what_this_process_just_sent_counts_until_the_events_say_otherwise(route
     assert index.held_prefix(p) == []
 
 
+def test_a_holder_far_busier_than_the_least_loaded_is_passed_over(router: Router) -> None:
+    p = prompt_hashes(7)
+    hold(router, 1, p)
+    router.replicas[1].inflight = 2  # load score 2.5 (inflight + half the engine's running)
+    assert router.pick("m", p) is router.replicas[1]  # 2.5 <= 2 x 0.5 + 2 (the least loaded's): stays
+    router.replicas[1].inflight = 3
+    chosen = router.pick("m", p)
+    assert chosen is not router.replicas[1] and chosen.load_score == 0.5  # spread, not piled up
+
+
 def test_nobody_holding_it_converges_by_rendezvous(router: Router) -> None:
     p = prompt_hashes(4)
     first = router.pick("m", p)
