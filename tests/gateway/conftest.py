@@ -176,10 +176,16 @@ class TenantKey:
 
 
 async def make_tenant_key(gateway: GatewayUnderTest, **tenant_columns: Any) -> TenantKey:
+    """A new tenant and key. Its admission counters and spend are cleared in Redis: the worker's Redis
+    database is shared with tests on other Postgres databases, whose tenants may have had this id."""
+    from billing.spend import spend_key
+    from gateway.admission.controller import admission_keys
+
     key_columns = {k: tenant_columns.pop(k) for k in ("allowed_models", "revoked_at") if k in tenant_columns}
     async with gateway.db.session() as session:
         tenant = await create_tenant(session, **tenant_columns)
         key, full_key = await create_api_key(session, tenant, settings=gateway.settings, **key_columns)
+    await gateway.runtime.redis.delete(*admission_keys(tenant.id), spend_key(tenant.id))
     return TenantKey(tenant.id, key.id, full_key)
 
 
