@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -107,8 +108,27 @@ def find_server_binaries(settings: Settings) -> ServerBinaries:
     return ServerBinaries(pg, redis_server)
 
 
+_LOWEST_LISTEN_PORT = 10_000
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the caller binds it soon after)."""
+    """A TCP port on 127.0.0.1 that is free now (the caller binds it soon after), chosen at random below
+    the kernel's ephemeral range: a port from that range can be taken meanwhile as the source port of
+    any outgoing connection on the machine, so the caller's later bind would fail."""
+    floor = _ephemeral_floor()
+    if floor > _LOWEST_LISTEN_PORT + 1000:
+        for _ in range(50):
+            port = random.randrange(_LOWEST_LISTEN_PORT, floor)
+            if port_is_free(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -96,3 +96,16 @@ def test_redis_url_refuses_unknown_database_index(tmp_path: Path):
     assert server.url(3).endswith(":6390/3")
     with pytest.raises(ValueError, match="db must be"):
         server.url(4)
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_bindable() -> None:
+    """A port outgoing connections can never take between the pick and the caller's bind."""
+    import socket
+
+    from tollgate.local_services import _ephemeral_floor, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert 10_000 <= port < _ephemeral_floor()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
