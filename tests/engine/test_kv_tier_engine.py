@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.block_hash import prefix_block_hashes
@@ -106,3 +107,23 @@ def test_cache_write_tokens_count_the_prompt_blocks_a_request_newly_wrote(tiny_l
     assert (first.cached_tokens, first.cache_write_tokens) == (0, 48)
     assert (again.cached_tokens, again.cache_write_tokens) == (48, 16)
     assert (other.cached_tokens, other.cache_write_tokens) == (0, 48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tiers_on_the_gpu_change_no_output(tiny_llama_dir: Path, tmp_path: Path, dtype: str) -> None:
+    """The host tier in pinned memory, the disk tier, and copies to and from the device pool, on a GPU
+    (the CUDA graphs and triton kernels read blocks that were loaded back)."""
+    def gpu(**tiers: object) -> LLM:
+        return LLM(str(tiny_llama_dir), device="cuda", dtype=dtype, num_kv_blocks=8, max_num_seqs=2,
+                   **tiers)  # type: ignore[arg-type]
+
+    plain = rounds(gpu())
+    with gpu(num_host_kv_blocks=32, num_disk_kv_blocks=64, kv_disk_dir=str(tmp_path)) as tiered:
+        assert tiered.engine.kv_transfer.host[0].is_pinned()
+        with_tiers = rounds(tiered)
+        stats = tiered.stats
+    assert [tokens for tokens, _ in with_tiers] == [tokens for tokens, _ in plain]
+    assert [cached for _, cached in with_tiers[4:]] == [48] * 4
+    assert stats.kv_tier_moves["loaded_blocks"] > 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("tests", "kernels", "throughput", "throughput-eager", "decode")
+STEPS = ("tests", "kernels", "throughput", "throughput-eager", "decode", "kv-tiers")
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_report  # noqa: E402
