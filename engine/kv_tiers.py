@@ -147,7 +147,8 @@ class HostTier:
         self._salt_of: list[str] = [NO_SALT] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._locked: set[int] = set()
-        self._reading: set[bytes] = set()
+        self._reading: dict[bytes, str] = {}  # hash -> salt key, files being read
+        self._purged_reads: set[bytes] = set()  # reads of a purged salt still in flight: discarded
         self._from_disk: set[bytes] = set()
         self.plan = TransferPlan()
         self.counters = TierCounters()
@@ -223,14 +224,17 @@ class HostTier:
             salt = self.disk.salt_of(digest)
             if salt is None:
                 break
-            self._reading.add(digest)
+            self._reading[digest] = salt
             reads.append((digest, salt))
         return reads
 
     def fill(self, digest: bytes, salt: str, data: object | None) -> bool:
         """A disk read finished (``data`` None: the file was unreadable, which drops it). False if no
         host slot could take it (it stays on disk; the prompt recomputes those tokens)."""
-        self._reading.discard(digest)
+        self._reading.pop(digest, None)
+        if digest in self._purged_reads:  # its tenant was purged while the file was being read
+            self._purged_reads.discard(digest)
+            return False
         if data is None:
             if self.disk is not None:
                 self.disk.discard(digest)
@@ -265,6 +269,10 @@ class HostTier:
             self._free.append(slot)
             self._host_removed(digest)
         dropped = len(gone)
+        reads = [digest for digest, s in self._reading.items() if s == salt]
+        for digest in reads:
+            del self._reading[digest]
+            self._purged_reads.add(digest)
         if self.disk is not None:
             files = self.disk.purge(salt)
             self.plan.delete.extend((digest, salt) for digest in files)
@@ -312,6 +320,8 @@ class HostTier:
 
     def _add_file(self, digest: bytes, salt: str) -> None:
         assert self.disk is not None
+        if any(d == digest for d, _ in self.plan.delete):  # its file was dropped earlier in this step
+            self.plan.delete = [(d, s) for d, s in self.plan.delete if d != digest]
         for old, old_salt in self.disk.add(digest, salt):
             self.plan.delete.append((old, old_salt))
             self.counters.disk_evicted_blocks += 1

@@ -171,8 +171,8 @@ class KVTransfer:
                     path.rmdir()
                 elif kind == "barrier":
                     payload.set()  # type: ignore[union-attr]
-            except OSError as exc:
-                logger.warning("KV disk tier: %s %s failed: %s", kind, path, exc)
+            except Exception as exc:  # the thread must outlive any one job: readers wait on its answers
+                logger.warning("KV disk tier: %s %s failed: %r", kind, path, exc)
                 if kind == "read":
                     self._reads.put((*payload, None))  # type: ignore[misc]
 

@@ -216,7 +216,7 @@ class ResponseFlusher:
                                   if fields and KEY_FIELD in fields))
         rows = [decode_row(raw) for raw in (await self._redis.mget(keys) if keys else []) if raw is not None]
         inserted = await self._insert(rows)
-        if inserted:
+        if rows:  # also after a crash between an earlier commit and this check: re-check every row
             flags = await self._deleted(rows)
             gone = [row.id for row, flag in zip(rows, flags, strict=True) if flag]
             if gone:

@@ -180,3 +180,26 @@ def test_without_prefix_caching_there_are_no_tiers() -> None:
 def test_a_negative_disk_capacity_is_refused() -> None:
     with pytest.raises(ValueError):
         DiskIndex(-1)
+
+
+def test_the_files_left_after_each_plan_are_the_disk_index() -> None:
+    """A plan's writes (demote, persist) run before its deletes: a file dropped and written again in one
+    step must not be deleted after its new copy, nor kept once the index dropped it."""
+    host = HostTier(2, DiskIndex(capacity=2))
+    files: set[bytes] = set()
+    for step in ([1, 2], [3, 4], [1, 5], [2], [6, 3, 4]):
+        for n in step:
+            host.offload(h(n), n, "a")
+        plan = host.take_plan()
+        files |= {digest for _, digest, _ in plan.demote + plan.persist}
+        files -= {digest for digest, _ in plan.delete}
+        assert files == {h(n) for n in range(1, 7) if host.on_disk(h(n))}, step
+
+
+def test_a_read_in_flight_when_its_tenant_is_purged_is_discarded() -> None:
+    host = HostTier(4, DiskIndex(capacity=8, entries=[(h(1), "tenant-a")]))
+    assert host.disk_run([h(1)]) == [(h(1), "tenant-a")]
+    host.purge("tenant-a")
+    host.take_plan()
+    assert not host.any_reading()
+    assert not host.fill(h(1), "tenant-a", b"k/v") and not host.on_host(h(1))
