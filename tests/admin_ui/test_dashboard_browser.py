@@ -170,6 +170,8 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     await page.goto("/admin/engines?window=1h")
     replica = page.locator("#replicas tbody tr").first
     await expect(replica).to_contain_text("healthy")
+    # What the routing index says it holds: device blocks of the requests above, no tiers configured.
+    await expect(replica.locator("td").nth(10)).to_have_text(re.compile(r"^[1-9][\d,]* / 0 / 0$"))
     batch_replica = page.locator("#replicas tbody tr").nth(1)
     await expect(batch_replica).to_contain_text("batch")
     await expect(batch_replica.locator("td").nth(3)).to_contain_text("down")
