@@ -43,7 +43,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator, Mapping
 
-from engine.sequence import Sequence
+from engine.sequence import ScheduledSeq, Sequence
 
 
 class TenantFairness:
@@ -165,6 +165,36 @@ class TenantFairness:
         counts = _count_by_tenant(running)
         rank = self._rank
         return max(running, key=lambda s: (counts[s.tenant] > share, rank[s.seq_id]))
+
+    def isolate_admissions(
+        self, scheduled: dict[int, ScheduledSeq], admitted: list[Sequence], level: int, budget: int
+    ) -> int:
+        """Make a step that admitted by fairness preemption at ``level`` its own (see the module
+        docstring); returns the budget left.
+
+        Drops from ``scheduled`` (in place) everything of priority ``level`` or lower but the
+        under-share ``admitted``, refunding their served tokens, then grows the admitted chunks into
+        the freed budget. The dropped running sequences keep their state and their blocks (a block
+        reserved this step for a token not computed covers a position the sequence computes next
+        step) and are scheduled normally next step.
+        """
+        keep = {seq.seq_id for seq in admitted}
+        for seq_id, item in list(scheduled.items()):
+            if item.seq.priority >= level and seq_id not in keep:
+                del scheduled[seq_id]
+                budget += item.num_tokens
+                self.refund(item.seq.tenant, item.num_tokens)
+        for seq in admitted:
+            chunk = scheduled.get(seq.seq_id)
+            if chunk is None or budget <= 0:
+                continue
+            # allocate_for_prefill / fork gave blocks for every token, so a longer chunk needs none.
+            extra = min(seq.num_uncomputed_tokens - chunk.num_tokens, budget)
+            if extra > 0:
+                chunk.num_tokens += extra
+                budget -= extra
+                self.charge(seq.tenant, extra)
+        return budget
 
 
 def _group_by_tenant(seqs: Iterable[Sequence]) -> dict[str, list[Sequence]]:

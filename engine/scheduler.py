@@ -21,7 +21,8 @@ step. Invariants and policies:
   is served as soon as it stops. Admission is head-of-line: when the next request in order cannot be
   admitted, no later request is admitted ahead of it (a long prompt is not starved by short ones).
 - **Tenant fairness.** Within a priority, tenants take turns by served tokens and hold a fair share of
-  running slots, taken back by preemption when needed: see ``engine.fairness`` (``TenantFairness``).
+  running slots, taken back by preemption when needed: see ``engine.fairness`` (``TenantFairness``)
+  and, for the choice of victims, ``engine.preemption`` (``VictimPolicy``).
 - **n > 1.** Siblings (same ``request_id``) are admitted once the first stream has computed its prompt,
   so they reuse its full prompt blocks: through the prefix cache, or through ``BlockManager.fork`` when
   prefix caching is disabled.
@@ -39,6 +40,7 @@ import itertools
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.fairness import TenantFairness
+from engine.preemption import VictimPolicy
 from engine.sequence import FinishReason, ScheduledBatch, ScheduledSeq, Sequence, SequenceStatus
 
 
@@ -55,6 +57,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._by_request: dict[str, list[Sequence]] = {}
         self.fairness = TenantFairness(self.max_num_seqs, self._arrival_rank)
+        self.victims = VictimPolicy(self.fairness, self._arrival_rank)
         self.num_preemptions = 0
         self.num_fairness_preemptions = 0
         self.num_partial_prefill_chunks = 0
@@ -150,7 +153,9 @@ class Scheduler:
             if admitting and level in self._waiting:
                 admitting = self._admit_level(level, step)
         if step.fair_level is not None:
-            self._isolate_fair_admissions(step, step.fair_level)
+            step.budget = self.fairness.isolate_admissions(
+                step.scheduled, step.fair_admitted, step.fair_level, step.budget
+            )
         return ScheduledBatch(list(step.scheduled.values()), step.preempted)
 
     def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -221,54 +226,28 @@ class Scheduler:
                     step.fair_admitted.append(seq)
             if fair_pass and step.fair_level is not None:
                 # A fairness preemption happened: this step carries only the under-share admissions
-                # (see _isolate_fair_admissions), so admit nobody else and nothing of lower priority.
+                # (``TenantFairness.isolate_admissions``): admit nobody else, nothing of lower priority.
                 return False
         return True
-
-    def _isolate_fair_admissions(self, step: _Step, level: int) -> None:
-        """Drop from a step that admitted by fairness preemption at ``level`` everything of that
-        or a lower priority but the under-share admissions, and let those use the freed budget.
-
-        The dropped running sequences keep their state and their blocks (a block reserved this step
-        for a token not computed covers a position the sequence computes next step) and are scheduled
-        normally next step; their served-token charge is refunded.
-        """
-        keep = {seq.seq_id for seq in step.fair_admitted}
-        for seq_id, item in list(step.scheduled.items()):
-            if item.seq.priority >= level and seq_id not in keep:
-                self._ungrant(item.seq, step)
-        for seq in step.fair_admitted:
-            admitted = step.scheduled.get(seq.seq_id)
-            if admitted is None or step.budget <= 0:
-                continue
-            # allocate_for_prefill / fork gave blocks for every token, so a longer chunk needs none.
-            extra = min(seq.num_uncomputed_tokens - admitted.num_tokens, step.budget)
-            if extra > 0:
-                admitted.num_tokens += extra
-                step.budget -= extra
-                self.fairness.charge(seq.tenant, extra)
 
     def _make_room(self, seq: Sequence, level: int, share: int | None, step: _Step) -> bool:
         """A sequence slot and blocks for ``seq``, preempting if that is enough; False if it is not.
 
-        Victims: lower-priority running sequences first (latest arrival of the lowest priority), then,
-        only when ``share`` is given (``seq``'s tenant is under its fair share at ``level``), sequences of
-        other tenants over their share at ``level``.
+        Victims: ``VictimPolicy.admission_victim`` (lower priorities first; then, only when ``share`` is
+        given, i.e. ``seq``'s tenant is under its fair share at ``level``, tenants over their share).
         """
 
         def next_victim() -> tuple[Sequence | None, bool]:
-            victim = self._pick_victim(lower_than=level)
-            if victim is not None or share is None:
-                return victim, False
-            victim = self.fairness.fair_victim(self._running_at(level), seq.tenant, share)
-            return victim, victim is not None
+            return self.victims.admission_victim(self.running, level, seq.tenant, share)
 
         if len(self.running) >= self.max_num_seqs and next_victim()[0] is None:
             return False
         if not self._allocate(seq):
-            # Preempt only if that can make room: never for nothing.
-            needed = self.block_manager.blocks_needed(len(seq.token_ids))
-            if needed > self._reclaimable_blocks(level, seq.tenant, share):
+            # Preempt only if that can make room: never for nothing (a block shared with a sequence
+            # that stays is not reclaimable).
+            bm = self.block_manager
+            candidates = self.victims.admission_candidates(self.running, level, seq.tenant, share)
+            if bm.blocks_needed(len(seq.token_ids)) > bm.reclaimable(candidates):
                 return False
             while not self._allocate(seq):
                 victim, fair = next_victim()
@@ -297,39 +276,13 @@ class Scheduler:
     def _reserve_slots(self, seq: Sequence, num: int, step: _Step) -> bool:
         """Blocks for ``num`` more tokens of a running sequence, preempting if needed; False if it was."""
         while not self.block_manager.ensure_slots(seq, num):
-            victim = self._pick_victim(lower_than=None)
+            victim = self.victims.block_victim(self.running, self._fair_share)
             if victim is None:  # unreachable: seq itself is running
                 return False
             self._preempt(victim, step)
             if victim is seq:
                 return False
         return True
-
-    def _pick_victim(self, lower_than: int | None) -> Sequence | None:
-        """The lowest-priority, latest-arrived running sequence (of priority > ``lower_than`` if given).
-
-        Without ``lower_than`` (a running sequence needs blocks), sequences of tenants over their fair
-        share at the lowest priority present go first.
-        """
-        rank = self._arrival_rank
-        if lower_than is not None:
-            candidates = [s for s in self.running if s.priority > lower_than]
-            if not candidates:
-                return None
-            return max(candidates, key=lambda s: (s.priority, rank[s.seq_id]))
-        if not self.running:
-            return None
-        lowest = max(s.priority for s in self.running)
-        return self.fairness.block_victim(self._running_at(lowest), self._fair_share(lowest))
-
-    def _reclaimable_blocks(self, level: int, tenant: str, share: int | None) -> int:
-        """Blocks available to a waiting sequence of ``tenant`` at ``level`` once every victim that
-        ``_make_room`` may take is preempted (lower priorities; with ``share``, other tenants' sequences
-        over their share). Exact: a block shared with a sequence that stays is not counted."""
-        victims = [s for s in self.running if s.priority > level]
-        if share is not None:
-            victims += self.fairness.over_share(self._running_at(level), tenant, share)
-        return self.block_manager.reclaimable(victims)
 
     def _preempt(self, seq: Sequence, step: _Step, fairness: bool = False) -> None:
         self._ungrant(seq, step)
