@@ -89,7 +89,8 @@ class Settings(BaseSettings):
     drain_timeout_s: float = 30.0
     health_poll_interval_s: float = 1.0
     # How requests are spread over a pool's replicas (``gateway.routing``): "index" (by the blocks each
-    # replica's prefix cache really holds, followed from its /kv/events every kv_index_poll_interval_s),
+    # replica's prefix cache really holds, followed from its /kv/events by a long poll, retried every
+    # kv_index_poll_interval_s while a replica is unreachable),
     # "affinity" (a per-process guess from where this process sent each prefix before), "round_robin".
     routing_policy: Literal["index", "affinity", "round_robin"] = "index"
     kv_index_poll_interval_s: float = 0.1
