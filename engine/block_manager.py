@@ -157,8 +157,7 @@ class BlockManager:
         and host hold); they are marked being read."""
         if self.tiers is None or self.tiers.disk is None:
             return []
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        digests = self._hashes_upto(seq, max_blocks)[:max_blocks]
+        digests = self._hit_candidates(seq)
         start = 0
         while start < len(digests) and digests[start] in self._hash_to_block:
             start += 1
@@ -168,8 +167,7 @@ class BlockManager:
         """Whether a block of ``seq``'s prompt chain (past its device and host hits) is still being read."""
         if self.tiers is None or self.tiers.disk is None or seq.block_table:
             return False
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        for digest in self._hashes_upto(seq, max_blocks)[:max_blocks]:
+        for digest in self._hit_candidates(seq):
             if digest in self._hash_to_block or self.tiers.on_host(digest):
                 continue
             return self.tiers.reading(digest)
@@ -309,15 +307,18 @@ class BlockManager:
                 hashes.append(parent)
         return hashes
 
+    def _hit_candidates(self, seq: Sequence) -> list[bytes]:
+        """The chain hashes of the prompt's blocks that may be prefix hits: every full block but the one
+        holding the last token (at least one token is always computed)."""
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        return self._hashes_upto(seq, max_blocks)[:max_blocks] if max_blocks else []
+
     def _cache_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """The device blocks of the prompt's longest cached prefix, then the hashes continuing it on the
         host tier (never the block of the last token)."""
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
         hits: list[int] = []
         host: list[bytes] = []
-        if max_blocks == 0:
-            return hits, host
-        for digest in self._hashes_upto(seq, max_blocks)[:max_blocks]:
+        for digest in self._hit_candidates(seq):
             block = self._hash_to_block.get(digest)
             if block is not None and not host:
                 hits.append(block)

@@ -143,7 +143,6 @@ class HostTier:
         self.disk = disk
         self.events = events
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
-        self._hash_of: list[bytes | None] = [None] * num_slots
         self._salt_of: list[str] = [NO_SALT] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self._locked: set[int] = set()
@@ -264,7 +263,6 @@ class HostTier:
         gone = [digest for digest, slot in self._slot_of.items() if self._salt_of[slot] == salt]
         for digest in gone:
             slot = self._slot_of.pop(digest)
-            self._hash_of[slot] = None
             self._from_disk.discard(digest)
             self._free.append(slot)
             self._host_removed(digest)
@@ -282,7 +280,6 @@ class HostTier:
     # ---- internals --------------------------------------------------------------------------------
     def _put(self, digest: bytes, slot: int, salt: str) -> None:
         self._slot_of[digest] = slot
-        self._hash_of[slot] = digest
         self._salt_of[slot] = salt
         self._locked.add(slot)
         if self.events is not None:
@@ -299,7 +296,6 @@ class HostTier:
             if slot in self._locked:
                 continue
             del self._slot_of[digest]
-            self._hash_of[slot] = None
             self._from_disk.discard(digest)
             self._host_removed(digest)
             self._demote(digest, slot)

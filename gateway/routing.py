@@ -261,7 +261,7 @@ class Router:
         if self.policy == "round_robin":  # the turn moves on when a replica accepts (``remember``)
             return candidates[self._turn % len(candidates)]
         if block_hashes:
-            held = self._holder(candidates, block_hashes, least_inflight)
+            held = self._holder(candidates, block_hashes, least, least_inflight)
             if held is not None:
                 return held
             preferred = max(candidates, key=lambda r: _rendezvous(block_hashes[0], r.url))
@@ -269,7 +269,7 @@ class Router:
                 return preferred
         return least
 
-    def _holder(self, candidates: list[Replica], block_hashes: Sequence[bytes],
+    def _holder(self, candidates: list[Replica], block_hashes: Sequence[bytes], least: Replica,
                 least_inflight: int) -> Replica | None:
         """The replica that holds (index) or most likely holds (affinity) the prompt's prefix, if it is
         not over its watermark."""
@@ -281,7 +281,6 @@ class Router:
             best = max(scored, key=lambda s: s[:2], default=None)
             if best is None or best[0] <= 0:
                 return None
-            least = min(candidates, key=lambda r: r.load_score)
             if best[2].load_score > BALANCE_RATIO * least.load_score + BALANCE_SLACK:
                 return least  # far busier than the least loaded: spread rather than pile up
             return best[2]
@@ -312,7 +311,6 @@ class Router:
             return
         if self.policy == "round_robin":
             self._turn += 1
-        if self.policy != "affinity":
             return
         affinity = self._affinity
         for h in block_hashes[:AFFINITY_BLOCKS]:
