@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.kv_pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams, checkpoint_pooling
@@ -129,6 +130,7 @@ class _Add:
     stream: RequestStream
     arrival_time: float
     pooling: PoolingParams | None = None
+    cache_policy: CachePolicy = DEFAULT_POLICY
 
 
 @dataclass(eq=False, slots=True)
@@ -210,6 +212,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        cache_policy: CachePolicy = DEFAULT_POLICY,
     ) -> RequestStream:
         """Validate and queue a request; iterate the returned stream for its deltas (with ``pooling``:
         one final delta carrying the embedding).
@@ -226,7 +229,8 @@ class AsyncEngine:
                 "structured output (response_format) is not available for this model", "response_format"
             )
         stream = RequestStream(request_id, self.abort)
-        add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received, pooling)
+        add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received, pooling,
+                   cache_policy)
         with self._cond:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
@@ -376,7 +380,8 @@ class AsyncEngine:
                 try:
                     engine.add_request(add.request_id, add.prompt_token_ids, add.params, tenant=add.tenant,
                                        cache_salt=add.cache_salt, priority=add.priority,
-                                       arrival_time=add.arrival_time, pooling=add.pooling)
+                                       arrival_time=add.arrival_time, pooling=add.pooling,
+                                       cache_policy=add.cache_policy)
                 except Exception as exc:  # validated already; a late failure ends that request only
                     self._fail(add.request_id, exc)
             try:

@@ -40,6 +40,12 @@ in order, for the gateways' routing index.
 ``commit_computed`` counts the prompt blocks a sequence registers (``seq.num_cache_write_tokens``: what
 the request wrote to the cache, first admission only).
 
+Cache lifetimes (``engine.kv_pins``): a sequence's ``cache_policy`` limits what it looks up and registers
+to its cacheable prefix (explicit mode), marks the blocks it registers ``in_memory`` ones (never on disk),
+and once its cacheable prompt blocks are committed pins them in the host tier (``ttl``) and retains them
+on disk (``retention``); ``seq.num_cache_pinned_tokens`` / ``num_cache_retained_tokens`` say how much
+was applied (within the tenant's quotas; 0 without the tier).
+
 ``num_cached_tokens`` is set on the first allocation only: recompute after a preemption is the
 platform's cost and is never reported as cached. The query/hit counters count every allocation
 (including re-admissions after preemption): they describe the cache, not billing.
@@ -70,6 +76,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_salt: list[str] = [NO_SALT] * num_blocks
+        self._block_persist: list[bool] = [True] * num_blocks
         self.tiers = tiers if enable_prefix_caching else None
         self.events = events
         self._salt_keys: dict[str | None, tuple[bytes, str]] = {}
@@ -138,8 +145,9 @@ class BlockManager:
         seq.block_table = table
         salt = self._salt(seq.cache_salt)[1]
         for digest, block in zip(host_hits, table[len(hits):], strict=False):
+            persist = tiers.persists(digest)  # type: ignore[union-attr]
             origin = tiers.load(digest, block)  # type: ignore[union-attr]
-            self._register(block, digest, salt)
+            self._register(block, digest, salt, persist)
             self.hit_tokens_by_tier[origin] += self.block_size
         num_hit_tokens = (len(hits) + len(host_hits)) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
@@ -235,7 +243,8 @@ class BlockManager:
         return missing <= self.num_free_blocks
 
     def commit_computed(self, seq: Sequence) -> None:
-        """Register the chain hashes of the sequence's blocks that became full and computed."""
+        """Register the chain hashes of the sequence's blocks that became full and computed (within its
+        cacheable prefix), then apply its cache lifetimes once its cacheable prompt blocks are in."""
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         num_full = min(num_full, len(seq.block_table))
         committed = self._seq_committed.get(seq.seq_id, 0)
@@ -244,16 +253,32 @@ class BlockManager:
         self._seq_committed[seq.seq_id] = num_full
         if not self.enable_prefix_caching:
             return
-        hashes = self._hashes_upto(seq, num_full)
+        policy = seq.cache_policy
+        cacheable = min(num_full, policy.cacheable_tokens(len(seq.token_ids)) // self.block_size)
+        hashes = self._hashes_upto(seq, cacheable)
         salt = self._salt(seq.cache_salt)[1]
         prompt_blocks = seq.num_prompt_tokens // self.block_size if not seq.num_preemptions else 0
-        for i in range(committed, num_full):
+        for i in range(committed, cacheable):
             block = seq.block_table[i]
             digest = hashes[i]
             if self._block_hash[block] is None and digest not in self._hash_to_block:
-                self._register(block, digest, salt)
+                self._register(block, digest, salt, policy.persist)
                 if i < prompt_blocks:
                     seq.num_cache_write_tokens += self.block_size
+        pinned_blocks = policy.cacheable_tokens(seq.num_prompt_tokens) // self.block_size
+        if not seq.cache_lifetimes_applied and num_full >= pinned_blocks:
+            seq.cache_lifetimes_applied = True
+            self._apply_lifetimes(seq, hashes[:pinned_blocks], salt)
+
+    def _apply_lifetimes(self, seq: Sequence, digests: list[bytes], salt: str) -> None:
+        policy, tiers = seq.cache_policy, self.tiers
+        if tiers is None or not digests:
+            return
+        if policy.ttl_s:
+            seq.num_cache_pinned_tokens = tiers.pin_host(digests, salt, policy.ttl_s) * self.block_size
+        if policy.retention_s:
+            blocks = [(d, self._hash_to_block.get(d)) for d in digests]
+            seq.num_cache_retained_tokens = tiers.retain(blocks, salt, policy.retention_s) * self.block_size
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks become evictable, others free."""
@@ -308,9 +333,10 @@ class BlockManager:
         return hashes
 
     def _hit_candidates(self, seq: Sequence) -> list[bytes]:
-        """The chain hashes of the prompt's blocks that may be prefix hits: every full block but the one
-        holding the last token (at least one token is always computed)."""
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        """The chain hashes of the prompt's blocks that may be prefix hits: every full block of its
+        cacheable prefix but the one holding the last token (at least one token is always computed)."""
+        num_tokens = len(seq.token_ids)
+        max_blocks = min(num_tokens - 1, seq.cache_policy.cacheable_tokens(num_tokens)) // self.block_size
         return self._hashes_upto(seq, max_blocks)[:max_blocks] if max_blocks else []
 
     def _cache_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
@@ -339,9 +365,10 @@ class BlockManager:
             known = self._salt_keys[salt] = (digest, salt_key(digest))
         return known
 
-    def _register(self, block: int, digest: bytes, salt: str) -> None:
+    def _register(self, block: int, digest: bytes, salt: str, persist: bool = True) -> None:
         self._block_hash[block] = digest
         self._block_salt[block] = salt
+        self._block_persist[block] = persist
         self._hash_to_block[digest] = block
         if self.events is not None:
             self.events.stored(digest, "device")
@@ -363,6 +390,6 @@ class BlockManager:
                 if self.events is not None:
                     self.events.removed(digest, "device")
                 if self.tiers is not None:
-                    self.tiers.offload(digest, block, self._block_salt[block])
+                    self.tiers.offload(digest, block, self._block_salt[block], self._block_persist[block])
         self._ref_counts[block] = 1
         return block

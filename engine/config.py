@@ -43,6 +43,10 @@ class EngineConfig:
     # Exact tier sizes in blocks, overriding the GiB settings (tests, benchmarks).
     num_host_kv_blocks: int | None = None
     num_disk_kv_blocks: int | None = None
+    # Cache lifetimes (``engine.kv_pins``): the blocks one tenant may pin in the host tier for a ttl, and
+    # retain on disk (None: a quarter of the tier).
+    kv_pin_quota_blocks: int | None = None
+    kv_retention_quota_blocks: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,6 +74,8 @@ class EngineConfig:
             raise ValueError("host_kv_gb and disk_kv_gb must be >= 0")
         if (self.num_host_kv_blocks or 0) < 0 or (self.num_disk_kv_blocks or 0) < 0:
             raise ValueError("num_host_kv_blocks and num_disk_kv_blocks must be >= 0")
+        if (self.kv_pin_quota_blocks or 0) < 0 or (self.kv_retention_quota_blocks or 0) < 0:
+            raise ValueError("kv_pin_quota_blocks and kv_retention_quota_blocks must be >= 0")
         if self.disk_tier and (not self.host_tier or not self.kv_disk_dir):
             raise ValueError("a disk KV tier (disk_kv_gb) needs a host tier (host_kv_gb) and kv_disk_dir")
 

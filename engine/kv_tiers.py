@@ -21,6 +21,11 @@ Blocks move down when they are evicted and up when a prompt needs them:
   (``disk_run``: the engine's reader thread) as soon as it is queued; each finished read takes a host
   slot (``fill``). Until its reads are done the request waits at the head of its queue like one
   waiting for blocks to free, so the running step never waits for the disk.
+- **Lifetimes** (``engine.kv_pins``). ``pin_host`` pins blocks in the host tier for a request's ``ttl``:
+  a host eviction passes over them. ``retain`` writes blocks to disk now (from their host slot, or
+  ``save`` from their device block) and pins their files for the retention; the disk tier's LRU passes
+  over them, and the pin is each file's modification time. A block of an ``in_memory`` request
+  (``persist=False``) is neither written through nor demoted: it leaves the host without a file.
 
 Invariants:
 - A hash is in at most one host slot and at most one disk file; a slot carries at most one hash.
@@ -32,10 +37,13 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_events import KVEventLog
+from engine.kv_pins import Pins
 
 NO_SALT = "none"
 
@@ -49,30 +57,42 @@ def salt_key(salt_digest: bytes) -> str:
 class TransferPlan:
     """The copies one step needs, in this order: host slots written to disk (``demote``: before those
     slots are reused), device blocks copied to host slots (``offload``), offloaded slots written to disk
-    (``persist``), disk data put in host slots (``fill``), host slots copied to device blocks (``load``);
-    then the files to delete."""
+    (``persist``), device blocks written to disk (``save``: retained blocks), disk data put in host slots
+    (``fill``), host slots copied to device blocks (``load``); then the files whose pins are set (their
+    expiry as modification time) and the files to delete."""
 
     demote: list[tuple[int, bytes, str]] = field(default_factory=list)  # (slot, hash, salt key)
     offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     persist: list[tuple[int, bytes, str]] = field(default_factory=list)  # (slot, hash, salt key)
+    save: list[tuple[int, bytes, str]] = field(default_factory=list)  # (device block, hash, salt key)
     fill: list[tuple[int, object]] = field(default_factory=list)  # (host slot, data read from disk)
     load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    pin: list[tuple[bytes, str, float]] = field(default_factory=list)  # (hash, salt key, expiry)
     delete: list[tuple[bytes, str]] = field(default_factory=list)  # (hash, salt key) of disk files
 
     def __bool__(self) -> bool:
-        return bool(self.demote or self.offload or self.persist or self.fill or self.load or self.delete)
+        return bool(self.demote or self.offload or self.persist or self.save or self.fill or self.load
+                    or self.pin or self.delete)
 
 
 class DiskIndex:
-    """The disk tier's files, least recently used first, at most ``capacity`` of them."""
+    """The disk tier's files, least recently used first, at most ``capacity`` of them; pinned files
+    (``pins``: retained, at most ``retention_quota`` per tenant) are dropped only once their pin expired.
+    ``pinned`` restores the pins found at start (hash -> expiry)."""
 
     def __init__(self, capacity: int, entries: list[tuple[bytes, str]] | None = None,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, *, retention_quota: int | None = None,
+                 pinned: dict[bytes, float] | None = None, clock: Callable[[], float] = time.time) -> None:
         if capacity < 0:
             raise ValueError(f"disk capacity must be >= 0 blocks, got {capacity}")
         self.capacity = capacity
         self.events = events
         self._files: OrderedDict[bytes, str] = OrderedDict(entries or [])
+        self.pins = Pins(capacity, capacity // 4 if retention_quota is None else retention_quota, clock)
+        now = clock()
+        for digest, until in (pinned or {}).items():
+            if until > now and digest in self._files:
+                self.pins.restore(digest, self._files[digest], until)
         if events is not None:
             for digest in self._files:
                 events.stored(digest, "disk")
@@ -103,6 +123,7 @@ class DiskIndex:
 
     def discard(self, digest: bytes) -> None:
         if self._files.pop(digest, None) is not None:
+            self.pins.discard(digest)
             self._removed(digest)
 
     def purge(self, salt: str) -> list[bytes]:
@@ -110,14 +131,23 @@ class DiskIndex:
         for digest in gone:
             del self._files[digest]
             self._removed(digest)
+        self.pins.purge(salt)
         return gone
 
     def trim(self) -> list[tuple[bytes, str]]:
-        """The oldest files beyond capacity, dropped from the index (to delete)."""
+        """The oldest unpinned files beyond capacity (then, if pins alone exceed it after a restart with
+        less disk, the oldest pinned ones), dropped from the index (to delete)."""
+        excess = len(self._files) - self.capacity
+        if excess <= 0:
+            return []
+        doomed = [d for d in self._files if not self.pins.pinned(d)][:excess]
+        if len(doomed) < excess:
+            doomed += [d for d in self._files if self.pins.pinned(d)][: excess - len(doomed)]
         dropped = []
-        while len(self._files) > self.capacity:
-            dropped.append(self._files.popitem(last=False))
-            self._removed(dropped[-1][0])
+        for digest in doomed:
+            dropped.append((digest, self._files.pop(digest)))
+            self.pins.discard(digest)
+            self._removed(digest)
         return dropped
 
 
@@ -130,20 +160,25 @@ class TierCounters:
     disk_read_blocks: int = 0  # disk → host
     host_evicted_blocks: int = 0  # dropped from the host without a disk copy
     disk_evicted_blocks: int = 0
+    saved_blocks: int = 0  # device → disk (retained blocks not yet on the host or disk)
 
 
 class HostTier:
-    """Host slots holding evicted device blocks, with the disk tier below them (optional)."""
+    """Host slots holding evicted device blocks, with the disk tier below them (optional). ``pin_quota``
+    bounds a tenant's host pins (default: a quarter of the slots)."""
 
     def __init__(self, num_slots: int, disk: DiskIndex | None = None,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, *, pin_quota: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         if num_slots < 1:
             raise ValueError(f"the host tier needs >= 1 slot, got {num_slots}")
         self.num_slots = num_slots
         self.disk = disk
         self.events = events
+        self.pins = Pins(num_slots, num_slots // 4 if pin_quota is None else pin_quota, clock)
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._salt_of: list[str] = [NO_SALT] * num_slots
+        self._persist: list[bool] = [True] * num_slots  # False: an ``in_memory`` block, never on disk
         self._free = list(range(num_slots - 1, -1, -1))
         self._locked: set[int] = set()
         self._reading: dict[bytes, str] = {}  # hash -> salt key, files being read
@@ -162,6 +197,10 @@ class HostTier:
     def on_disk(self, digest: bytes) -> bool:
         return self.disk is not None and digest in self.disk
 
+    def persists(self, digest: bytes) -> bool:
+        """Whether the host copy of ``digest`` may go to disk (False for an ``in_memory`` block)."""
+        return self._persist[self._slot_of[digest]]
+
     def reading(self, digest: bytes) -> bool:
         return digest in self._reading
 
@@ -169,18 +208,19 @@ class HostTier:
         return bool(self._reading)
 
     # ---- moves ------------------------------------------------------------------------------------
-    def offload(self, digest: bytes, device_block: int, salt: str) -> bool:
-        """A cached device block is evicted: keep its K/V on the host. False if no slot can be had."""
+    def offload(self, digest: bytes, device_block: int, salt: str, persist: bool = True) -> bool:
+        """A cached device block is evicted: keep its K/V on the host (and, if it may ``persist``, on
+        disk). False if no slot can be had."""
         if digest in self._slot_of:
             self._slot_of.move_to_end(digest)
             return True
         slot = self._take_slot()
         if slot is None:
             return False
-        self._put(digest, slot, salt)
+        self._put(digest, slot, salt, persist)
         self.plan.offload.append((device_block, slot))
         self.counters.offloaded_blocks += 1
-        if self.disk is not None and self.disk.capacity > 0:
+        if persist and self.disk is not None and self.disk.capacity > 0:
             if digest in self.disk:
                 self.disk.touch(digest)
             else:
@@ -251,6 +291,41 @@ class HostTier:
         self.counters.disk_read_blocks += 1
         return True
 
+    def pin_host(self, digests: list[bytes], salt: str, seconds: float) -> int:
+        """Pin the leading ``digests`` (a request's cacheable prompt blocks) in the host tier for
+        ``seconds``, within the tenant's quota; returns how many are pinned. A pinned block still on the
+        device is offloaded here when the device evicts it, and no host eviction takes it."""
+        return self.pins.pin(digests, salt, seconds)
+
+    def retain(self, blocks: list[tuple[bytes, int | None]], salt: str, seconds: float) -> int:
+        """Keep the leading ``blocks`` (hash, device block or None) on disk for ``seconds``, within the
+        tenant's quota: each is written now unless its file exists, from its host slot or else its device
+        block, and its file's pin is set. Returns how many are retained (0 without a disk tier)."""
+        disk = self.disk
+        if disk is None or disk.capacity == 0:
+            return 0
+        placeable = []
+        for digest, device_block in blocks:
+            if digest not in disk and digest not in self._slot_of and device_block is None:
+                break
+            placeable.append((digest, device_block))
+        count = disk.pins.pin([digest for digest, _ in placeable], salt, seconds)
+        for digest, device_block in placeable[:count]:
+            if digest in disk:
+                disk.touch(digest)
+            elif digest in self._slot_of:
+                slot = self._slot_of[digest]
+                self._locked.add(slot)  # the write reads the slot when the plan runs
+                self.plan.persist.append((slot, digest, salt))
+                self.counters.persisted_blocks += 1
+                self._add_file(digest, salt)
+            else:
+                self.plan.save.append((device_block, digest, salt))  # type: ignore[arg-type]
+                self.counters.saved_blocks += 1
+                self._add_file(digest, salt)
+            self.plan.pin.append((digest, salt, disk.pins.expiry(digest) or 0.0))
+        return count
+
     def take_plan(self) -> TransferPlan:
         """The step's copies (the caller executes them before the forward pass); unlocks every slot."""
         plan, self.plan = self.plan, TransferPlan()
@@ -266,6 +341,7 @@ class HostTier:
             self._from_disk.discard(digest)
             self._free.append(slot)
             self._host_removed(digest)
+        self.pins.purge(salt)
         dropped = len(gone)
         reads = [digest for digest, s in self._reading.items() if s == salt]
         for digest in reads:
@@ -278,9 +354,10 @@ class HostTier:
         return dropped
 
     # ---- internals --------------------------------------------------------------------------------
-    def _put(self, digest: bytes, slot: int, salt: str) -> None:
+    def _put(self, digest: bytes, slot: int, salt: str, persist: bool = True) -> None:
         self._slot_of[digest] = slot
         self._salt_of[slot] = salt
+        self._persist[slot] = persist
         self._locked.add(slot)
         if self.events is not None:
             self.events.stored(digest, "host")
@@ -292,8 +369,8 @@ class HostTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        for digest, slot in self._slot_of.items():  # LRU first, skipping what this step's plan uses
-            if slot in self._locked:
+        for digest, slot in self._slot_of.items():  # LRU first, past what this step's plan uses and pins
+            if slot in self._locked or self.pins.pinned(digest):
                 continue
             del self._slot_of[digest]
             self._from_disk.discard(digest)
@@ -304,11 +381,12 @@ class HostTier:
 
     def _demote(self, digest: bytes, slot: int) -> None:
         salt = self._salt_of[slot]
-        if self.disk is None or self.disk.capacity == 0:
-            self.counters.host_evicted_blocks += 1
-            return
-        if digest in self.disk:
+        self.pins.discard(digest)  # an expired pin
+        if self.disk is not None and digest in self.disk:
             self.disk.touch(digest)
+            return
+        if self.disk is None or self.disk.capacity == 0 or not self._persist[slot]:
+            self.counters.host_evicted_blocks += 1
             return
         self.plan.demote.append((slot, digest, salt))
         self.counters.demoted_blocks += 1

@@ -1,7 +1,8 @@
 """The copies of the prefix cache's tiers: device KV pool ↔ host buffer ↔ block files on disk.
 
 ``engine.kv_tiers`` decides which block goes where; ``KVTransfer.execute(plan)`` makes one step's copies
-before the step's forward pass, in the plan's order (demote, offload, persist, fill, load, delete). The host
+before the step's forward pass, in the plan's order (demote, offload, persist, save, fill, load, pin,
+delete). The host
 buffer has the device pool's layout per layer (``[2, slots, block_size, kv_heads, head_dim]``, pinned
 memory on a GPU). Disk I/O runs on one background thread in submission order, so a read queued after
 the write of the same file sees it; reads report back through ``finished_reads`` (the engine thread
@@ -11,7 +12,9 @@ A block file is ``{disk_dir}/{fingerprint}/{salt key}/{chain hash}.kv``: a magic
 K/V for every layer (``[layers, 2, block_size, kv_heads, head_dim]``, raw). The fingerprint covers the
 checkpoint's config, dtype and block shape, so a replica restarted with another model never reads
 them; a file of the wrong size is a miss (and is deleted). Files are written to a temporary name and
-renamed, so a crash never leaves half a block under a hash.
+renamed, so a crash never leaves half a block under a hash. A retained (pinned) file's modification time
+is its pin's expiry, in the future: ``scan`` reports those pins at start, and a read leaves them alone
+(any other read marks the file recently used).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -72,6 +76,12 @@ class KVTransfer:
                 host[:, slots] = kv[:, blocks].to("cpu")
         for slot, digest, salt in plan.persist:
             self._jobs.put(("write", self.path(digest, salt), self._slot_bytes(slot)))
+        if plan.save:
+            blocks = torch.tensor([b for b, _, _ in plan.save], device=self.device)
+            saved = torch.stack([kv[:, blocks].to("cpu") for kv in self.kv_caches])  # [layers, 2, n, ...]
+            for i, (_, digest, salt) in enumerate(plan.save):
+                data = saved[:, :, i].contiguous().view(torch.uint8).numpy().tobytes()
+                self._jobs.put(("write", self.path(digest, salt), data))
         for slot, data in plan.fill:
             self._set_slot(slot, data)  # type: ignore[arg-type]
         if plan.load:
@@ -79,6 +89,8 @@ class KVTransfer:
             blocks = torch.tensor([b for _, b in plan.load], device=self.device)
             for kv, host in zip(self.kv_caches, self.host, strict=True):
                 kv[:, blocks] = host[:, slots].to(self.device, non_blocking=True)
+        for digest, salt, until in plan.pin:
+            self._jobs.put(("pin", self.path(digest, salt), until))
         for digest, salt in plan.delete:
             self._jobs.put(("delete", self.path(digest, salt), None))
 
@@ -117,19 +129,22 @@ class KVTransfer:
             except queue.Empty:
                 return done
 
-    def scan(self) -> list[tuple[bytes, str]]:
-        """The block files on disk for this fingerprint, least recently used first (a restart's index)."""
+    def scan(self, now: float) -> tuple[list[tuple[bytes, str]], dict[bytes, float]]:
+        """The block files on disk for this fingerprint, least recently used first (a restart's index),
+        and the pins among them (hash -> expiry: a modification time after ``now``)."""
         if self.root is None:
-            return []
+            return [], {}
         found = []
         for path in self.root.glob(f"*/*{_SUFFIX}"):
             try:
                 digest = bytes.fromhex(path.stem)
-                found.append((path.stat().st_mtime_ns, digest, path.parent.name))
+                found.append((path.stat().st_mtime, digest, path.parent.name))
             except (ValueError, OSError):
                 continue
         found.sort()
-        return [(digest, salt) for _, digest, salt in found if len(digest) == 32]
+        files = [(digest, salt) for _, digest, salt in found if len(digest) == 32]
+        pins = {digest: mtime for mtime, digest, _ in found if len(digest) == 32 and mtime > now}
+        return files, pins
 
     def delete_salt(self, salt: str) -> None:
         """Remove a salt's directory (after its files left the index): the purge of a tenant."""
@@ -163,6 +178,8 @@ class KVTransfer:
                 elif kind == "read":
                     digest, salt = payload  # type: ignore[misc]
                     self._reads.put((digest, salt, self._read_file(path)))
+                elif kind == "pin":
+                    os.utime(path, (payload, payload))  # type: ignore[arg-type]
                 elif kind == "delete":
                     path.unlink(missing_ok=True)
                 elif kind == "rmdir":
@@ -185,5 +202,6 @@ class KVTransfer:
             logger.warning("KV disk tier: %s is not a block of this model; deleted", path)
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)  # recently used: a restart's index keeps it longest
+        if path.stat().st_mtime <= time.time():  # recently used (a pinned file keeps its expiry)
+            os.utime(path)
         return data[len(_MAGIC):]

@@ -21,6 +21,7 @@ from collections.abc import Sequence as SequenceLike
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
+from engine.kv_pins import DEFAULT_POLICY, CachePolicy
 from engine.llm_engine import LLMEngine, RequestValidationError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.pooling import PoolingParams, checkpoint_pooling
@@ -94,9 +95,11 @@ class LLM:
         priority: int | SequenceLike[int] | None = None,
         tenant: str | SequenceLike[str] | None = None,
         pooling: PoolingParams | None = None,
+        cache_policy: CachePolicy = DEFAULT_POLICY,
     ) -> list[RequestOutput]:
         """Run ``prompts`` (strings or token-id lists) to completion; outputs in input order. With
-        ``pooling``, each is an embedding request (``RequestOutput.embedding``; see ``embed``)."""
+        ``pooling``, each is an embedding request (``RequestOutput.embedding``; see ``embed``);
+        ``cache_policy``: every prompt's prefix-cache lifetimes (``engine.kv_pins``)."""
         prompt_list = _as_prompt_list(prompts)
         n = len(prompt_list)
         params_list = _per_prompt(params if params is not None else SamplingParams(), n, "params",
@@ -117,7 +120,8 @@ class LLM:
         try:
             for i, (rid, prompt) in enumerate(zip(request_ids, prompt_list, strict=True)):
                 self.engine.add_request(rid, token_lists[i], params_list[i], tenant=tenants[i],
-                                        cache_salt=salts[i], priority=priorities[i], pooling=pooling)
+                                        cache_salt=salts[i], priority=priorities[i], pooling=pooling,
+                                        cache_policy=cache_policy)
                 outputs[rid] = RequestOutput(
                     request_id=rid,
                     prompt_token_ids=token_lists[i],

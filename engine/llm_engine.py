@@ -40,6 +40,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
 from engine.kv_events import KVEventLog
+from engine.kv_pins import DEFAULT_POLICY, CachePolicy
 from engine.kv_tiers import DiskIndex, HostTier, TransferPlan
 from engine.kv_transfer import KVTransfer, cache_fingerprint
 from engine.model_runner import ModelRunner
@@ -127,12 +128,13 @@ class LLMEngine:
         transfer = KVTransfer(runner.kv_caches, num_slots, disk_dir, fingerprint)
         disk = None
         if disk_dir is not None:
-            disk = DiskIndex(blocks(config.num_disk_kv_blocks, config.disk_kv_gb), transfer.scan(),
-                             self.kv_events)
+            files, pins = transfer.scan(time.time())
+            disk = DiskIndex(blocks(config.num_disk_kv_blocks, config.disk_kv_gb), files, self.kv_events,
+                             retention_quota=config.kv_retention_quota_blocks, pinned=pins)
             transfer.execute(TransferPlan(delete=disk.trim()))
             logger.info("KV disk tier: %d blocks of %d found in %s", len(disk), disk.capacity, transfer.root)
         logger.info("KV host tier: %d blocks (%.2f GiB)", num_slots, num_slots * block_bytes / 2**30)
-        return transfer, HostTier(num_slots, disk, self.kv_events)
+        return transfer, HostTier(num_slots, disk, self.kv_events, pin_quota=config.kv_pin_quota_blocks)
 
     def purge_cache(self, cache_salt: str | None) -> int:
         """Drop every cached block of ``cache_salt`` from the device, host and disk tiers (between steps);
@@ -208,9 +210,10 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         pooling: PoolingParams | None = None,
+        cache_policy: CachePolicy = DEFAULT_POLICY,
     ) -> None:
-        """Queue a request (``params.n`` streams; with ``pooling``, one embedding and no tokens). Raises
-        ``RequestValidationError``, changing nothing."""
+        """Queue a request (``params.n`` streams; with ``pooling``, one embedding and no tokens; its
+        prompt-cache lifetimes in ``cache_policy``). Raises ``RequestValidationError``, changing nothing."""
         if request_id in self._requests:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
         self.validate_request(request_id, prompt_token_ids, params)
@@ -238,6 +241,7 @@ class LLMEngine:
                 arrival_time=now,
                 index=index,
                 pooling=pooling,
+                cache_policy=cache_policy,
             )
             stop_matcher = StopStringMatcher(params.stop) if params.stop else None
             detok = IncrementalDetokenizer(
@@ -429,6 +433,8 @@ class LLMEngine:
             cached_tokens=first.num_cached_tokens or 0,
             completion_tokens=sum(s.num_output_tokens for s in seqs),
             cache_write_tokens=sum(s.num_cache_write_tokens for s in seqs),
+            cache_pinned_tokens=first.num_cache_pinned_tokens,
+            cache_retained_tokens=first.num_cache_retained_tokens,
         )
         timings = self._timings(request, seqs)
         counts = self._stats.num_requests_finished

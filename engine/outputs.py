@@ -34,6 +34,10 @@ class Usage:
     # Prompt tokens newly written to the prefix cache by this request (full blocks; OpenAI's
     # ``cache_write_tokens``).
     cache_write_tokens: int = 0
+    # Prompt tokens this request's cache lifetimes applied to (``engine.kv_pins``): pinned in the host
+    # tier for its ttl, retained on disk.
+    cache_pinned_tokens: int = 0
+    cache_retained_tokens: int = 0
 
 
 @dataclass(slots=True)

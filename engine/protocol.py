@@ -65,6 +65,15 @@ class PoolingSpec(_Strict):
     normalize: bool | None = None
 
 
+class CacheSpec(_Strict):
+    """A request's prompt-cache lifetimes (``engine.kv_pins.CachePolicy``, which says what each means)."""
+
+    prefix_tokens: int | None = Field(default=None, ge=0)
+    ttl_s: float = Field(default=0.0, ge=0.0, le=7 * 86_400)
+    retention_s: float = Field(default=0.0, ge=0.0, le=7 * 86_400)
+    persist: bool = True
+
+
 class GenerateRequest(_Strict):
     """One generation request. Sampling fields mirror ``engine.sampling_params.SamplingParams``."""
 
@@ -95,6 +104,8 @@ class GenerateRequest(_Strict):
     priority: int = 0
     # An embedding instead of tokens: the final record carries it, with zero completion tokens.
     pooling: PoolingSpec | None = None
+    # Prompt-cache lifetimes; None: the cache's defaults (implicit, no pins).
+    cache: CacheSpec | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -163,6 +174,10 @@ class Usage(BaseModel):
     completion_tokens: int
     # Prompt tokens this request newly wrote to the prefix cache (whole blocks).
     cache_write_tokens: int = 0
+    # Prompt tokens held for the request's cache lifetimes: pinned in host memory (ttl), kept on disk
+    # (retention), within the tenant's quotas.
+    cache_pinned_tokens: int = 0
+    cache_retained_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -23,6 +23,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.kv_pins import DEFAULT_POLICY, CachePolicy
+
 if TYPE_CHECKING:
     from engine.pooling import PoolingParams
     from engine.sampling_params import SamplingParams
@@ -61,6 +63,12 @@ class Sequence:
     # Prompt tokens this sequence newly wrote into the prefix cache (the full prompt blocks it registered
     # on its first admission; recompute after a preemption is not counted).
     num_cache_write_tokens: int = 0
+    # Its prompt-cache lifetimes (``engine.kv_pins``) and what they applied: prompt tokens pinned in the
+    # host tier for the ttl, and retained on disk.
+    cache_policy: CachePolicy = DEFAULT_POLICY
+    cache_lifetimes_applied: bool = False
+    num_cache_pinned_tokens: int = 0
+    num_cache_retained_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -40,11 +40,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.async_engine import EngineError, RequestStream
 from engine.config import EngineConfig
 from engine.kv_events import KVEventLog
+from engine.kv_pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import CONTENT_TYPE
 from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.pooling import PoolingParams
 from engine.protocol import (
     AbortRequest,
+    CacheSpec,
     ErrorInfo,
     ErrorRecord,
     GenerateRequest,
@@ -77,7 +79,8 @@ class ServingEngine(Protocol):
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           tenant: str = "", cache_salt: str | None = None, priority: int = 0,
-                          pooling: PoolingParams | None = None) -> RequestStream: ...
+                          pooling: PoolingParams | None = None,
+                          cache_policy: CachePolicy = DEFAULT_POLICY) -> RequestStream: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -88,6 +91,10 @@ class ServingEngine(Protocol):
     def render_metrics(self) -> bytes: ...
 
     def shutdown(self) -> None: ...
+
+
+def _cache_policy(spec: CacheSpec | None) -> CachePolicy:
+    return DEFAULT_POLICY if spec is None else CachePolicy(**spec.model_dump())
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
@@ -181,7 +188,8 @@ def create_app(engine: ServingEngine) -> FastAPI:
         try:
             stream = await engine.add_request(body.request_id, body.prompt_token_ids, params,
                                               tenant=body.tenant, cache_salt=body.cache_salt,
-                                              priority=body.priority, pooling=pooling)
+                                              priority=body.priority, pooling=pooling,
+                                              cache_policy=_cache_policy(body.cache))
         except RequestValidationError as exc:
             return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:

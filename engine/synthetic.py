@@ -33,6 +33,7 @@ from typing import Any
 from engine.async_engine import RequestStream
 from engine.block_hash import prefix_block_hashes
 from engine.kv_events import KVEventLog
+from engine.kv_pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams
@@ -110,7 +111,9 @@ class SyntheticEngine:
     # ---- ServingEngine --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           tenant: str = "", cache_salt: str | None = None,
-                          priority: int = 0, pooling: PoolingParams | None = None) -> RequestStream:
+                          priority: int = 0, pooling: PoolingParams | None = None,
+                          cache_policy: CachePolicy = DEFAULT_POLICY) -> RequestStream:
+        # ``cache_policy``: the stand-in has no tiers to pin in; it reports no pinned or retained tokens.
         prompt = list(prompt_token_ids)
         if not prompt:
             raise RequestValidationError("the prompt is empty: at least one token is required", "prompt")

@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     # "affinity" (a per-process guess from where this process sent each prefix before), "round_robin".
     routing_policy: Literal["index", "affinity", "round_robin"] = "index"
     kv_index_poll_interval_s: float = 0.1
+    # The prefix cache's lower tiers of the engine ``tollgate up`` starts (``tollgate engine --host-kv-gb``,
+    # ``--disk-kv-gb``; the block files under ``data_dir/kv``): what cache lifetimes are held in.
+    engine_host_kv_gb: float = Field(default=0.25, ge=0)
+    engine_disk_kv_gb: float = Field(default=1.0, ge=0)
     # Bearer token a Prometheus scrape presents at the gateway's ``GET /metrics`` (the scrape config's
     # ``authorization: {credentials: ...}``); an admin API token is accepted too. None: admin tokens only.
     metrics_token: SecretStr | None = None

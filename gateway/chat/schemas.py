@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gateway.errors import InvalidRequestError
+from gateway.generation.requests import BREAKPOINT_KEY
+from gateway.openai.caching import PromptCacheBreakpoint, PromptCacheFields, breakpoint_offset
 from gateway.openai.schemas import RequestModel, ResponseFormat, SamplingFields
 
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -22,6 +24,7 @@ FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 class TextPart(RequestModel):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class RefusalPart(RequestModel):
@@ -134,6 +137,12 @@ def to_template_dict(message: Any) -> dict[str, Any]:
     if role == "function":
         return {"role": "tool", "content": message.content or "", "name": message.name}
     out: dict[str, Any] = {"role": role, "content": _text_of(message.content)}
+    if isinstance(message.content, list):
+        marks = [(p.text, p.prompt_cache_breakpoint is not None) if isinstance(p, TextPart)
+                 else (getattr(p, "refusal", ""), False) for p in message.content]
+        offset = breakpoint_offset(marks)
+        if offset is not None:
+            out[BREAKPOINT_KEY] = offset
     if role == "assistant":
         if not out["content"] and message.refusal:
             out["content"] = message.refusal
@@ -185,7 +194,7 @@ class NamedToolChoice(RequestModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, PromptCacheFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

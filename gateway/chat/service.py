@@ -36,6 +36,7 @@ from gateway.chat.tools import ParsedCall, ToolCallParser, ToolUse
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError
 from gateway.generation.requests import (
+    breakpoint_tokens,
     check_context_length,
     lookup_model,
     render_chat,
@@ -69,6 +70,8 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
     prompt = await render_chat(tokenizer, messages, tool_use.template_tools, "messages")
     max_tokens = body.completion_limit
     check_context_length(route, len(prompt), max_tokens, "messages")
+    breakpoint = (await breakpoint_tokens(tokenizer, messages, tool_use.template_tools, prompt, "messages")
+                  if body.explicit_cache else None)
 
     sampling = sampling_fields(body)
     sampling["logprobs"] = bool(body.logprobs)
@@ -85,8 +88,8 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
     tier = resolve_tier(runtime, principal, body.service_tier)
     try:
         generation = await run_generation(runtime, principal, route, request_id, [prompt], sampling, n=n,
-                                          max_tokens=max_tokens, tier=tier,
-                                          routing_key=body.prompt_cache_key)
+                                          max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key,
+                                          cache=body.cache_spec(breakpoint))
     except InvalidRequestError as exc:
         if exc.param in ("json_schema", "response_format"):  # the engine names its own field
             exc.param = "tools" if tool_use.forced else "response_format"
@@ -139,8 +142,8 @@ async def _complete(generation: Generation, tokenizer: Tokenizer, parsers: list[
         })
     return {
         "id": response_id, "object": "chat.completion", "created": created, "model": generation.route.name,
-        "choices": choices, "usage": completion_usage(generation.usage), "service_tier": generation.tier,
-        "system_fingerprint": fingerprint,
+        "choices": choices, "usage": completion_usage(generation.usage, generation.reports_lifetimes),
+        "service_tier": generation.tier, "system_fingerprint": fingerprint,
     }
 
 
@@ -192,7 +195,7 @@ async def _stream(generation: Generation, tokenizer: Tokenizer, parsers: list[To
         yield json_frame({"id": response_id, "object": "chat.completion.chunk", "created": created,
                           "model": generation.route.name, "service_tier": generation.tier,
                           "system_fingerprint": fingerprint, "choices": [],
-                          "usage": completion_usage(generation.usage)})
+                          "usage": completion_usage(generation.usage, generation.reports_lifetimes)})
     yield DONE_FRAME
 
 

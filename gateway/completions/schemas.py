@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from gateway.errors import InvalidRequestError
+from gateway.openai.caching import PromptCacheFields
 from gateway.openai.schemas import SamplingFields
 
 
@@ -26,14 +27,16 @@ def _is_token_id(value: Any) -> bool:
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, PromptCacheFields):
     prompt: Prompt | None = None
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=0, le=20)
-    # Not in OpenAI's legacy schema; accepted as on chat: a routing hint (same tenant + key → one replica).
+    # Not in OpenAI's legacy schema; accepted as on chat: a routing hint (same tenant + key → one replica),
+    # and the cache lifetimes (a legacy prompt has no parts to put breakpoints on: ``explicit`` mode
+    # caches nothing).
     prompt_cache_key: str | None = None
 
     @field_validator("prompt", mode="before")

@@ -83,7 +83,8 @@ async def start_completion(runtime: GatewayRuntime, principal: Principal, reques
         sampling["top_logprobs"] = body.logprobs
     tier = resolve_tier(runtime, principal, body.service_tier)
     generation = await run_generation(runtime, principal, route, request_id, prompts, sampling, n=n,
-                                      max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key)
+                                      max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key,
+                                      cache=body.cache_spec())
     response_id = completion_id("cmpl")
     created = int(time.time())
     fingerprint = system_fingerprint(route)
@@ -115,7 +116,7 @@ async def _complete(generation: Generation, response_id: str, created: int, fing
     } for i in range(count)]
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": generation.route.name, "system_fingerprint": fingerprint, "choices": choices,
-            "usage": completion_usage(generation.usage)}
+            "usage": completion_usage(generation.usage, generation.reports_lifetimes)}
 
 
 async def _stream(generation: Generation, response_id: str, created: int, fingerprint: str,
@@ -148,5 +149,5 @@ async def _stream(generation: Generation, response_id: str, created: int, finger
     if include_usage:
         yield json_frame({"id": response_id, "object": "text_completion", "created": created,
                           "model": generation.route.name, "system_fingerprint": fingerprint, "choices": [],
-                          "usage": completion_usage(generation.usage)})
+                          "usage": completion_usage(generation.usage, generation.reports_lifetimes)})
     yield DONE_FRAME

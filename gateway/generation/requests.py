@@ -37,16 +37,40 @@ OFFLOAD_CHARS = 32_000
 
 
 async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None,
-                      param: str) -> list[int]:
+                      param: str, add_generation_prompt: bool = True) -> list[int]:
     """The tokens of ``messages`` (and ``tools``) through the model's chat template, as the engine will
     run them; a long conversation off the event loop; a template error is a 400 naming ``param``."""
     size = sum(len(m["content"] or "") for m in messages)
     try:
         if size > OFFLOAD_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
-        return tokenizer.encode_chat(messages, tools)
+            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools, add_generation_prompt)
+        return tokenizer.encode_chat(messages, tools, add_generation_prompt)
     except ValueError as exc:
         raise InvalidRequestError(f"Invalid '{param}': {exc}", param=param) from None
+
+
+# On a chat-template message: the characters of its content that end at its last prompt-cache breakpoint
+# (``gateway.openai.caching``).
+BREAKPOINT_KEY = "_cache_breakpoint"
+
+
+async def breakpoint_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None,
+                            prompt: list[int], param: str) -> int | None:
+    """The tokens of ``prompt`` (the rendered ``messages``) before the conversation's last breakpoint;
+    None when no message has one. The conversation is rendered cut there, and what it has in common with
+    the prompt counts (a template's closing tokens after the cut never do)."""
+    last = max((i for i, m in enumerate(messages) if m.get(BREAKPOINT_KEY) is not None), default=None)
+    if last is None:
+        return None
+    cut = dict(messages[last])
+    cut["content"] = cut["content"][: cut[BREAKPOINT_KEY]]
+    tokens = await render_chat(tokenizer, [*messages[:last], cut], tools, param, add_generation_prompt=False)
+    common = 0
+    for mine, theirs in zip(tokens, prompt, strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    return common
 
 
 def sampling_arguments(temperature: float | None, top_p: float | None, *,

@@ -54,7 +54,7 @@ import anyio
 from billing.outbox import UsageRecord
 from billing.prices import PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.block_hash import prefix_block_hashes
-from engine.protocol import DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
+from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
 from gateway.admission import Admission
 from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
@@ -98,6 +98,8 @@ class Generation:
     max_tokens: int | None
     tier: str
     routing_key: str | None = None
+    # Prompt-cache lifetimes for the engine (``gateway.openai.caching``); None: the defaults.
+    cache: CacheSpec | None = None
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     status: str = STATUS_COMPLETED
@@ -177,7 +179,8 @@ class Generation:
                 engine_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
                 request = GenerateRequest(
                     request_id=engine_id, prompt_token_ids=prompt, n=self.n, max_tokens=self.max_tokens,
-                    tenant=str(self.principal.tenant_id), cache_salt=salt, priority=priority, **self.sampling,
+                    tenant=str(self.principal.tenant_id), cache_salt=salt, priority=priority,
+                    cache=self.cache, **self.sampling,
                 )
                 self._streams.append(await self._open(request, prompt_hashes))
         except BaseException as exc:
@@ -219,6 +222,11 @@ class Generation:
                 raise
             router.remember(replica, block_hashes)
             return stream, replica
+
+    @property
+    def reports_lifetimes(self) -> bool:
+        """Whether the request asked for a ttl or a retention (its answer then says what was held)."""
+        return self.cache is not None and bool(self.cache.ttl_s or self.cache.retention_s)
 
     # -- streaming ------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -283,6 +291,8 @@ class Generation:
         self.usage.prompt_tokens += record.usage.prompt_tokens
         self.usage.cached_tokens += record.usage.cached_tokens
         self.usage.cache_write_tokens += record.usage.cache_write_tokens
+        self.usage.cache_pinned_tokens += record.usage.cache_pinned_tokens
+        self.usage.cache_retained_tokens += record.usage.cache_retained_tokens
         self.usage.completion_tokens += record.usage.completion_tokens
         for i, reason in enumerate(record.finish_reasons):
             self.finish_reasons[offset + i] = reason
@@ -387,11 +397,12 @@ class Generation:
 
 async def run_generation(runtime: GatewayRuntime, principal: Principal, route: ModelRoute, request_id: str,
                          prompts: list[list[int]], sampling: dict[str, Any], *, n: int,
-                         max_tokens: int | None, tier: str, routing_key: str | None = None) -> Generation:
+                         max_tokens: int | None, tier: str, routing_key: str | None = None,
+                         cache: CacheSpec | None = None) -> Generation:
     """A started generation (see the module invariants): the engine has accepted every prompt, or this
     raised the error to answer with, and nothing is left to settle."""
     generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
                             prompts=prompts, sampling=sampling, n=n, max_tokens=max_tokens, tier=tier,
-                            routing_key=routing_key)
+                            routing_key=routing_key, cache=cache)
     await generation.start()
     return generation

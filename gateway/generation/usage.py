@@ -12,6 +12,10 @@ class Usage:
     completion_tokens: int = 0
     # Prompt tokens the engines newly wrote to their prefix caches (OpenAI's ``cache_write_tokens``).
     cache_write_tokens: int = 0
+    # Prompt tokens the request's cache lifetimes held (``prompt_cache_options.ttl``: pinned in host
+    # memory; ``prompt_cache_retention`` 24h: kept on disk), within the tenant's quotas.
+    cache_pinned_tokens: int = 0
+    cache_retained_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

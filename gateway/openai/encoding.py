@@ -36,25 +36,32 @@ def _fingerprint(name: str, path: str | None, max_model_len: int, vocab_size: in
     return "fp_" + hashlib.sha256(basis.encode()).hexdigest()[:10]
 
 
-def completion_usage(usage: Usage) -> dict[str, Any]:
-    """OpenAI's ``CompletionUsage`` (chat and text completions)."""
+def _cache_details(usage: Usage, lifetimes: bool) -> dict[str, int]:
+    details = {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.cache_write_tokens}
+    if lifetimes:  # what the request's cache lifetimes held (``gateway.openai.caching``)
+        details |= {"cache_pinned_tokens": usage.cache_pinned_tokens,
+                    "cache_retained_tokens": usage.cache_retained_tokens}
+    return details
+
+
+def completion_usage(usage: Usage, lifetimes: bool = False) -> dict[str, Any]:
+    """OpenAI's ``CompletionUsage`` (chat and text completions); ``lifetimes``: with the prompt tokens
+    the request's cache lifetimes held."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0,
-                                  "cache_write_tokens": usage.cache_write_tokens},
+        "prompt_tokens_details": {"audio_tokens": 0, **_cache_details(usage, lifetimes)},
         "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
                                       "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
 
 
-def response_usage(usage: Usage) -> dict[str, Any]:
-    """OpenAI's ``ResponseUsage`` (the Responses API)."""
+def response_usage(usage: Usage, lifetimes: bool = False) -> dict[str, Any]:
+    """OpenAI's ``ResponseUsage`` (the Responses API); ``lifetimes`` as for ``completion_usage``."""
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens,
-                                 "cache_write_tokens": usage.cache_write_tokens},
+        "input_tokens_details": _cache_details(usage, lifetimes),
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.total_tokens,

@@ -20,12 +20,14 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from gateway.chat.schemas import FUNCTION_NAME_PATTERN, UnsupportedContent
 from gateway.errors import InvalidRequestError
+from gateway.openai.caching import PromptCacheBreakpoint, PromptCacheFields
 from gateway.openai.schemas import RequestModel, ServiceTierName, check_metadata
 
 
 class InputText(RequestModel):
     type: Literal["input_text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class OutputText(RequestModel):
@@ -165,7 +167,7 @@ class TextParam(RequestModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class CreateResponseRequest(RequestModel):
+class CreateResponseRequest(PromptCacheFields):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     instructions: str | None = None

@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from engine.protocol import DeltaRecord
+from engine.protocol import CacheSpec, DeltaRecord
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
 from gateway.chat.schemas import FunctionDefinition, FunctionTool
@@ -43,6 +43,8 @@ from gateway.chat.tools import ToolCallParser, ToolUse
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.generation.requests import (
+    BREAKPOINT_KEY,
+    breakpoint_tokens,
     check_context_length,
     lookup_model,
     render_chat,
@@ -51,6 +53,7 @@ from gateway.generation.requests import (
 )
 from gateway.generation.service import STATUS_CANCELLED, Generation, run_generation
 from gateway.openai.answers import Answer
+from gateway.openai.caching import breakpoint_offset
 from gateway.openai.encoding import chat_token_logprobs, response_usage
 from gateway.responses.output import STATUS_CANCELLED as RESPONSE_CANCELLED
 from gateway.responses.output import STATUS_IN_PROGRESS, STATUS_QUEUED, ResponseBuilder, new_id
@@ -63,6 +66,7 @@ from gateway.responses.schemas import (
     FunctionCallOutputItem,
     MessageItem,
     ToolChoiceFunction,
+    part_text,
 )
 from gateway.responses.store import ResponseStore, database
 from gateway.routing import ModelRoute
@@ -75,10 +79,23 @@ BACKGROUND_TIER = "flex"
 BACKGROUND_TASK = "responses.background"
 
 
-def _text_part(text: str, kind: str = "input_text") -> dict[str, Any]:
+def _text_part(text: str, kind: str = "input_text", breakpoint: bool = False) -> dict[str, Any]:
     if kind == "output_text":
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    if breakpoint:
+        return {"type": kind, "text": text, "prompt_cache_breakpoint": {"mode": "explicit"}}
     return {"type": kind, "text": text}
+
+
+def _message_parts(item: MessageItem) -> list[dict[str, Any]]:
+    """A message's content as stored: its text in one part, or its parts one by one where a part marks a
+    prompt-cache breakpoint (the breakpoint is kept on its part)."""
+    kind = "output_text" if item.role == "assistant" else "input_text"
+    if isinstance(item.content, list):
+        marks = [getattr(p, "prompt_cache_breakpoint", None) is not None for p in item.content]
+        if any(marks):
+            return [_text_part(part_text(p), kind, mark) for p, mark in zip(item.content, marks, strict=True)]
+    return [_text_part(item.text, kind)]
 
 
 def input_items(body: CreateResponseRequest) -> list[dict[str, Any]]:
@@ -89,9 +106,8 @@ def input_items(body: CreateResponseRequest) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     for item in body.input:
         if isinstance(item, MessageItem):
-            kind = "output_text" if item.role == "assistant" else "input_text"
             items.append({"id": new_id("msg"), "type": "message", "role": item.role, "status": "completed",
-                          "content": [_text_part(item.text, kind)]})
+                          "content": _message_parts(item)})
         elif isinstance(item, FunctionCallItem):
             items.append({"id": item.id or new_id("fc"), "type": "function_call", "status": "completed",
                           "call_id": item.call_id, "name": item.name, "arguments": item.arguments})
@@ -117,7 +133,12 @@ def template_messages(instructions: str | None, history: list[dict[str, Any]],
         kind = item["type"]
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _message_text(item)})
+            message = {"role": role, "content": _message_text(item)}
+            offset = breakpoint_offset([(p.get("text") or p.get("refusal") or "",
+                                         "prompt_cache_breakpoint" in p) for p in item["content"]])
+            if offset is not None:
+                message[BREAKPOINT_KEY] = offset
+            messages.append(message)
         elif kind == "function_call":
             calls.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
@@ -171,6 +192,8 @@ def _echo(body: CreateResponseRequest, model: str, tier: str) -> dict[str, Any]:
                    "parameters": t.parameters, "strict": t.strict} for t in body.function_tools],
         "truncation": "disabled", "user": body.user, "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key, "metadata": body.metadata or {},
+        "prompt_cache_retention": body.prompt_cache_retention,
+        **({"prompt_cache_options": options} if (options := body.applied_options()) else {}),
     }
 
 
@@ -181,6 +204,7 @@ class _Plan:
     route: ModelRoute
     tokenizer: Tokenizer
     prompt: list[int]
+    cache: CacheSpec | None
     items: list[dict[str, Any]]
     sampling: dict[str, Any]
     tier: str
@@ -204,6 +228,8 @@ async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateRespo
     messages = template_messages(body.instructions, history, items)
     prompt = await render_chat(tokenizer, messages, tool_use.template_tools, "input")
     check_context_length(route, len(prompt), body.max_output_tokens, "input", param="input")
+    breakpoint = (await breakpoint_tokens(tokenizer, messages, tool_use.template_tools, prompt, "input")
+                  if body.explicit_cache else None)
 
     sampling = sampling_arguments(body.temperature, body.top_p)
     logprobs = body.wants_logprobs
@@ -218,7 +244,8 @@ async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateRespo
         sampling["response_format"] = {"type": "json_schema", "json_schema": text_format.json_schema}
     parser = tool_use.parser(parallel=body.parallel_tool_calls is not False)
     tier = resolve_tier(runtime, principal, body.service_tier)
-    return _Plan(route, tokenizer, prompt, items, sampling, tier, tool_use.forced, parser, logprobs)
+    return _Plan(route, tokenizer, prompt, body.cache_spec(breakpoint), items, sampling, tier,
+                 tool_use.forced, parser, logprobs)
 
 
 async def start_response(runtime: GatewayRuntime, principal: Principal, request_id: str,
@@ -233,7 +260,7 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
     try:
         generation = await run_generation(runtime, principal, plan.route, request_id, [plan.prompt],
                                           plan.sampling, n=1, max_tokens=body.max_output_tokens,
-                                          tier=plan.tier, routing_key=body.prompt_cache_key)
+                                          tier=plan.tier, routing_key=body.prompt_cache_key, cache=plan.cache)
     except InvalidRequestError as exc:
         if exc.param in ("json_schema", "response_format"):  # the engine names its own field
             exc.param = "tools" if plan.forced else "text.format"
@@ -323,7 +350,7 @@ class _Output:
 
     def _finish(self) -> list[dict[str, Any]]:
         generation = self.generation
-        usage = response_usage(generation.usage)
+        usage = response_usage(generation.usage, generation.reports_lifetimes)
         if generation.status == STATUS_CANCELLED:
             return self.builder.finish(usage, cancelled=True)
         if generation.error is not None:
@@ -371,7 +398,8 @@ class _Output:
                 yield _frame(event)
         finally:
             if self.builder.status == STATUS_IN_PROGRESS:  # the client went away mid-stream
-                self.builder.finish(response_usage(self.generation.usage), cancelled=True)
+                usage = response_usage(self.generation.usage, self.generation.reports_lifetimes)
+                self.builder.finish(usage, cancelled=True)
             await self._stored()
 
 

@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.block_hash import prefix_block_hashes
+from engine.kv_pins import CachePolicy
 from engine.metrics import EngineMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,6 +108,47 @@ def test_cache_write_tokens_count_the_prompt_blocks_a_request_newly_wrote(tiny_l
     assert (first.cached_tokens, first.cache_write_tokens) == (0, 48)
     assert (again.cached_tokens, again.cache_write_tokens) == (48, 16)
     assert (other.cached_tokens, other.cache_write_tokens) == (0, 48)
+
+
+def test_retained_blocks_are_on_disk_at_once_and_stay_pinned_across_a_restart(tiny_llama_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    # A 6-file disk tier with retention for one tenant: its 3 blocks are written as soon as the prompt is
+    # computed (no eviction needed), and four other prompts' 12 blocks later go through the disk's LRU
+    # without dropping them, before and after a restart.
+    tiers = {"num_host_kv_blocks": 4, "num_disk_kv_blocks": 6, "kv_disk_dir": str(tmp_path),
+             "kv_retention_quota_blocks": 3}
+    retained = prefix_block_hashes(PROMPTS[0], 16, "tenant-a")
+    with engine(tiny_llama_dir, **tiers) as llm:
+        usage = llm.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-a",
+                             cache_policy=CachePolicy(retention_s=86_400))[0].usage
+        assert (usage.cache_retained_tokens, usage.cache_pinned_tokens) == (48, 0)
+        llm.engine.kv_transfer.flush()
+        files = {bytes.fromhex(p.stem): p for p in tmp_path.rglob("*.kv")}
+        assert set(retained) <= files.keys()
+        pins = llm.engine.block_manager.tiers.disk.pins
+        assert all(abs(files[d].stat().st_mtime - pins.expiry(d)) < 1 for d in retained)  # the pin's expiry
+        rounds(llm, salt="tenant-b", times=1)
+    with engine(tiny_llama_dir, **tiers) as restarted:
+        manager = restarted.engine.block_manager
+        assert manager.tiers.disk.pins.count(manager.salt_key("tenant-a")) == 3
+        rounds(restarted, salt="tenant-b", times=1)
+        out = restarted.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-a")[0]
+    assert out.num_cached_tokens == 48
+
+
+def test_in_memory_blocks_never_reach_the_disk_and_ttl_pins_are_reported(tiny_llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    tiers = {"num_host_kv_blocks": 8, "num_disk_kv_blocks": 64, "kv_disk_dir": str(tmp_path),
+             "kv_pin_quota_blocks": 2}
+    with engine(tiny_llama_dir, **tiers) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, cache_salt="tenant-a",
+                            cache_policy=CachePolicy(persist=False, ttl_s=1800))
+        rounds(llm, salt="tenant-a", times=1)  # evicts the first round's blocks to the host and beyond
+        llm.engine.kv_transfer.flush()
+    in_memory = {d for p in PROMPTS for d in prefix_block_hashes(p, 16, "tenant-a")}
+    assert not in_memory & {bytes.fromhex(p.stem) for p in tmp_path.rglob("*.kv")}
+    # The tenant's quota of 2 pinned blocks went to the first prompt; the others got none.
+    assert [o.usage.cache_pinned_tokens for o in outs] == [32, 0, 0, 0]
 
 
 @pytest.mark.gpu

@@ -2,7 +2,8 @@
 
 Started once per test session (per xdist worker) and shared:
 - ``tiny_model_dir``: a random-weight llama checkpoint (``engine.tiny``).
-- ``engine_url``: ``tollgate engine --model <tiny>`` as a subprocess on a free port (CPU).
+- ``engine_url``: ``tollgate engine --model <tiny>`` as a subprocess on a free port (CPU), with a host
+  and a disk tier under its prefix cache (what cache lifetimes pin and retain in).
 - ``api_database_url``: a database of its own (the gateway commits; other tests roll back), migrated.
 - ``gateway``: the gateway app (``gateway.app.create_app``) served by uvicorn on a free port inside the
   test loop, configured with one model ``tiny`` on the engine, plus one dead replica URL in the pool so
@@ -84,7 +85,10 @@ def run_engine(model_dir: Path, log: Path, port: int | None = None,
 
 @pytest.fixture(scope="session")
 def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with run_engine(tiny_model_dir, tmp_path_factory.mktemp("engine_log") / "engine.log") as (url, _):
+    tiers = ("--num-kv-blocks", "512", "--host-kv-gb", "0.01", "--disk-kv-gb", "0.02",
+             "--kv-disk-dir", str(tmp_path_factory.mktemp("engine_kv")))
+    with run_engine(tiny_model_dir, tmp_path_factory.mktemp("engine_log") / "engine.log",
+                    options=tiers) as (url, _):
         yield url
 
 

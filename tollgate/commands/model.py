@@ -62,6 +62,12 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
               help="Disk for prefix-cache blocks below the host tier, kept across restarts (0: none).")
 @click.option("--kv-disk-dir", type=click.Path(file_okay=False), default=None,
               help="Directory of the disk tier's block files (needed with --disk-kv-gb).")
+@click.option("--kv-pin-quota-blocks", type=click.IntRange(min=0), default=None,
+              help="Blocks one tenant may pin in the host tier for a prompt_cache_options.ttl "
+                   "(default: a quarter of the host tier).")
+@click.option("--kv-retention-quota-blocks", type=click.IntRange(min=0), default=None,
+              help="Blocks one tenant may keep on disk for prompt_cache_retention=24h "
+                   "(default: a quarter of the disk tier).")
 @click.option("--enforce-eager", is_flag=True, help="Never capture CUDA graphs.")
 def engine(
     model_path: str,
@@ -82,6 +88,8 @@ def engine(
     host_kv_gb: float,
     disk_kv_gb: float,
     kv_disk_dir: str | None,
+    kv_pin_quota_blocks: int | None,
+    kv_retention_quota_blocks: int | None,
     enforce_eager: bool,
 ) -> None:
     """Run one engine replica: the internal HTTP server over the paged-KV engine."""
@@ -112,6 +120,8 @@ def engine(
             host_kv_gb=host_kv_gb,
             disk_kv_gb=disk_kv_gb,
             kv_disk_dir=kv_disk_dir,
+            kv_pin_quota_blocks=kv_pin_quota_blocks,
+            kv_retention_quota_blocks=kv_retention_quota_blocks,
             enforce_eager=enforce_eager,
         )
     except ValueError as e:
