@@ -30,7 +30,8 @@ Lower tiers (``engine.kv_tiers``, optional): an evicted cached block is offloade
 instead of dropped, and a prompt's chain of hashes continues past its device hits into the host tier,
 whose blocks are copied into fresh device blocks before the step runs (``tiers.take_plan()``; the
 engine executes it). Those are prefix hits like device hits: ``num_cached_tokens`` counts them, and
-``hit_tokens_by_tier`` says where each came from (a host block read from disk counts as ``disk``).
+``hit_tokens_by_tier`` says where each came from (a host block read from disk counts as ``disk``), and
+``seq.num_cached_host_tokens`` / ``num_cached_disk_tokens`` say it of the request's own cached tokens.
 ``disk_reads`` names the files a queued prompt needs read first; ``waiting_for_disk`` holds it back
 until they are on the host.
 
@@ -144,15 +145,18 @@ class BlockManager:
         table = hits + [self._pop_free_block() for _ in range(num_new)]
         seq.block_table = table
         salt = self._salt(seq.cache_salt)[1]
+        by_tier = {"host": 0, "disk": 0}
         for digest, block in zip(host_hits, table[len(hits):], strict=False):
             persist = tiers.persists(digest)  # type: ignore[union-attr]
             origin = tiers.load(digest, block)  # type: ignore[union-attr]
             self._register(block, digest, salt, persist)
             self.hit_tokens_by_tier[origin] += self.block_size
+            by_tier[origin] += self.block_size
         num_hit_tokens = (len(hits) + len(host_hits)) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_tokens
+            seq.num_cached_host_tokens, seq.num_cached_disk_tokens = by_tier["host"], by_tier["disk"]
         self._seq_committed[seq.seq_id] = len(hits) + len(host_hits)
         if self.enable_prefix_caching:
             self.prefix_queries_tokens += num_tokens

@@ -1,12 +1,12 @@
 """The copies of the prefix cache's tiers: device KV pool ↔ host buffer ↔ block files on disk.
 
-``engine.kv_tiers`` decides which block goes where; ``KVTransfer.execute(plan)`` makes one step's copies
-before the step's forward pass, in the plan's order (demote, offload, persist, save, fill, load, pin,
-delete). The host
-buffer has the device pool's layout per layer (``[2, slots, block_size, kv_heads, head_dim]``, pinned
-memory on a GPU). Disk I/O runs on one background thread in submission order, so a read queued after
-the write of the same file sees it; reads report back through ``finished_reads`` (the engine thread
-feeds them to the host tier) and never block a step.
+``engine.kv_tiers`` decides which block goes where; ``KVTransfer.execute(plan)`` issues one step's copies
+before the step's forward pass (on a GPU, device ↔ host copies run on side streams and overlap the
+forward pass; see ``execute``), in the plan's order (demote, offload, persist, save, fill, load, pin,
+delete). The host buffer has the device pool's layout per layer (``[2, slots, block_size, kv_heads,
+head_dim]``, pinned memory on a GPU). Disk I/O runs on one background thread in submission order, so a
+read queued after the write of the same file sees it; reads report back through ``finished_reads`` (the
+engine thread feeds them to the host tier) and never block a step.
 
 A block file is ``{disk_dir}/{fingerprint}/{salt key}/{chain hash}.kv``: a magic header and the block's
 K/V for every layer (``[layers, 2, block_size, kv_heads, head_dim]``, raw). The fingerprint covers the
@@ -25,6 +25,8 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,6 +46,11 @@ def cache_fingerprint(model_dir: Path, dtype: torch.dtype, block_shape: tuple[in
     return digest[:16]
 
 
+# Copies issued together: the side stream's event (None: done), the device tensors it reads (kept alive until
+# it has), and what to do on the host once they have landed, in order.
+_InFlight = tuple["torch.cuda.Event | None", list[torch.Tensor], list[Callable[[], None]]]
+
+
 class KVTransfer:
     def __init__(self, kv_caches: list[torch.Tensor], num_host_slots: int, disk_dir: Path | None,
                  fingerprint: str) -> None:
@@ -60,6 +67,12 @@ class KVTransfer:
         self._jobs: queue.Queue[tuple[str, Path, object] | None] = queue.Queue()
         self._reads: queue.Queue[tuple[bytes, str, bytes | None]] = queue.Queue()
         self._thread: threading.Thread | None = None
+        # A GPU's copies to the host and from it run on two side streams (two copy engines); the copies
+        # issued and not yet landed.
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.load_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._in_flight: list[_InFlight] = []
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
             self._thread = threading.Thread(target=self._io_loop, name="tollgate-kv-disk", daemon=True)
@@ -67,32 +80,112 @@ class KVTransfer:
 
     # ---- one step's copies ------------------------------------------------------------------------
     def execute(self, plan: TransferPlan) -> None:
-        for slot, digest, salt in plan.demote:
-            self._jobs.put(("write", self.path(digest, salt), self._slot_bytes(slot)))
+        """Issue one step's copies. Device blocks leave for the host without the step waiting for them:
+        offloaded and saved blocks are gathered on the current stream (ordered before the forward pass
+        that may overwrite them) and copied to pinned host memory on the side stream (a GPU), while the
+        forward pass runs; their host slots, disk writes, pins and deletes *land* later (``poll`` after
+        the step, or at the next ``execute``). Loads are copied on the side stream too, and the current
+        stream waits for them before the forward pass. Everything issued earlier lands first."""
+        self.complete()
+        for slot, digest, salt in plan.demote:  # these slots are reused by this plan: read them now
+            self._write_slot(slot, self.path(digest, salt))
+        landing: list[Callable[[], None]] = []
+        keep: list[torch.Tensor] = []
         if plan.offload:
             blocks = torch.tensor([b for b, _ in plan.offload], device=self.device)
             slots = torch.tensor([s for _, s in plan.offload])
-            for kv, host in zip(self.kv_caches, self.host, strict=True):
-                host[:, slots] = kv[:, blocks].to("cpu")
+            staged = self._to_host([kv[:, blocks] for kv in self.kv_caches], keep)
+            landing.append(lambda: self._scatter(slots, staged))
         for slot, digest, salt in plan.persist:
-            self._jobs.put(("write", self.path(digest, salt), self._slot_bytes(slot)))
+            landing.append(partial(self._write_slot, slot, self.path(digest, salt)))
         if plan.save:
             blocks = torch.tensor([b for b, _, _ in plan.save], device=self.device)
-            saved = torch.stack([kv[:, blocks].to("cpu") for kv in self.kv_caches])  # [layers, 2, n, ...]
-            for i, (_, digest, salt) in enumerate(plan.save):
-                data = saved[:, :, i].contiguous().view(torch.uint8).numpy().tobytes()
-                self._jobs.put(("write", self.path(digest, salt), data))
+            saved = self._to_host([kv[:, blocks] for kv in self.kv_caches], keep)  # per layer [2, n, ...]
+            landing.append(lambda: self._write_saved(saved, plan.save))
+        for digest, salt, until in plan.pin:
+            landing.append(partial(self._jobs.put, ("pin", self.path(digest, salt), until)))
+        for digest, salt in plan.delete:
+            landing.append(partial(self._jobs.put, ("delete", self.path(digest, salt), None)))
         for slot, data in plan.fill:
             self._set_slot(slot, data)  # type: ignore[arg-type]
         if plan.load:
-            slots = torch.tensor([s for s, _ in plan.load])
-            blocks = torch.tensor([b for _, b in plan.load], device=self.device)
+            offloaded = {slot for _, slot in plan.offload}
+            if any(slot in offloaded for slot, _ in plan.load):  # evicted and loaded back in one step
+                self._land((self._record(keep), keep, landing))
+                landing, keep = [], []
+            self._load(plan.load, keep)
+        self._in_flight.append((self._record(keep), keep, landing))
+
+    def poll(self) -> None:
+        """Land the copies that have finished (after a step: the forward pass hid them)."""
+        while self._in_flight and (self._in_flight[0][0] is None or self._in_flight[0][0].query()):
+            self._land(self._in_flight.pop(0))
+
+    def complete(self) -> None:
+        """Wait for and land every copy issued so far."""
+        while self._in_flight:
+            self._land(self._in_flight.pop(0))
+
+    def _land(self, entry: _InFlight) -> None:
+        event, _keep, landing = entry  # _keep: device tensors the side stream read, alive until now
+        if event is not None:
+            event.synchronize()
+        for step in landing:
+            step()
+
+    def _record(self, keep: list[torch.Tensor]) -> torch.cuda.Event | None:
+        """An event after the side stream's copies so far (None on the CPU or with none issued)."""
+        if self.stream is None or not keep:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _to_host(self, gathered: list[torch.Tensor], keep: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per layer, the gathered blocks copied into pinned host memory (asynchronously on a GPU; the
+        side stream waits for the gathers, and ``keep`` holds what it reads and writes until it has)."""
+        if self.stream is None:
+            return [g.to("cpu") for g in gathered]
+        staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g in gathered]
+        keep.extend(gathered + staged)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for dst, src in zip(staged, gathered, strict=True):
+                dst.copy_(src, non_blocking=True)
+        return staged
+
+    def _scatter(self, slots: torch.Tensor, staged: list[torch.Tensor]) -> None:
+        for host, layer in zip(self.host, staged, strict=True):
+            host[:, slots] = layer
+
+    def _write_saved(self, saved: list[torch.Tensor], save: list[tuple[int, bytes, str]]) -> None:
+        blocks = torch.stack(saved)  # [layers, 2, n, bs, heads, dim]
+        for i, (_, digest, salt) in enumerate(save):
+            data = blocks[:, :, i].contiguous().view(torch.uint8).numpy().tobytes()
+            self._jobs.put(("write", self.path(digest, salt), data))
+
+    def _load(self, load: list[tuple[int, int]], keep: list[torch.Tensor]) -> None:
+        """Host slots into device blocks: on a GPU, staged in pinned memory and copied on the load stream
+        after what the current stream has queued (offload gathers of the same blocks), and the current
+        stream waits for them (the forward pass reads them), not for the offloads' copies to the host."""
+        slots = torch.tensor([s for s, _ in load])
+        blocks = torch.tensor([b for _, b in load], device=self.device)
+        if self.stream is None:
             for kv, host in zip(self.kv_caches, self.host, strict=True):
-                kv[:, blocks] = host[:, slots].to(self.device, non_blocking=True)
-        for digest, salt, until in plan.pin:
-            self._jobs.put(("pin", self.path(digest, salt), until))
-        for digest, salt in plan.delete:
-            self._jobs.put(("delete", self.path(digest, salt), None))
+                kv[:, blocks] = host[:, slots].to(self.device)
+            return
+        assert self.load_stream is not None
+        staged = [torch.index_select(host, 1, slots).pin_memory() for host in self.host]
+        keep.extend(staged)
+        current = torch.cuda.current_stream(self.device)
+        self.load_stream.wait_stream(current)
+        with torch.cuda.stream(self.load_stream):
+            for kv, layer in zip(self.kv_caches, staged, strict=True):
+                kv[:, blocks] = layer.to(self.device, non_blocking=True)
+        current.wait_stream(self.load_stream)
+
+    def _write_slot(self, slot: int, path: Path) -> None:
+        self._jobs.put(("write", path, self._slot_bytes(slot)))
 
     def _slot_bytes(self, slot: int) -> bytes:
         block = torch.stack([host[:, slot] for host in self.host])  # [layers, 2, bs, heads, dim]
@@ -109,7 +202,10 @@ class KVTransfer:
         return self.root / salt / f"{digest.hex()}{_SUFFIX}"
 
     def read(self, files: list[tuple[bytes, str]]) -> None:
-        """Queue reads of block files; each result comes back through ``finished_reads``."""
+        """Queue reads of block files; each result comes back through ``finished_reads`` (after every
+        write issued before, which lands first)."""
+        if files:
+            self.complete()
         for digest, salt in files:
             self._jobs.put(("read", self.path(digest, salt), (digest, salt)))
 
@@ -147,18 +243,22 @@ class KVTransfer:
         return files, pins
 
     def delete_salt(self, salt: str) -> None:
-        """Remove a salt's directory (after its files left the index): the purge of a tenant."""
+        """Remove a salt's directory (after its files left the index and their deletes landed): the purge
+        of a tenant."""
+        self.complete()
         if self.root is not None:
             self._jobs.put(("rmdir", self.root / salt, None))
 
     def flush(self) -> None:
-        """Wait until every queued disk job is done (tests, shutdown)."""
+        """Land every copy and wait until every queued disk job is done (tests, shutdown)."""
+        self.complete()
         if self._thread is not None:
             done = threading.Event()
             self._jobs.put(("barrier", Path(), done))
             done.wait()
 
     def close(self) -> None:
+        self.complete()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=30)

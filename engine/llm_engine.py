@@ -327,6 +327,10 @@ class LLMEngine:
                 prefill_tokens += scheduled.num_tokens
         logits = self.runner.run(batch)
         self.scheduler.update_after_step(batch)
+        if transfer is not None and tiers is not None:
+            if tiers.plan:  # what committing asked for (retained blocks), while the device blocks are intact
+                transfer.execute(tiers.take_plan())
+            transfer.poll()
         touched: dict[str, _Request] = {}
         for seq in pooled:  # an embedding is done once its whole prompt has run
             completion = self._seq_owner[seq.seq_id]
@@ -435,6 +439,8 @@ class LLMEngine:
             cache_write_tokens=sum(s.num_cache_write_tokens for s in seqs),
             cache_pinned_tokens=first.num_cache_pinned_tokens,
             cache_retained_tokens=first.num_cache_retained_tokens,
+            cached_host_tokens=first.num_cached_host_tokens,
+            cached_disk_tokens=first.num_cached_disk_tokens,
         )
         timings = self._timings(request, seqs)
         counts = self._stats.num_requests_finished

@@ -38,6 +38,9 @@ class Usage:
     # tier for its ttl, retained on disk.
     cache_pinned_tokens: int = 0
     cache_retained_tokens: int = 0
+    # Of ``cached_tokens``, those loaded back from the host tier and read from the disk tier.
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
 
 
 @dataclass(slots=True)

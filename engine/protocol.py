@@ -178,6 +178,9 @@ class Usage(BaseModel):
     # (retention), within the tenant's quotas.
     cache_pinned_tokens: int = 0
     cache_retained_tokens: int = 0
+    # Of ``cached_tokens``, those served from the host and disk tiers (the rest from the device pool).
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

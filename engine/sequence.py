@@ -60,6 +60,9 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None
+    # Of those, the ones loaded from the host tier and read from disk (the rest were on the device).
+    num_cached_host_tokens: int = 0
+    num_cached_disk_tokens: int = 0
     # Prompt tokens this sequence newly wrote into the prefix cache (the full prompt blocks it registered
     # on its first admission; recompute after a preemption is not counted).
     num_cache_write_tokens: int = 0

@@ -110,6 +110,20 @@ def test_cache_write_tokens_count_the_prompt_blocks_a_request_newly_wrote(tiny_l
     assert (other.cached_tokens, other.cache_write_tokens) == (0, 48)
 
 
+def test_each_request_says_which_tier_its_cached_tokens_came_from(tiny_llama_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    tiers = {"num_host_kv_blocks": 32, "num_disk_kv_blocks": 64, "kv_disk_dir": str(tmp_path)}
+    with engine(tiny_llama_dir, **tiers) as llm:
+        llm.generate(PROMPTS, GREEDY)  # the last prompts push the first one's blocks out to the host
+        usage = llm.generate([PROMPTS[0]], GREEDY)[0].usage
+        assert (usage.cached_tokens, usage.cached_host_tokens, usage.cached_disk_tokens) == (48, 48, 0)
+        on_device = llm.generate([PROMPTS[0]], GREEDY)[0].usage
+        assert (on_device.cached_tokens, on_device.cached_host_tokens) == (48, 0)
+    with engine(tiny_llama_dir, **tiers) as restarted:
+        usage = restarted.generate([PROMPTS[0]], GREEDY)[0].usage
+    assert (usage.cached_tokens, usage.cached_host_tokens, usage.cached_disk_tokens) == (48, 0, 48)
+
+
 def test_retained_blocks_are_on_disk_at_once_and_stay_pinned_across_a_restart(tiny_llama_dir: Path,
                                                                                 tmp_path: Path) -> None:
     # A 6-file disk tier with retention for one tenant: its 3 blocks are written as soon as the prompt is
