@@ -48,7 +48,9 @@ class LedgerView(_ReadOnly, model=UsageEvent):
     column_list = [UsageEvent.created_at, UsageEvent.request_id, UsageEvent.tenant_id, UsageEvent.api_key_id,
                    UsageEvent.model, UsageEvent.request_class, UsageEvent.tier, UsageEvent.status,
                    UsageEvent.prompt_tokens, UsageEvent.cached_tokens, UsageEvent.completion_tokens,
-                   UsageEvent.cost_pico_usd, UsageEvent.ttft_ms, UsageEvent.tpot_ms]
+                   UsageEvent.cache_write_tokens, UsageEvent.cache_pinned_tokens,
+                   UsageEvent.cache_retained_tokens, UsageEvent.cost_pico_usd, UsageEvent.ttft_ms,
+                   UsageEvent.tpot_ms]
     column_searchable_list = [UsageEvent.request_id, UsageEvent.model]
     column_sortable_list = [UsageEvent.created_at, UsageEvent.tenant_id, UsageEvent.cost_pico_usd,
                             UsageEvent.ttft_ms, UsageEvent.tpot_ms]
@@ -60,7 +62,10 @@ class HourlyView(_ReadOnly, model=UsageHourly):
     can_view_details = False
     column_list = [UsageHourly.hour, UsageHourly.tenant_id, UsageHourly.model, UsageHourly.request_class,
                    UsageHourly.requests, UsageHourly.input_tokens, UsageHourly.cached_input_tokens,
-                   UsageHourly.output_tokens, UsageHourly.cost_pico_usd]
+                   UsageHourly.output_tokens, UsageHourly.cache_write_tokens, UsageHourly.cache_pinned_tokens,
+                   UsageHourly.cache_retained_tokens, UsageHourly.cache_write_cost_pico_usd,
+                   UsageHourly.cache_pinned_cost_pico_usd, UsageHourly.cache_retained_cost_pico_usd,
+                   UsageHourly.cost_pico_usd]
     column_sortable_list = [UsageHourly.hour, UsageHourly.tenant_id, UsageHourly.cost_pico_usd]
     column_default_sort = [(UsageHourly.hour, True)]
 

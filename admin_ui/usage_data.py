@@ -3,6 +3,10 @@
 - Tokens, requests and cost are ``gateway.admin.service.usage`` (exact sums of ``usage_events`` by UTC
   hour or day, the admin API's numbers). Input tokens are split into uncached input
   (``prompt - cached``), cached input and output; the cache hit rate of a bucket is cached / prompt.
+- The prompt-cache products (``CACHE_KINDS``: prompt tokens written to the cache, pinned for a ttl,
+  retained for 24h; counted in the input tokens too) come with their tokens from the ledger and their
+  cost from the hourly rollups (``usage_hourly``, which ``billing.rollups`` keeps equal to the ledger and
+  splits the ledger cost by kind in).
 - Rejections are ``gateway.admission.rejections`` counts (kept ``RETENTION_S``; older hours read 0).
 - Every bucket of the range is present (zeros where nothing happened), so charts have a true time axis.
 - Costs stay integer pico-USD; the float USD in the chart data is for drawing only, totals and CSV carry
@@ -14,18 +18,21 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from redis.asyncio import Redis
-from sqlalchemy import select
+from sqlalchemy import Numeric, cast, func, literal_column, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.prices import CACHE_TOKEN_FIELDS
+from billing.rollups import CACHE_KINDS
 from gateway.admin import service
 from gateway.admin.schemas import usd_string
 from gateway.admission.rejections import REASONS, RETENTION_S, rejection_counts
-from tollgate.models import Tenant
+from tollgate.models import Tenant, UsageHourly
 from tollgate.settings import Settings
 
 MAX_RANGE_DAYS = 366
@@ -33,6 +40,7 @@ HOURLY_MAX_DAYS = 3
 MAX_HOURLY_DAYS = 31
 DEFAULT_DAYS = 7
 PICO_PER_USD = 10**12
+CACHE_COST_FIELDS = tuple(f"{kind}_cost_pico_usd" for kind in CACHE_KINDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +120,32 @@ def _hit_rate(cached: int, prompt: int) -> float | None:
     return round(cached / prompt, 6) if prompt else None
 
 
+async def _cache_costs(session: AsyncSession, rng: UsageRange, tenant_id: int | None,
+                       ) -> dict[tuple[datetime, int], tuple[int, ...]]:
+    """``(bucket, tenant) -> cost per cache kind`` (pico-USD, ``CACHE_COST_FIELDS`` order)."""
+    # The unit is one of two constants, inlined so the SELECT and GROUP BY expressions are identical.
+    bucket = func.date_trunc(literal_column(f"'{rng.granularity}'"), UsageHourly.hour,
+                             literal_column("'UTC'")).label("bucket")
+    stmt = (select(bucket, UsageHourly.tenant_id,
+                   *(func.sum(cast(getattr(UsageHourly, name), Numeric)) for name in CACHE_COST_FIELDS))
+            .where(UsageHourly.hour >= rng.start, UsageHourly.hour < rng.end)
+            .group_by(bucket, UsageHourly.tenant_id))
+    if tenant_id is not None:
+        stmt = stmt.where(UsageHourly.tenant_id == tenant_id)
+    return {(at, tenant): tuple(int(v) for v in costs)
+            for at, tenant, *costs in (await session.execute(stmt)).all()}
+
+
+def _cache_fields(row: Any, costs: Sequence[int]) -> dict[str, int]:
+    """The cache kinds' tokens (from a ledger sum, or none) and costs, by column name."""
+    tokens = {name: getattr(row, name) if row else 0 for name in CACHE_TOKEN_FIELDS}
+    return {**tokens, **dict(zip(CACHE_COST_FIELDS, costs, strict=True)), "cache_cost_pico_usd": sum(costs)}
+
+
+def _sum_costs(costs: Iterable[Sequence[int]]) -> tuple[int, ...]:
+    return tuple(sum(column) for column in zip(*costs, strict=True)) or (0,) * len(CACHE_KINDS)
+
+
 async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, rng: UsageRange,
                        tenant_id: int | None) -> dict[str, Any]:
     """Chart data and totals of one tenant (or all) over ``rng`` (JSON-serialisable)."""
@@ -122,6 +156,10 @@ async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, 
     for (bucket, _tenant), reasons in (await _rejections(redis, rng, tenant_id)).items():
         for reason, count in reasons.items():
             rejected[bucket][reason] += count
+    cache_costs = await _cache_costs(session, rng, tenant_id)
+    cache_cost_by_bucket: dict[datetime, int] = defaultdict(int)
+    for (bucket, _tenant), costs in cache_costs.items():
+        cache_cost_by_bucket[bucket] += sum(costs)
     buckets = rng.buckets()
     series: dict[str, list[Any]] = defaultdict(list)
     for at in buckets:
@@ -135,9 +173,13 @@ async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, 
         series["cost_pico_usd"].append(str(cost))
         series["cost_usd"].append(cost / PICO_PER_USD)
         series["cache_hit_rate"].append(_hit_rate(cached, prompt))
+        for name in CACHE_TOKEN_FIELDS:
+            series[name].append(getattr(row, name) if row else 0)
+        series["cache_cost_usd"].append(cache_cost_by_bucket[at] / PICO_PER_USD)
     present = [r for r in REASONS if any(rejected[at].get(r) for at in buckets)]
     totals = result.totals
     total_rejections = {r: sum(rejected[at].get(r, 0) for at in buckets) for r in present}
+    cache = _cache_fields(totals, _sum_costs(cache_costs.values()))
     return {
         "granularity": rng.granularity,
         "labels": [_label(at, rng.granularity) for at in buckets],
@@ -150,6 +192,9 @@ async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, 
             "cost_pico_usd": totals.cost_pico_usd, "cost_usd": totals.cost_usd,
             "cache_hit_rate": _hit_rate(totals.cached_tokens, totals.prompt_tokens),
             "rejections": total_rejections, "rejected": sum(total_rejections.values()),
+            # Exact pico-USD as strings, like cost_pico_usd (sums can exceed 2^53).
+            **{name: str(value) if name.endswith("_pico_usd") else value for name, value in cache.items()},
+            "cache_cost_usd": usd_string(cache["cache_cost_pico_usd"]),
         },
     }
 
@@ -162,6 +207,9 @@ async def tenant_breakdown(session: AsyncSession, redis: Redis, settings: Settin
     rejected: dict[int, int] = defaultdict(int)
     for (_bucket, tenant), reasons in (await _rejections(redis, rng, None)).items():
         rejected[tenant] += sum(reasons.values())
+    cache_costs: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+    for (_bucket, tenant), costs in (await _cache_costs(session, rng, None)).items():
+        cache_costs[tenant].append(costs)
     rows: dict[int, dict[str, Any]] = {}
     for row in result.rows:
         tenant = int(row.tenant_id or 0)
@@ -169,10 +217,12 @@ async def tenant_breakdown(session: AsyncSession, redis: Redis, settings: Settin
                         "input_tokens": row.prompt_tokens - row.cached_tokens,
                         "cached_tokens": row.cached_tokens, "output_tokens": row.completion_tokens,
                         "cost_pico_usd": int(row.cost_pico_usd),
-                        "cache_hit_rate": _hit_rate(row.cached_tokens, row.prompt_tokens)}
+                        "cache_hit_rate": _hit_rate(row.cached_tokens, row.prompt_tokens),
+                        **_cache_fields(row, _sum_costs(cache_costs[tenant]))}
     for tenant in rejected:
         rows.setdefault(tenant, {"tenant_id": tenant, "requests": 0, "input_tokens": 0, "cached_tokens": 0,
-                                 "output_tokens": 0, "cost_pico_usd": 0, "cache_hit_rate": None})
+                                 "output_tokens": 0, "cost_pico_usd": 0, "cache_hit_rate": None,
+                                 **_cache_fields(None, _sum_costs(()))})
     for tenant, entry in rows.items():
         entry["rejected"] = rejected.get(tenant, 0)
     top = sorted(rows.values(), key=lambda r: (-r["cost_pico_usd"], -r["rejected"], r["tenant_id"]))[:limit]
@@ -184,8 +234,8 @@ async def tenant_breakdown(session: AsyncSession, redis: Redis, settings: Settin
 
 
 CSV_COLUMNS = ("bucket_start", "tenant_id", "requests", "prompt_tokens", "input_tokens", "cached_tokens",
-               "output_tokens", "cache_hit_rate", "cost_pico_usd", "cost_usd",
-               *(f"rejected_{reason}" for reason in REASONS))
+               "output_tokens", *CACHE_TOKEN_FIELDS, *CACHE_COST_FIELDS, "cache_hit_rate", "cost_pico_usd",
+               "cost_usd", *(f"rejected_{reason}" for reason in REASONS))
 
 
 async def usage_csv_rows(session: AsyncSession, redis: Redis, settings: Settings, rng: UsageRange,
@@ -194,6 +244,7 @@ async def usage_csv_rows(session: AsyncSession, redis: Redis, settings: Settings
     result = await service.usage(session, start=rng.start, end=rng.end, tenant_id=tenant_id,
                                  group_by=["tenant_id"], granularity=rng.granularity, settings=settings)
     rejected = await _rejections(redis, rng, tenant_id)
+    cache_costs = await _cache_costs(session, rng, tenant_id)
     rows_by_key = {(row.bucket_start, row.tenant_id): row for row in result.rows}
     keys = sorted(set(rows_by_key) | set(rejected), key=lambda k: (k[0], k[1]))
     out = [list(CSV_COLUMNS)]
@@ -203,9 +254,11 @@ async def usage_csv_rows(session: AsyncSession, redis: Redis, settings: Settings
         cost = int(row.cost_pico_usd) if row else 0
         rate = _hit_rate(cached, prompt)
         reasons = rejected.get((bucket, tenant), {})  # type: ignore[arg-type]
+        cache = _cache_fields(row, cache_costs.get((bucket, tenant), _sum_costs(())))  # type: ignore[arg-type]
         out.append([
             bucket.isoformat() if bucket else "", str(tenant), str(row.requests if row else 0), str(prompt),
             str(prompt - cached), str(cached), str(row.completion_tokens if row else 0),
+            *(str(cache[name]) for name in (*CACHE_TOKEN_FIELDS, *CACHE_COST_FIELDS)),
             "" if rate is None else f"{rate:.6f}", str(cost), usd_string(cost),
             *(str(reasons.get(reason, 0)) for reason in REASONS),
         ])

@@ -8,8 +8,11 @@ Postgres outage.
 Invariants:
 - A record carries exactly the ``usage_events`` columns; ``request_id`` is the idempotency key, so
   appending the same request twice still yields one ledger row.
-- Token counts and cost are non-negative integers, ``cached_tokens <= prompt_tokens``, ``created_at``
-  is timezone-aware (UTC on the wire).
+- Token counts and cost are non-negative integers, ``cached_tokens <= prompt_tokens``, each cache token
+  count (``billing.prices.CACHE_TOKEN_FIELDS``: written to the prefix cache, pinned, retained)
+  ``<= prompt_tokens``, ``created_at`` is timezone-aware (UTC on the wire).
+- A record without the cache token counts (appended by a gateway older than them) reads as 0 of each:
+  such a gateway billed none.
 - The stream is never trimmed by length: an entry leaves it only after its row is committed
   (``billing.ledger``), so nothing is dropped while Postgres is down.
 """
@@ -23,12 +26,13 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
-from billing.prices import REQUEST_CLASSES
+from billing.prices import CACHE_TOKEN_FIELDS, REQUEST_CLASSES
 
 USAGE_STREAM = "tollgate:usage"
 RECORD_FIELD = b"r"
 # How the request ended (a batch line that ran out of its window is "expired").
 REQUEST_STATUSES = ("completed", "failed", "cancelled", "expired")
+_COUNTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cost_pico_usd", *CACHE_TOKEN_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,9 @@ class UsageRecord:
     ttft_ms: float | None
     tpot_ms: float | None
     created_at: datetime
+    cache_write_tokens: int = 0
+    cache_pinned_tokens: int = 0
+    cache_retained_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -55,12 +62,13 @@ class UsageRecord:
             raise ValueError(f"request_class must be one of {REQUEST_CLASSES}, got {self.request_class!r}")
         if self.status not in REQUEST_STATUSES:
             raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {self.status!r}")
-        for name in ("prompt_tokens", "cached_tokens", "completion_tokens", "cost_pico_usd"):
+        for name in _COUNTS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.cached_tokens > self.prompt_tokens:
-            raise ValueError("cached_tokens exceeds prompt_tokens")
+        for name in ("cached_tokens", *CACHE_TOKEN_FIELDS):
+            if getattr(self, name) > self.prompt_tokens:
+                raise ValueError(f"{name} exceeds prompt_tokens")
         if self.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
 
@@ -75,8 +83,9 @@ class UsageRecord:
         data: dict[str, Any] = orjson.loads(raw)
         if not isinstance(data, dict):
             raise ValueError("a usage record is a JSON object")
-        # Fields a newer gateway added are ignored (rolling upgrades); a missing one is an error.
-        values = {name: data[name] for name in _FIELDS}
+        # Fields a newer gateway added are ignored (rolling upgrades); a missing one is an error, except
+        # the cache token counts an older gateway does not send.
+        values = {name: data[name] for name in _FIELDS if name in data or name not in CACHE_TOKEN_FIELDS}
         values["created_at"] = datetime.fromisoformat(values["created_at"])
         return cls(**values)
 

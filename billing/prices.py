@@ -1,16 +1,26 @@
 """Price book and cost: integer pico-USD (1e-12 USD) per token, exact arithmetic only.
 
 Invariants:
-- A ``Price`` holds eight non-negative integer per-token prices (``PRICE_FIELDS``): ``input``,
-  ``cached_input``, ``output``, their batch counterparts, and ``embedding_input`` with its batch
-  counterpart. ``Price.of`` fills the optional ones with the platform defaults: cached input = 10% of
-  input, embedding input = input, batch = half of the synchronous price, each rounded down to whole
-  pico-USD (a default never charges more than the stated discount).
+- A ``Price`` holds fourteen non-negative integer per-token prices (``PRICE_FIELDS``): ``input``,
+  ``cached_input``, ``output``, their batch counterparts, ``embedding_input`` with its batch
+  counterpart, and the prompt-cache products ``cache_write``, ``cache_pin``, ``cache_retention`` with
+  theirs. ``Price.of`` fills the optional ones with the platform defaults: cached input = 10% of
+  input, embedding input = input, the cache products 0 (OpenAI charges nothing extra for them by
+  default), batch = half of the synchronous price, each rounded down to whole pico-USD (a default never
+  charges more than the stated discount).
 - ``cost_pico_usd`` is exact: cached prompt tokens at the cached price, the rest of the prompt at the
   input price, completion tokens at the output price; the batch prices for ``request_class="batch"``.
+- The cache products are charged on top of that, per prompt token they apply to
+  (``CACHE_TOKEN_FIELDS``): ``cache_write_tokens`` (newly written to the prefix cache) at
+  ``cache_write``, ``cache_pinned_tokens`` (pinned in host memory for ``prompt_cache_options.ttl``) at
+  ``cache_pin``, ``cache_retained_tokens`` (kept on disk for ``prompt_cache_retention: "24h"``) at
+  ``cache_retention``. Each count is 0..``prompt_tokens``; anything else is refused.
 - An embedding request (``embedding=True``: ``/v1/embeddings``, and batch lines targeting it) generates
   nothing: it costs every prompt token at the (batch) embedding input price, cached or not (no cached
-  discount, as OpenAI prices embeddings), and a completion token count other than 0 is refused.
+  discount, as OpenAI prices embeddings); a completion or cache token count other than 0 is refused.
+- ``max_cost_pico_usd`` (what admission holds) is never below the cost of any usage the request can
+  report: every prompt token at the dearer of input and cached, also at ``cache_write``, and at
+  ``cache_pin`` / ``cache_retention`` when the request asked for a pin / a retention.
 - A model has no price until a ``prices`` row says so. There is deliberately no fallback price:
   ``PriceBook.price_for`` raises ``PriceNotFound`` and the gateway refuses to serve an unpriced model
   rather than serve it for free. ``tollgate up`` seeds a row for the tiny demo model
@@ -49,6 +59,12 @@ class Price:
     batch_output: int
     embedding_input: int
     batch_embedding_input: int
+    cache_write: int
+    cache_pin: int
+    cache_retention: int
+    batch_cache_write: int
+    batch_cache_pin: int
+    batch_cache_retention: int
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -59,11 +75,17 @@ class Price:
     @classmethod
     def of(cls, *, input: int, output: int, cached_input: int | None = None, batch_input: int | None = None,
            batch_cached_input: int | None = None, batch_output: int | None = None,
-           embedding_input: int | None = None, batch_embedding_input: int | None = None) -> Price:
-        """A price with the defaults filled in (cached = input // 10, embedding = input,
+           embedding_input: int | None = None, batch_embedding_input: int | None = None,
+           cache_write: int | None = None, cache_pin: int | None = None, cache_retention: int | None = None,
+           batch_cache_write: int | None = None, batch_cache_pin: int | None = None,
+           batch_cache_retention: int | None = None) -> Price:
+        """A price with the defaults filled in (cached = input // 10, embedding = input, cache products 0,
         batch = synchronous // 2)."""
         cached = input // 10 if cached_input is None else cached_input
         embedding = input if embedding_input is None else embedding_input
+        write = 0 if cache_write is None else cache_write
+        pin = 0 if cache_pin is None else cache_pin
+        retention = 0 if cache_retention is None else cache_retention
         return cls(
             input=input,
             cached_input=cached,
@@ -73,6 +95,12 @@ class Price:
             batch_output=output // 2 if batch_output is None else batch_output,
             embedding_input=embedding,
             batch_embedding_input=embedding // 2 if batch_embedding_input is None else batch_embedding_input,
+            cache_write=write,
+            cache_pin=pin,
+            cache_retention=retention,
+            batch_cache_write=write // 2 if batch_cache_write is None else batch_cache_write,
+            batch_cache_pin=pin // 2 if batch_cache_pin is None else batch_cache_pin,
+            batch_cache_retention=retention // 2 if batch_cache_retention is None else batch_cache_retention,
         )
 
     def for_class(self, request_class: str) -> tuple[int, int, int]:
@@ -85,8 +113,18 @@ class Price:
         """The per-token price of an embedding request's prompt for ``request_class``."""
         return self.batch_embedding_input if _is_batch(request_class) else self.embedding_input
 
+    def cache_for_class(self, request_class: str) -> tuple[int, int, int]:
+        """(cache_write, cache_pin, cache_retention) per-token prices for ``request_class``."""
+        if _is_batch(request_class):
+            return self.batch_cache_write, self.batch_cache_pin, self.batch_cache_retention
+        return self.cache_write, self.cache_pin, self.cache_retention
+
 
 PRICE_FIELDS: tuple[str, ...] = tuple(column.name for column in fields(Price))
+# Prices a new row may omit (``Price.of`` fills them with the defaults).
+OPTIONAL_PRICE_FIELDS: tuple[str, ...] = tuple(n for n in PRICE_FIELDS if n not in ("input", "output"))
+# The usage counts the cache products are charged on, in the order of ``Price.cache_for_class``.
+CACHE_TOKEN_FIELDS: tuple[str, ...] = ("cache_write_tokens", "cache_pinned_tokens", "cache_retained_tokens")
 
 
 def _is_batch(request_class: str) -> bool:
@@ -102,31 +140,44 @@ def _embedding_cost(price: Price, prompt_tokens: int, completion_tokens: int, re
 
 
 def cost_pico_usd(price: Price, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                  request_class: str, *, embedding: bool = False) -> int:
+                  request_class: str, *, embedding: bool = False, cache_write_tokens: int = 0,
+                  cache_pinned_tokens: int = 0, cache_retained_tokens: int = 0) -> int:
     """Exact cost of one request in pico-USD (an ``embedding`` request: its prompt at the embedding price,
-    cached tokens included)."""
+    cached tokens included); the cache token counts add their cache products on top."""
     if prompt_tokens < 0 or cached_tokens < 0 or completion_tokens < 0:
         raise ValueError("token counts must be >= 0")
     if cached_tokens > prompt_tokens:
         raise ValueError(f"cached_tokens ({cached_tokens}) exceeds prompt_tokens ({prompt_tokens})")
+    cache_tokens = (cache_write_tokens, cache_pinned_tokens, cache_retained_tokens)
+    for name, count in zip(CACHE_TOKEN_FIELDS, cache_tokens, strict=True):
+        if not 0 <= count <= prompt_tokens:
+            raise ValueError(f"{name} ({count}) must be in 0..prompt_tokens ({prompt_tokens})")
     if embedding:
+        if any(cache_tokens):
+            raise ValueError("an embedding request has no cache products")
         return _embedding_cost(price, prompt_tokens, completion_tokens, request_class)
     input_price, cached_price, output_price = price.for_class(request_class)
+    cache_cost = sum(n * p for n, p in zip(cache_tokens, price.cache_for_class(request_class), strict=True))
     return ((prompt_tokens - cached_tokens) * input_price + cached_tokens * cached_price
-            + completion_tokens * output_price)
+            + completion_tokens * output_price + cache_cost)
 
 
 def max_cost_pico_usd(price: Price, prompt_tokens: int, max_completion_tokens: int,
-                      request_class: str, *, embedding: bool = False) -> int:
+                      request_class: str, *, embedding: bool = False, cache_pin: bool = False,
+                      cache_retention: bool = False) -> int:
     """The most a request can cost (what admission holds against the monthly budget): every prompt token
-    at the dearer of the input and cached prices, every allowed completion token at the output price;
-    for an ``embedding`` request (``max_completion_tokens`` 0), exactly its cost."""
+    at the dearer of the input and cached prices plus the cache write price (plus the pin and retention
+    prices when the request asked for them), every allowed completion token at the output price; for an
+    ``embedding`` request (``max_completion_tokens`` 0, no cache products), exactly its cost."""
     if prompt_tokens < 0 or max_completion_tokens < 0:
         raise ValueError("token counts must be >= 0")
     if embedding:
         return _embedding_cost(price, prompt_tokens, max_completion_tokens, request_class)
     input_price, cached_price, output_price = price.for_class(request_class)
-    return prompt_tokens * max(input_price, cached_price) + max_completion_tokens * output_price
+    write_price, pin_price, retention_price = price.cache_for_class(request_class)
+    per_prompt_token = (max(input_price, cached_price) + write_price + (pin_price if cache_pin else 0)
+                        + (retention_price if cache_retention else 0))
+    return prompt_tokens * per_prompt_token + max_completion_tokens * output_price
 
 
 def usd_per_mtok_to_pico(value: str | int | Decimal) -> int:

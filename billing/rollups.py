@@ -1,22 +1,25 @@
 """Hourly usage rollups (``usage_hourly``), maintained incrementally and proved equal to the ledger.
 
-A rollup row is keyed by (tenant, UTC hour, model, request class) and holds, per token kind (input
-without its cached part, cached input, output), the tokens and their exact pico-USD cost, plus the
-request count and the ledger cost (``cost_pico_usd``, the sum of ``usage_events.cost_pico_usd``).
+A rollup row is keyed by (tenant, UTC hour, model, request class) and holds, per token kind (``KINDS``:
+input without its cached part, cached input, output, and the prompt-cache products: cache writes,
+pinned, retained), the tokens and their exact pico-USD cost, plus the request count and the ledger cost
+(``cost_pico_usd``, the sum of ``usage_events.cost_pico_usd``). The cache kinds count prompt tokens the
+input kinds count too (they are charged on top, ``billing.prices``), so only the first three add up to
+the prompt and output tokens.
 
 Invariants:
 - Incremental: ``add_to_rollups`` runs in the ledger flusher's transaction with exactly the rows that
   transaction inserted (``billing.repository.insert_usage_events`` returns them), as one
   ``INSERT … ON CONFLICT DO UPDATE SET x = x + excluded.x``, keys in a fixed order (no deadlocks
   between concurrent flushers). A redelivered record inserts no ledger row and adds nothing.
-- Exact split: the three kind costs of a row add up to its ledger cost. The row was priced at
+- Exact split: the six kind costs of a row add up to its ledger cost. The row was priced at
   admission, up to ``admission_window`` before it was recorded, so the price rows in effect during
   that window are tried, newest first, and the one that reproduces the ledger cost is used. Each is
-  tried as a generation and, for a row without completion tokens, as an embeddings request (its whole
-  prompt at the embedding price: all of the cost is input, none cached, whatever its cached tokens). If none
-  does (a row written by hand, or without any price), the cost is apportioned to the kinds by the
-  newest price's weights (token counts without a price) with the largest-remainder method, so the
-  split still adds up exactly.
+  tried as a generation and, for a row without completion or cache tokens, as an embeddings request
+  (its whole prompt at the embedding price: all of the cost is input, none cached, whatever its cached
+  tokens). If none does (a row written by hand, or without any price), the cost is apportioned to the
+  kinds by the newest price's weights (token counts without a price) with the largest-remainder method,
+  so the split still adds up exactly.
 - Reconcile: ``reconcile_rollups`` takes the exclusive form of ``ROLLUP_LOCK`` (writers hold the
   shared form for their transaction), compares the rollups with ``GROUP BY`` sums of the ledger over a
   time range and rewrites every bucket that differs (missing, extra or wrong). While it holds the lock
@@ -35,7 +38,7 @@ from sqlalchemy import Numeric, Select, and_, cast, delete, func, or_, select, t
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.prices import Price
+from billing.prices import CACHE_TOKEN_FIELDS, Price
 from billing.repository import all_prices
 from tollgate.models import UsageEvent, UsageHourly
 
@@ -43,10 +46,15 @@ from tollgate.models import UsageEvent, UsageHourly
 ROLLUP_LOCK = 0x70_11_6A_7E_0001
 DEFAULT_ADMISSION_WINDOW = timedelta(hours=1)
 
-_SUM_COLUMNS = ("requests", "input_tokens", "cached_input_tokens", "output_tokens", "input_cost_pico_usd",
-                "cached_input_cost_pico_usd", "output_cost_pico_usd", "cost_pico_usd")
+# Token kinds, and the usage_hourly columns of their tokens and of their costs, in that order.
+CACHE_KINDS = ("cache_write", "cache_pinned", "cache_retained")
+KINDS = ("input", "cached_input", "output", *CACHE_KINDS)
+KIND_TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "output_tokens", *CACHE_TOKEN_FIELDS)
+KIND_COST_COLUMNS = tuple(f"{kind}_cost_pico_usd" for kind in KINDS)
+_SUM_COLUMNS = ("requests", *KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS, "cost_pico_usd")
 
 Key = tuple[int, datetime, str, str]
+Split = tuple[int, ...]  # one per kind, in the order of KINDS
 
 
 def hour_of(at: datetime) -> datetime:
@@ -67,14 +75,24 @@ def _apportion(total: int, weights: Sequence[int]) -> list[int]:
     return shares
 
 
-def _priced_splits(price: Price, request_class: str,
-                   kinds: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+def _kind_tokens(row: Mapping[str, Any]) -> Split:
+    """The tokens of a ledger row per kind (``KINDS``)."""
+    cached = row["cached_tokens"]
+    cache_write, pinned, retained = (row[name] for name in CACHE_TOKEN_FIELDS)
+    return row["prompt_tokens"] - cached, cached, row["completion_tokens"], cache_write, pinned, retained
+
+
+def _per_token(price: Price, request_class: str) -> Split:
+    return (*price.for_class(request_class), *price.cache_for_class(request_class))
+
+
+def _priced_splits(price: Price, request_class: str, kinds: Split) -> list[Split]:
     """The kind costs of a row with ``kinds`` tokens at ``price``: as a generation, then (no completion
-    tokens) as an embeddings request, whose whole cost is input."""
-    input_price, cached_price, output_price = price.for_class(request_class)
-    splits = [(kinds[0] * input_price, kinds[1] * cached_price, kinds[2] * output_price)]
-    if kinds[2] == 0:
-        splits.append(((kinds[0] + kinds[1]) * price.embedding_for_class(request_class), 0, 0))
+    or cache tokens) as an embeddings request, whose whole cost is input."""
+    per_token = _per_token(price, request_class)
+    splits = [tuple(n * p for n, p in zip(kinds, per_token, strict=True))]
+    if not any(kinds[2:]):
+        splits.append(((kinds[0] + kinds[1]) * price.embedding_for_class(request_class), 0, 0, 0, 0, 0))
     return splits
 
 
@@ -108,10 +126,9 @@ class PriceHistory:
             i -= 1
         return out
 
-    def split(self, row: Mapping[str, Any]) -> tuple[int, int, int]:
-        """(input, cached input, output) cost of one ledger row; they add up to its cost."""
-        cached = row["cached_tokens"]
-        kinds = (row["prompt_tokens"] - cached, cached, row["completion_tokens"])
+    def split(self, row: Mapping[str, Any]) -> Split:
+        """The cost of one ledger row per kind (``KINDS``); they add up to its cost."""
+        kinds = _kind_tokens(row)
         cost = row["cost_pico_usd"]
         candidates = self.candidates(row["model"], row["created_at"])
         for price in candidates:
@@ -119,37 +136,29 @@ class PriceHistory:
                 if sum(parts) == cost:
                     return parts
         if candidates:
-            per_token = candidates[0].for_class(row["request_class"])
+            per_token = _per_token(candidates[0], row["request_class"])
             weights = [n * p for n, p in zip(kinds, per_token, strict=True)]
         else:
             weights = list(kinds)
-        a, b, c = _apportion(cost, weights)
-        return a, b, c
+        return tuple(_apportion(cost, weights))
 
 
 @dataclass
 class Bucket:
-    requests: int = 0
-    input_tokens: int = 0
-    cached_input_tokens: int = 0
-    output_tokens: int = 0
-    input_cost_pico_usd: int = 0
-    cached_input_cost_pico_usd: int = 0
-    output_cost_pico_usd: int = 0
-    cost_pico_usd: int = 0
+    """The sums of one rollup row (``_SUM_COLUMNS``)."""
 
-    def add(self, row: Mapping[str, Any], split: tuple[int, int, int]) -> None:
-        self.requests += 1
-        self.input_tokens += row["prompt_tokens"] - row["cached_tokens"]
-        self.cached_input_tokens += row["cached_tokens"]
-        self.output_tokens += row["completion_tokens"]
-        self.input_cost_pico_usd += split[0]
-        self.cached_input_cost_pico_usd += split[1]
-        self.output_cost_pico_usd += split[2]
-        self.cost_pico_usd += row["cost_pico_usd"]
+    sums: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_SUM_COLUMNS, 0))
+
+    def add(self, row: Mapping[str, Any], split: Split) -> None:
+        self.sums["requests"] += 1
+        kinds = zip(KIND_TOKEN_COLUMNS, _kind_tokens(row), KIND_COST_COLUMNS, split, strict=True)
+        for name, tokens, cost_name, cost in kinds:
+            self.sums[name] += tokens
+            self.sums[cost_name] += cost
+        self.sums["cost_pico_usd"] += row["cost_pico_usd"]
 
     def values(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in _SUM_COLUMNS}
+        return dict(self.sums)
 
 
 def aggregate(rows: Iterable[Mapping[Any, Any]], prices: PriceHistory) -> dict[Key, Bucket]:
@@ -196,6 +205,7 @@ def _ledger_sums(start: datetime, end: datetime, tenant_ids: Sequence[int] | Non
                    func.sum(cast(UsageEvent.prompt_tokens - UsageEvent.cached_tokens, Numeric)),
                    func.sum(cast(UsageEvent.cached_tokens, Numeric)),
                    func.sum(cast(UsageEvent.completion_tokens, Numeric)),
+                   *(func.sum(cast(getattr(UsageEvent, name), Numeric)) for name in CACHE_TOKEN_FIELDS),
                    func.sum(cast(UsageEvent.cost_pico_usd, Numeric)))
             .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
             .group_by(UsageEvent.tenant_id, hour, UsageEvent.model, UsageEvent.request_class))
@@ -221,8 +231,8 @@ async def _compare(session: AsyncSession, start: datetime, end: datetime,
         stmt = stmt.where(UsageHourly.tenant_id.in_(tenant_ids))
     rolled: dict[Key, tuple[int, ...]] = {}
     for r in (await session.scalars(stmt)).all():
-        rolled[(r.tenant_id, hour_of(r.hour), r.model, r.request_class)] = (
-            r.requests, r.input_tokens, r.cached_input_tokens, r.output_tokens, r.cost_pico_usd)
+        rolled[(r.tenant_id, hour_of(r.hour), r.model, r.request_class)] = tuple(
+            getattr(r, name) for name in ("requests", *KIND_TOKEN_COLUMNS, "cost_pico_usd"))
     wrong = sorted(k for k, sums in ledger.items() if rolled.get(k) != sums)
     stale = sorted(k for k in rolled if k not in ledger)
     return len(ledger.keys() | rolled.keys()), wrong, stale
@@ -262,7 +272,8 @@ async def reconcile_rollups(session: AsyncSession, start: datetime, end: datetim
         rows = (await session.execute(select(
             UsageEvent.tenant_id, UsageEvent.model, UsageEvent.request_class, UsageEvent.prompt_tokens,
             UsageEvent.cached_tokens, UsageEvent.completion_tokens, UsageEvent.cost_pico_usd,
-            UsageEvent.created_at).where(or_(*conditions)))).mappings().all()
+            UsageEvent.created_at, *(getattr(UsageEvent, name) for name in CACHE_TOKEN_FIELDS))
+            .where(or_(*conditions)))).mappings().all()
         buckets = aggregate(rows, prices)
         values = [{"tenant_id": k[0], "hour": k[1], "model": k[2], "request_class": k[3], **b.values()}
                   for k, b in sorted(buckets.items())]

@@ -3,14 +3,18 @@
 Invariants:
 - Built from the hourly rollups (``usage_hourly``), which ``billing.rollups`` keeps equal to the ledger:
   each line's ``amount_pico_usd`` is exact, and the statement's ``total_pico_usd`` is exactly the sum of
-  the month's ledger costs (the three token-kind amounts of a rollup add up to its ledger cost).
+  the month's ledger costs (the token-kind amounts of a rollup add up to its ledger cost).
 - Money leaves as cents here, rounded once: line ``i`` shows
   ``round(cumulative_i) - round(cumulative_{i-1})`` cents (half up), so every line's rounding is carried
   into the next and the shown lines add up to the shown total, ``round(total)``; no cent is made or lost.
-- Line order is fixed (model, class interactive then batch, kind input, cached input, output), so the
-  carried rounding, and so the document, is reproducible.
+- Line order is fixed (model, class interactive then batch, kind in ``TOKEN_KINDS`` order), so the
+  carried rounding, and so the document, is reproducible. A kind with neither tokens nor amount has no
+  line.
 - Token kinds: ``input`` is prompt tokens not served from the prompt cache, ``cached_input`` those
-  served from it, ``output`` completion tokens.
+  served from it, ``output`` completion tokens. The prompt-cache products are charged on top of those
+  prompt tokens: ``cache_write`` is prompt tokens newly written to the prompt cache, ``cache_pinned``
+  those pinned in host memory (``prompt_cache_options.ttl``), ``cache_retained`` those kept on disk
+  (``prompt_cache_retention: "24h"``).
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ from typing import Any
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.rollups import KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
 from billing.spend import month_bounds
 from tollgate.models import Tenant, UsageHourly
 
 PICO_PER_CENT = 10**10
 PICO_PER_USD = 10**12
-TOKEN_KINDS = ("input", "cached_input", "output")
+TOKEN_KINDS = KINDS
 _CLASS_ORDER = {"interactive": 0, "batch": 1}
 _MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
 
@@ -124,15 +129,9 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
     tenant = await session.get(Tenant, tenant_id)
     if tenant is None:
         raise StatementTenantNotFound(f"no tenant {tenant_id}")
-    total = func.sum
-    stmt = (select(UsageHourly.model, UsageHourly.request_class,
-                   total(cast(UsageHourly.requests, Numeric)),
-                   total(cast(UsageHourly.input_tokens, Numeric)),
-                   total(cast(UsageHourly.cached_input_tokens, Numeric)),
-                   total(cast(UsageHourly.output_tokens, Numeric)),
-                   total(cast(UsageHourly.input_cost_pico_usd, Numeric)),
-                   total(cast(UsageHourly.cached_input_cost_pico_usd, Numeric)),
-                   total(cast(UsageHourly.output_cost_pico_usd, Numeric)))
+    sums = [func.sum(cast(getattr(UsageHourly, name), Numeric))
+            for name in ("requests", *KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS)]
+    stmt = (select(UsageHourly.model, UsageHourly.request_class, *sums)
             .where(UsageHourly.tenant_id == tenant_id, UsageHourly.hour >= start, UsageHourly.hour < end)
             .group_by(UsageHourly.model, UsageHourly.request_class))
     rows = sorted((await session.execute(stmt)).all(),
@@ -140,10 +139,10 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
     statement = Statement(tenant_id=tenant.id, tenant_name=tenant.name, month=month, period_start=start,
                           period_end=end)
     raw: list[tuple[str, str, str, int, int]] = []
-    for model, klass, requests, in_tok, cached_tok, out_tok, in_cost, cached_cost, out_cost in rows:
+    for model, klass, requests, *kind_sums in rows:
         statement.requests += int(requests)
-        for kind, tokens, amount in zip(TOKEN_KINDS, (in_tok, cached_tok, out_tok),
-                                        (in_cost, cached_cost, out_cost), strict=True):
+        tokens_by_kind, amounts = kind_sums[:len(TOKEN_KINDS)], kind_sums[len(TOKEN_KINDS):]
+        for kind, tokens, amount in zip(TOKEN_KINDS, tokens_by_kind, amounts, strict=True):
             if int(tokens) or int(amount):
                 raw.append((model, klass, kind, int(tokens), int(amount)))
     cents = carry_rounding([amount for *_, amount in raw])

@@ -61,9 +61,12 @@ async def create_price(session: AsyncSession, *, model: str = "tiny", effective_
                        input: int = DEFAULT_INPUT_PRICE, output: int = DEFAULT_OUTPUT_PRICE,
                        cached_input: int | None = None, batch_input: int | None = None,
                        batch_cached_input: int | None = None, batch_output: int | None = None,
-                       embedding_input: int | None = None, batch_embedding_input: int | None = None) -> Price:
-    """Defaults follow ARCHITECTURE.md: cached input 10% of input, embedding input the input price, batch
-    prices half, rounded down."""
+                       embedding_input: int | None = None, batch_embedding_input: int | None = None,
+                       cache_write: int = 0, cache_pin: int = 0, cache_retention: int = 0,
+                       batch_cache_write: int | None = None, batch_cache_pin: int | None = None,
+                       batch_cache_retention: int | None = None) -> Price:
+    """Defaults follow ARCHITECTURE.md: cached input 10% of input, embedding input the input price, the
+    prompt-cache products 0, batch prices half, rounded down."""
     cached_input = input // 10 if cached_input is None else cached_input
     embedding_input = input if embedding_input is None else embedding_input
     return await _add(session, Price(
@@ -75,6 +78,11 @@ async def create_price(session: AsyncSession, *, model: str = "tiny", effective_
         embedding_input=embedding_input,
         batch_embedding_input=(embedding_input // 2 if batch_embedding_input is None
                                else batch_embedding_input),
+        cache_write=cache_write, cache_pin=cache_pin, cache_retention=cache_retention,
+        batch_cache_write=cache_write // 2 if batch_cache_write is None else batch_cache_write,
+        batch_cache_pin=cache_pin // 2 if batch_cache_pin is None else batch_cache_pin,
+        batch_cache_retention=(cache_retention // 2 if batch_cache_retention is None
+                               else batch_cache_retention),
     ))
 
 

@@ -62,6 +62,11 @@ def _created_at() -> Mapped[datetime]:
     return mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
 
 
+def _zero(column_type: type[Integer] = BigInteger) -> Mapped[int]:
+    """A NOT NULL count or amount that rows written before the column existed read as 0."""
+    return mapped_column(column_type, nullable=False, server_default=text("0"))
+
+
 class Tenant(Base):
     __tablename__ = "tenants"
     __table_args__ = (
@@ -125,7 +130,8 @@ class Price(Base):
         CheckConstraint(
             "input >= 0 AND cached_input >= 0 AND output >= 0 AND batch_input >= 0"
             " AND batch_cached_input >= 0 AND batch_output >= 0 AND embedding_input >= 0"
-            " AND batch_embedding_input >= 0",
+            " AND batch_embedding_input >= 0 AND cache_write >= 0 AND cache_pin >= 0 AND cache_retention >= 0"
+            " AND batch_cache_write >= 0 AND batch_cache_pin >= 0 AND batch_cache_retention >= 0",
             name="non_negative",
         ),
     )
@@ -140,6 +146,13 @@ class Price(Base):
     batch_output: Mapped[int] = mapped_column(BigInteger, nullable=False)
     embedding_input: Mapped[int] = mapped_column(BigInteger, nullable=False)
     batch_embedding_input: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    # Prompt-cache products; 0 (what rows written before them charged) unless a writer says otherwise.
+    cache_write: Mapped[int] = _zero()
+    cache_pin: Mapped[int] = _zero()
+    cache_retention: Mapped[int] = _zero()
+    batch_cache_write: Mapped[int] = _zero()
+    batch_cache_pin: Mapped[int] = _zero()
+    batch_cache_retention: Mapped[int] = _zero()
     created_at: Mapped[datetime] = _created_at()
 
 
@@ -155,6 +168,12 @@ class UsageEvent(Base):
             "prompt_tokens >= 0 AND completion_tokens >= 0 AND cached_tokens >= 0"
             " AND cached_tokens <= prompt_tokens",
             name="token_counts",
+        ),
+        CheckConstraint(
+            "cache_write_tokens BETWEEN 0 AND prompt_tokens"
+            " AND cache_pinned_tokens BETWEEN 0 AND prompt_tokens"
+            " AND cache_retained_tokens BETWEEN 0 AND prompt_tokens",
+            name="cache_token_counts",
         ),
         CheckConstraint("cost_pico_usd >= 0", name="cost_non_negative"),
         Index("ix_usage_events_tenant_id_created_at", "tenant_id", "created_at"),
@@ -179,6 +198,9 @@ class UsageEvent(Base):
     tpot_ms: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True,
                                                  server_default=func.now())
+    cache_write_tokens: Mapped[int] = _zero(Integer)
+    cache_pinned_tokens: Mapped[int] = _zero(Integer)
+    cache_retained_tokens: Mapped[int] = _zero(Integer)
 
 
 class UsageRequestId(Base):
@@ -192,8 +214,9 @@ class UsageRequestId(Base):
 
 class UsageHourly(Base):
     """Hourly rollup of the ledger per tenant × model × class; token kinds (input without the cached
-    part, cached input, output) as columns with their exact costs. Maintained by the ledger flusher in
-    the insert's transaction and proved equal to the ledger by ``billing.rollups.reconcile``."""
+    part, cached input, output, and the prompt-cache products: cache writes, pinned, retained) as
+    columns with their exact costs. Maintained by the ledger flusher in the insert's transaction and
+    proved equal to the ledger by ``billing.rollups.reconcile``."""
 
     __tablename__ = "usage_hourly"
     __table_args__ = (
@@ -213,6 +236,12 @@ class UsageHourly(Base):
     cached_input_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
     output_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
     cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    cache_write_tokens: Mapped[int] = _zero()
+    cache_pinned_tokens: Mapped[int] = _zero()
+    cache_retained_tokens: Mapped[int] = _zero()
+    cache_write_cost_pico_usd: Mapped[int] = _zero()
+    cache_pinned_cost_pico_usd: Mapped[int] = _zero()
+    cache_retained_cost_pico_usd: Mapped[int] = _zero()
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                  server_default=func.now())
 

@@ -42,6 +42,14 @@
       { label: "cache hit rate (%)", data: data.cache_hit_rate.map((v) => (v === null ? null : 100 * v)),
         borderColor: COLORS[1], spanGaps: true },
     ] }, options: { scales: { y: { min: 0, max: 100 } } } });
+    // Cache products are prompt tokens the input bars count too: side by side, not stacked.
+    chart("chart-cache-products", { type: "bar", data: { labels, datasets: [
+      { label: "cache writes", data: data.cache_write_tokens, backgroundColor: COLORS[5] },
+      { label: "pinned (ttl)", data: data.cache_pinned_tokens, backgroundColor: COLORS[6] },
+      { label: "retained (24h)", data: data.cache_retained_tokens, backgroundColor: COLORS[7] },
+      { label: "cost (USD)", data: data.cache_cost_usd, type: "line", yAxisID: "usd", borderColor: COLORS[3] },
+    ] }, options: { scales: { y: { beginAtZero: true, ticks: { precision: 0 } },
+      usd: { position: "right", beginAtZero: true, grid: { drawOnChartArea: false } } } } });
     const datasets = [{ label: "requests", data: data.requests, backgroundColor: COLORS[0] }];
     Object.keys(data.rejections).forEach((reason, i) => {
       datasets.push({ label: REASON_LABELS[reason] || reason, data: data.rejections[reason],

@@ -2,7 +2,8 @@
 
 Rows are added with ``gateway.admin.service.add_price`` (audit log, never in the past, conflicts
 refused), the admin API's code. Prices are entered in USD per million tokens; omitted optional prices
-take the platform defaults (cached input 10% of input, embedding input the input price, batch half).
+(``billing.prices.OPTIONAL_PRICE_FIELDS``) take the platform defaults (cached input 10% of input,
+embedding input the input price, the prompt-cache products 0, batch half).
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from starlette.responses import Response
 from admin_ui.session import CurrentAdmin, check_csrf
 from admin_ui.views.tenants import form_errors
 from admin_ui.web import redirect, render, unit_of_work
+from billing.prices import OPTIONAL_PRICE_FIELDS
 from gateway.admin import service
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.schemas import PRICE_FIELDS, PriceCreateRequest
 from gateway.errors import GatewayError
 
 router = APIRouter(prefix="/admin/prices")
-OPTIONAL = ("cached_input", "batch_input", "batch_cached_input", "batch_output", "embedding_input",
-            "batch_embedding_input")
 
 
 async def _page(request: Request, admin: AdminPrincipal, *, form: dict[str, Any] | None = None,
@@ -48,7 +48,7 @@ async def add_price(request: Request, admin: CurrentAdmin) -> Response:
     raw: dict[str, Any] = {"model": fields.get("model", ""),
                            "input_usd_per_mtok": fields.get("input", "").strip(),
                            "output_usd_per_mtok": fields.get("output", "").strip()}
-    for name in OPTIONAL:
+    for name in OPTIONAL_PRICE_FIELDS:
         if fields.get(name, "").strip():
             raw[f"{name}_usd_per_mtok"] = fields[name].strip()
     try:

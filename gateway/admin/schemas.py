@@ -185,7 +185,10 @@ class ApiKeyList(BaseModel):
 class PriceCreateRequest(BaseModel):
     """A price row from ``effective_from`` (now when omitted; never in the past) in USD per 1M tokens.
     Omitted optional prices take the defaults: cached input 10% of input, embedding input (what
-    ``/v1/embeddings`` charges per prompt token) the input price, batch half."""
+    ``/v1/embeddings`` charges per prompt token) the input price, the prompt-cache products (charged
+    on top of the input prices per prompt token written to the cache, pinned for
+    ``prompt_cache_options.ttl``, retained for ``prompt_cache_retention``) 0, batch half. One optional
+    field per ``billing.prices.OPTIONAL_PRICE_FIELDS`` name."""
 
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
@@ -199,6 +202,12 @@ class PriceCreateRequest(BaseModel):
     batch_output_usd_per_mtok: UsdPerMtok = None
     embedding_input_usd_per_mtok: UsdPerMtok = None
     batch_embedding_input_usd_per_mtok: UsdPerMtok = None
+    cache_write_usd_per_mtok: UsdPerMtok = None
+    cache_pin_usd_per_mtok: UsdPerMtok = None
+    cache_retention_usd_per_mtok: UsdPerMtok = None
+    batch_cache_write_usd_per_mtok: UsdPerMtok = None
+    batch_cache_pin_usd_per_mtok: UsdPerMtok = None
+    batch_cache_retention_usd_per_mtok: UsdPerMtok = None
 
     @field_validator("effective_from")
     @classmethod
@@ -240,6 +249,9 @@ class UsageTotals(BaseModel):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    cache_write_tokens: int = Field(description="Prompt tokens newly written to the prompt cache.")
+    cache_pinned_tokens: int = Field(description="Prompt tokens pinned in host memory (cache ttl).")
+    cache_retained_tokens: int = Field(description="Prompt tokens kept on disk (cache retention).")
     cost_pico_usd: str = Field(description="Exact integer pico-USD, as a string (sums can exceed 2^53).")
     cost_usd: str
 

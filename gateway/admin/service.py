@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing import repository as billing_repository
-from billing.prices import Price, new_price_start
+from billing.prices import CACHE_TOKEN_FIELDS, OPTIONAL_PRICE_FIELDS, Price, new_price_start
 from billing.service import PriceConflict, set_price
 from gateway.admin import repository
 from gateway.admin.auth import generate_admin_token, hash_admin_token
@@ -281,12 +281,7 @@ async def add_price(session: AsyncSession, data: PriceCreateRequest, *, actor: s
         raise AdminError(str(e), param="effective_from") from e
     try:
         price = Price.of(input=data.input_usd_per_mtok, output=data.output_usd_per_mtok,
-                         cached_input=data.cached_input_usd_per_mtok,
-                         batch_input=data.batch_input_usd_per_mtok,
-                         batch_cached_input=data.batch_cached_input_usd_per_mtok,
-                         batch_output=data.batch_output_usd_per_mtok,
-                         embedding_input=data.embedding_input_usd_per_mtok,
-                         batch_embedding_input=data.batch_embedding_input_usd_per_mtok)
+                         **{name: getattr(data, f"{name}_usd_per_mtok") for name in OPTIONAL_PRICE_FIELDS})
         start = await set_price(session, data.model, price, start, now=now)
     except PriceConflict as e:
         raise AdminConflict(str(e), param="effective_from") from e
@@ -309,9 +304,13 @@ class UsageResult:
     totals: UsageTotals
 
 
-def _totals(requests: int, prompt: int, cached: int, completion: int, cost: int) -> dict[str, Any]:
-    return {"requests": requests, "prompt_tokens": prompt, "cached_tokens": cached,
-            "completion_tokens": completion, "cost_pico_usd": str(cost), "cost_usd": usd_string(cost)}
+_USAGE_COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", *CACHE_TOKEN_FIELDS)
+
+
+def _totals(sums: Sequence[repository.UsageSum]) -> dict[str, Any]:
+    cost = sum(s.cost_pico_usd for s in sums)
+    return {**{name: sum(getattr(s, name) for s in sums) for name in _USAGE_COUNTS},
+            "cost_pico_usd": str(cost), "cost_usd": usd_string(cost)}
 
 
 async def usage(session: AsyncSession, *, start: datetime, end: datetime, tenant_id: int | None = None,
@@ -334,13 +333,9 @@ async def usage(session: AsyncSession, *, start: datetime, end: datetime, tenant
         await get_tenant(session, tenant_id, settings=settings)
     sums = await repository.usage_sums(session, start=start, end=end, tenant_id=tenant_id,
                                        group_by=group_by, granularity=granularity)
-    rows = [UsageRow(bucket_start=s.bucket_start, **s.group,  # type: ignore[arg-type]
-                     **_totals(s.requests, s.prompt_tokens, s.cached_tokens, s.completion_tokens,
-                               s.cost_pico_usd))
+    rows = [UsageRow(bucket_start=s.bucket_start, **s.group, **_totals([s]))  # type: ignore[arg-type]
             for s in sums]
-    totals = UsageTotals(**_totals(sum(s.requests for s in sums), sum(s.prompt_tokens for s in sums),
-                                   sum(s.cached_tokens for s in sums), sum(s.completion_tokens for s in sums),
-                                   sum(s.cost_pico_usd for s in sums)))
+    totals = UsageTotals(**_totals(sums))
     return UsageResult(group_by, rows, totals)
 
 

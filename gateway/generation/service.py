@@ -52,7 +52,7 @@ from typing import Any
 import anyio
 
 from billing.outbox import UsageRecord
-from billing.prices import PriceNotFound, cost_pico_usd, max_cost_pico_usd
+from billing.prices import CACHE_TOKEN_FIELDS, PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.block_hash import prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
 from gateway.admission import Admission
@@ -171,7 +171,9 @@ class Generation:
             self.admission = await rt.admission.admit(
                 self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
                 max_cost_pico_usd(price, self.prompt_tokens, 0 if self.embedding else completion_budget,
-                                  rt.request_class, embedding=self.embedding),
+                                  rt.request_class, embedding=self.embedding,
+                                  cache_pin=self.cache is not None and self.cache.ttl_s > 0,
+                                  cache_retention=self.cache is not None and self.cache.retention_s > 0),
             )
         try:
             priority = settings.tiers[self.tier].engine_priority
@@ -293,6 +295,8 @@ class Generation:
         self.usage.cache_write_tokens += record.usage.cache_write_tokens
         self.usage.cache_pinned_tokens += record.usage.cache_pinned_tokens
         self.usage.cache_retained_tokens += record.usage.cache_retained_tokens
+        self.usage.cached_host_tokens += record.usage.cached_host_tokens
+        self.usage.cached_disk_tokens += record.usage.cached_disk_tokens
         self.usage.completion_tokens += record.usage.completion_tokens
         for i, reason in enumerate(record.finish_reasons):
             self.finish_reasons[offset + i] = reason
@@ -353,14 +357,17 @@ class Generation:
             self.usage.cached_tokens = min(self.usage.cached_tokens, self.usage.prompt_tokens)
             self.usage.completion_tokens = max(self.usage.completion_tokens, self._generated)
         if self._void:
-            self.usage.prompt_tokens = self.usage.cached_tokens = self.usage.completion_tokens = 0
+            self.usage = Usage()
         if self.admission is None:
             return
         rt = self.runtime
+        # The cache products billed: none for an embedding request, never more than the prompt.
+        cache_limit = 0 if self.embedding else self.usage.prompt_tokens
+        cache_tokens = {name: min(getattr(self.usage, name), cache_limit) for name in CACHE_TOKEN_FIELDS}
         try:
             cost = cost_pico_usd(rt.prices.price_for(self.route.name), self.usage.prompt_tokens,
                                  self.usage.cached_tokens, self.usage.completion_tokens, rt.request_class,
-                                 embedding=self.embedding)
+                                 embedding=self.embedding, **cache_tokens)
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
             cost = 0
@@ -379,7 +386,7 @@ class Generation:
             api_key_id=self.principal.api_key_id, model=self.route.name, request_class=rt.request_class,
             tier=self.tier, prompt_tokens=self.usage.prompt_tokens, cached_tokens=self.usage.cached_tokens,
             completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
-            ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at,
+            ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at, **cache_tokens,
         )
         settle_error, append_error = await rt.admission.settle_and_append(
             self.admission, self.usage.total_tokens, cost, record)

@@ -16,6 +16,10 @@ class Usage:
     # memory; ``prompt_cache_retention`` 24h: kept on disk), within the tenant's quotas.
     cache_pinned_tokens: int = 0
     cache_retained_tokens: int = 0
+    # Of ``cached_tokens``, those the engines loaded from host memory and read from disk (the rest were in
+    # the device pool): where a tenant's cache hits come from.
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

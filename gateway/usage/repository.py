@@ -15,6 +15,8 @@ from typing import Any
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.prices import CACHE_TOKEN_FIELDS
+from billing.rollups import KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS
 from tollgate.models import UsageEvent, UsageHourly
 
 
@@ -32,6 +34,13 @@ class UsageRow:
     input_cost_pico_usd: int = 0
     cached_input_cost_pico_usd: int = 0
     output_cost_pico_usd: int = 0
+    # Prompt tokens the cache products were charged on (counted in the input kinds too), and their cost.
+    cache_write_tokens: int = 0
+    cache_pinned_tokens: int = 0
+    cache_retained_tokens: int = 0
+    cache_write_cost_pico_usd: int = 0
+    cache_pinned_cost_pico_usd: int = 0
+    cache_retained_cost_pico_usd: int = 0
 
 
 def _n(column: Any) -> Any:
@@ -53,9 +62,9 @@ class UsageRepository:
         if request_class is not None:
             stmt = stmt.where(UsageHourly.request_class == request_class)
         rows = (await self.session.scalars(stmt.order_by(UsageHourly.hour))).all()
-        return [UsageRow(r.hour, r.model, r.request_class, r.requests, r.input_tokens, r.cached_input_tokens,
-                         r.output_tokens, r.input_cost_pico_usd, r.cached_input_cost_pico_usd,
-                         r.output_cost_pico_usd) for r in rows]
+        return [UsageRow(r.hour, r.model, r.request_class, r.requests,
+                         **{name: getattr(r, name) for name in (*KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS)})
+                for r in rows]
 
     async def by_minute(self, start: datetime, end: datetime, *, models: Sequence[str] | None = None,
                         request_class: str | None = None) -> list[UsageRow]:
@@ -63,7 +72,8 @@ class UsageRepository:
         minute = func.date_trunc("minute", UsageEvent.created_at, "UTC")
         stmt = (select(minute, UsageEvent.model, UsageEvent.request_class, func.count(),
                        _n(UsageEvent.prompt_tokens - UsageEvent.cached_tokens), _n(UsageEvent.cached_tokens),
-                       _n(UsageEvent.completion_tokens))
+                       _n(UsageEvent.completion_tokens),
+                       *(_n(getattr(UsageEvent, name)) for name in CACHE_TOKEN_FIELDS))
                 .where(UsageEvent.tenant_id == self.tenant_id, UsageEvent.created_at >= start,
                        UsageEvent.created_at < end)
                 .group_by(minute, UsageEvent.model, UsageEvent.request_class))
@@ -71,5 +81,6 @@ class UsageRepository:
             stmt = stmt.where(UsageEvent.model.in_(list(models)))
         if request_class is not None:
             stmt = stmt.where(UsageEvent.request_class == request_class)
-        return [UsageRow(at, model, klass, int(n), int(i), int(c), int(o))
-                for at, model, klass, n, i, c, o in (await self.session.execute(stmt)).all()]
+        return [UsageRow(at, model, klass, int(n), int(i), int(c), int(o), cache_write_tokens=int(w),
+                         cache_pinned_tokens=int(p), cache_retained_tokens=int(r))
+                for at, model, klass, n, i, c, o, w, p, r in (await self.session.execute(stmt)).all()]

@@ -11,6 +11,12 @@ Invariants:
 - ``group_by`` supports ``model`` and ``batch`` (usage) and ``line_item`` (costs: model × class × token
   kind); Tollgate has no projects or users, so grouping or filtering by them (or by API key, which the
   rollups do not keep) is a 400 naming the parameter rather than a silently wrong answer.
+- Prompt-cache products: as in OpenAI's schema, ``input_tokens`` = ``input_cached_tokens`` +
+  ``input_cache_write_tokens`` + ``input_uncached_tokens`` (cache writes are prompt tokens the engine
+  computed, never cached ones). Tollgate adds ``input_cache_pinned_tokens`` (pinned in host memory for
+  ``prompt_cache_options.ttl``) and ``input_cache_retained_tokens`` (kept on disk for
+  ``prompt_cache_retention: "24h"``), prompt tokens counted in ``input_tokens`` too. Their costs are the
+  line items ``cache write``, ``cache pin`` and ``cache retention``, listed only when there are some.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from billing.rollups import CACHE_KINDS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
 from gateway.errors import InvalidRequestError
 from gateway.usage.repository import UsageRepository, UsageRow
 
@@ -31,7 +38,8 @@ USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, m
 COSTS_LIMITS = (7, 180)
 USAGE_GROUPS = ("model", "batch")
 PICO_PER_USD = Decimal(10**12)
-_KIND_NAMES = {"input": "input", "cached_input": "cached input", "output": "output"}
+_KIND_NAMES = {"input": "input", "cached_input": "cached input", "output": "output",
+               "cache_write": "cache write", "cache_pinned": "cache pin", "cache_retained": "cache retention"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +147,13 @@ async def completions_usage(repo: UsageRepository, *, start_time: int, end_time:
                                                                                          str(kv[0][1]))):
             cached = sum(r.cached_input_tokens for r in members)
             uncached = sum(r.input_tokens for r in members)
+            written = sum(r.cache_write_tokens for r in members)
             results.append({
                 "object": "organization.usage.completions.result", "input_tokens": uncached + cached,
-                "input_cached_tokens": cached, "input_uncached_tokens": uncached,
+                "input_cached_tokens": cached, "input_cache_write_tokens": written,
+                "input_uncached_tokens": max(0, uncached - written),
+                "input_cache_pinned_tokens": sum(r.cache_pinned_tokens for r in members),
+                "input_cache_retained_tokens": sum(r.cache_retained_tokens for r in members),
                 "output_tokens": sum(r.output_tokens for r in members), "input_audio_tokens": 0,
                 "output_audio_tokens": 0, "num_model_requests": sum(r.requests for r in members),
                 "project_id": None, "user_id": None, "api_key_id": None, "model": model, "batch": is_batch,
@@ -180,10 +192,11 @@ async def costs(repo: UsageRepository, *, start_time: int, end_time: int | None,
     per_bucket: dict[int, dict[str, list[int]]] = {s: {} for s in plan.starts}
     for row in rows:
         items = per_bucket.setdefault(_bucket_of(row, plan), {})
-        kinds = (("input", row.input_tokens, row.input_cost_pico_usd),
-                 ("cached_input", row.cached_input_tokens, row.cached_input_cost_pico_usd),
-                 ("output", row.output_tokens, row.output_cost_pico_usd))
-        for kind, tokens, amount in kinds:
+        kinds = zip(KINDS, KIND_TOKEN_COLUMNS, KIND_COST_COLUMNS, strict=True)
+        for kind, tokens_column, cost_column in kinds:
+            tokens, amount = getattr(row, tokens_column), getattr(row, cost_column)
+            if kind in CACHE_KINDS and not (tokens or amount):
+                continue
             name = line_item(row, kind) if groups else ""
             acc = items.setdefault(name, [0, 0])
             acc[0] += amount

@@ -1,7 +1,8 @@
 """An admin's day in a real browser (Playwright on Debian's chromium) against the running gateway:
 log in, create a tenant and a key, change its quota and see the gateway enforce it, make a request and
 find it in the usage chart with the ledger's numbers, watch SLOs and replicas, cancel a batch, add a
-price, suspend/reactivate, revoke the key, log out. Every page is screenshotted to
+price, suspend/reactivate, revoke the key, log out; and the prompt-cache products (tokens written,
+pinned, retained and their cost) on the usage pages. Every page is screenshotted to
 ``test-artifacts/screenshots/``."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import re
 import time
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -20,7 +22,11 @@ from playwright.async_api import expect
 from sqlalchemy import func, select
 
 from billing.ledger import UsageFlusher
+from billing.outbox import UsageRecord, append_usage
+from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
+from gateway.admin.schemas import usd_string
 from tests.admin_ui.conftest import ADMIN_PASSWORD, Dashboard, screenshot
+from tests.factories import create_price, create_tenant
 from tests.gateway.conftest import MODEL
 from tollgate.models import AuditLog, UsageEvent
 
@@ -238,3 +244,73 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     await expect(page).to_have_url(re.compile(r"/admin/login$"))
     await page.goto(f"/admin/tenants/{tenant_id}")
     await expect(page).to_have_url(re.compile(r"/admin/login"))
+
+
+async def _log_in(page: Any, dashboard: Dashboard) -> None:
+    await page.goto("/admin/usage")
+    await page.fill("input[name=email]", dashboard.admin_email)
+    await page.fill("input[name=password]", ADMIN_PASSWORD)
+    await page.click("#login-form button[type=submit]")
+    await expect(page).to_have_url(re.compile(r"/admin/usage$"))
+
+
+# $3.75 per million tokens written to the cache, $0.30 pinned, $0.10 retained; batch half.
+CACHE_PRICE = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cache_pin=300_000,
+                       cache_retention=100_000)
+# (class, prompt, cached, completion, (cache written, pinned, retained))
+CACHE_USAGE = [("interactive", 1000, 200, 50, (784, 992, 992)), ("batch", 4000, 1000, 300, (2992, 0, 3984))]
+
+
+async def test_usage_shows_the_prompt_cache_products(page: Any, dashboard: Dashboard) -> None:
+    model = f"cache-model-{uuid.uuid4().hex[:6]}"
+    async with dashboard.db.session() as session:
+        tenant = await create_tenant(session)
+        await create_price(session, model=model, input=CACHE_PRICE.input, output=CACHE_PRICE.output,
+                           cache_write=CACHE_PRICE.cache_write, cache_pin=CACHE_PRICE.cache_pin,
+                           cache_retention=CACHE_PRICE.cache_retention)
+    costs = [0, 0, 0]
+    for i, (klass, prompt, cached, completion, cache) in enumerate(CACHE_USAGE):
+        counts = dict(zip(CACHE_TOKEN_FIELDS, cache, strict=True))
+        await append_usage(dashboard.redis, UsageRecord(
+            request_id=f"cache-usage-{tenant.id}-{i}", tenant_id=tenant.id, api_key_id=None, model=model,
+            request_class=klass, tier="default", prompt_tokens=prompt, cached_tokens=cached,
+            completion_tokens=completion,
+            cost_pico_usd=cost_pico_usd(CACHE_PRICE, prompt, cached, completion, klass, **counts),
+            status="completed", ttft_ms=None, tpot_ms=None, created_at=datetime.now(UTC), **counts))
+        for k, (n, price) in enumerate(zip(cache, CACHE_PRICE.cache_for_class(klass), strict=True)):
+            costs[k] += n * price
+    ledger = await _flush_until_ledgered(dashboard, tenant.id, len(CACHE_USAGE))
+    assert ledger["requests"] == len(CACHE_USAGE)
+    written, pinned, retained = (sum(row[4][k] for row in CACHE_USAGE) for k in range(3))
+    assert (written, pinned, retained) == (3776, 992, 4976)
+
+    await _log_in(page, dashboard)
+    await page.goto(f"/admin/usage?tenant_id={tenant.id}")
+    products = await _chart_sums(page, "chart-cache-products")
+    assert {k: v for k, v in products.items() if k != "cost (USD)"} == {
+        "cache writes": written, "pinned (ttl)": pinned, "retained (24h)": retained}
+    assert abs(products["cost (USD)"] - sum(costs) / 1e12) < 1e-12
+    totals = page.locator("#usage-totals")
+    expected = {"data-cache-write-tokens": written, "data-cache-pinned-tokens": pinned,
+                "data-cache-retained-tokens": retained, "data-cache-cost-pico-usd": sum(costs),
+                "data-cost-pico-usd": ledger["cost"]}
+    for attribute, value in expected.items():
+        await expect(totals).to_have_attribute(attribute, str(value))
+    shown = page.locator("#cache-products")
+    await expect(shown).to_contain_text("3,776 / 992 / 4,976")
+    for cost in (sum(costs), *costs):
+        await expect(shown).to_contain_text(f"${usd_string(cost)}")
+    await screenshot(page, "15-usage-cache-products")
+
+    export = await page.request.get(f"/admin/usage.csv?tenant_id={tenant.id}")
+    rows = list(csv.DictReader(io.StringIO(await export.text())))
+    assert [sum(int(r[name]) for r in rows) for name in CACHE_TOKEN_FIELDS] == [written, pinned, retained]
+    assert [sum(int(r[f"{kind}_cost_pico_usd"]) for r in rows)
+            for kind in ("cache_write", "cache_pinned", "cache_retained")] == costs
+
+    await page.goto("/admin/usage")
+    mine = page.locator(f'#by-tenant tr[data-tenant-id="{tenant.id}"]')
+    await expect(mine.locator("td").nth(8)).to_have_text("3,776 / 992 / 4,976")
+    await expect(mine.locator("td").nth(9)).to_have_text(f"${usd_string(sum(costs))}")
+    await page.goto(f"/admin/tenants/{tenant.id}")
+    await expect(page.locator("#mtd-cache")).to_have_text("3,776 / 992 / 4,976")

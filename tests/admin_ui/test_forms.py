@@ -142,3 +142,26 @@ async def test_a_price_with_embedding_prices_shows_in_the_table(
     async with dashboard.db.session() as session:
         row = await session.scalar(select(Price).where(Price.model == "form-embedder"))
     assert row is not None and (row.embedding_input, row.batch_embedding_input) == (20_000, 15_000)
+
+
+async def test_a_price_with_cache_prices_shows_in_the_table(
+        dashboard: Dashboard, admin_client: tuple[httpx.AsyncClient, str]) -> None:
+    client, token = admin_client
+    added = await client.post("/admin/prices", data={
+        "csrf_token": token, "model": "form-cacher", "input": "3", "output": "15", "cache_write": "3.75",
+        "cache_pin": "0.3", "cache_retention": "0.1", "batch_cache_retention": "0.04"})
+    assert added.status_code == 303, added.text
+    page = (await client.get(added.headers["location"])).text
+    for header in ("cache write", "cache pin", "cache retention", "batch cache write", "batch cache pin",
+                   "batch cache retention"):
+        assert f">{header}</th>" in page
+    assert "$3.75" in page and "$1.875" in page and "$0.04" in page
+    async with dashboard.db.session() as session:
+        row = await session.scalar(select(Price).where(Price.model == "form-cacher"))
+    assert row is not None
+    assert (row.cache_write, row.cache_pin, row.cache_retention) == (3_750_000, 300_000, 100_000)
+    assert (row.batch_cache_write, row.batch_cache_pin, row.batch_cache_retention) == (
+        1_875_000, 150_000, 40_000)
+    refused = await client.post("/admin/prices", data={
+        "csrf_token": token, "model": "form-cacher", "input": "3", "output": "15", "cache_pin": "-1"})
+    assert refused.status_code == 400 and "cache pin" in refused.text

@@ -3,32 +3,35 @@ Postgres is unreachable, nothing doubled by redelivery or a dead consumer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import orjson
 import pytest
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from billing.ledger import DEAD_LETTER_STREAM, LEDGER_GROUP, LedgerUnavailable, UsageFlusher
 from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
-from billing.prices import Price, cost_pico_usd
+from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
 from billing.repository import insert_usage_events
 from tests.factories import create_tenant
 from tollgate.db import Database
 from tollgate.local_services import free_port
 from tollgate.models import UsageEvent
 
-PRICE = Price.of(input=3_000_000, output=15_000_000)
+PRICE = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cache_pin=300_000,
+                 cache_retention=100_000)
 
 
 def record(tenant_id: int, request_id: str, *, prompt: int = 1_000, cached: int = 200,
-           completion: int = 50, status: str = "completed") -> UsageRecord:
+           completion: int = 50, status: str = "completed", **cache_tokens: int) -> UsageRecord:
     return UsageRecord(
         request_id=request_id, tenant_id=tenant_id, api_key_id=None, model="tiny",
         request_class="interactive", tier="default", prompt_tokens=prompt, cached_tokens=cached,
         completion_tokens=completion,
-        cost_pico_usd=cost_pico_usd(PRICE, prompt, cached, completion, "interactive"),
-        status=status, ttft_ms=12.5, tpot_ms=3.0, created_at=datetime.now(UTC),
+        cost_pico_usd=cost_pico_usd(PRICE, prompt, cached, completion, "interactive", **cache_tokens),
+        status=status, ttft_ms=12.5, tpot_ms=3.0, created_at=datetime.now(UTC), **cache_tokens,
     )
 
 
@@ -55,6 +58,31 @@ async def test_records_become_exactly_one_row_each(db_session, redis_client, uni
     await append_usage(redis_client, records[0])
     assert (await flusher.flush()).inserted == 0
     assert len(await ledger_rows(db_session, tenant.id)) == 25
+
+
+async def test_cache_token_counts_reach_the_ledger_columns(db_session, redis_client, unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    cached = record(tenant.id, "cache-1", cache_write_tokens=784, cache_pinned_tokens=992,
+                    cache_retained_tokens=496)
+    plain = record(tenant.id, "cache-2")
+    for rec in (cached, plain):
+        await append_usage(redis_client, rec)
+    assert (await UsageFlusher(redis_client, unit_of_work, consumer="w1").flush()).inserted == 2
+    first, second = await ledger_rows(db_session, tenant.id)
+    assert [getattr(first, name) for name in CACHE_TOKEN_FIELDS] == [784, 992, 496]
+    assert first.cost_pico_usd == (800 * 3_000_000 + 200 * 300_000 + 50 * 15_000_000
+                                   + 784 * 3_750_000 + 992 * 300_000 + 496 * 100_000)
+    assert [getattr(second, name) for name in CACHE_TOKEN_FIELDS] == [0, 0, 0]
+    assert second.cost_pico_usd == plain.cost_pico_usd
+
+
+@pytest.mark.parametrize("name", CACHE_TOKEN_FIELDS)
+async def test_the_ledger_refuses_cache_counts_beyond_the_prompt(db_session, unit_of_work, name: str) -> None:
+    tenant = await create_tenant(db_session)
+    row = record(tenant.id, f"too-many-{name}").row() | {name: 1_001}
+    with pytest.raises(IntegrityError, match="ck_usage_events_cache_token_counts"):
+        async with unit_of_work() as session:
+            await insert_usage_events(session, [row])
 
 
 async def test_postgres_unreachable_keeps_records_until_a_later_flush(db_session, redis_client,
@@ -139,8 +167,16 @@ async def test_records_validate_their_columns() -> None:
         UsageRecord(request_id="x", tenant_id=1, api_key_id=None, model="m", request_class="interactive",
                     tier="default", prompt_tokens=1, cached_tokens=0, completion_tokens=0, cost_pico_usd=0,
                     status="completed", ttft_ms=None, tpot_ms=None, created_at=datetime(2026, 1, 1))
-    rec = record(1, "roundtrip")
+    for name in CACHE_TOKEN_FIELDS:
+        with pytest.raises(ValueError, match=name):
+            record(1, "x", prompt=10, cached=0, **{name: 11})
+        with pytest.raises(ValueError, match=name):
+            record(1, "x", **{name: -1})
+    rec = record(1, "roundtrip", cache_write_tokens=16, cache_pinned_tokens=32, cache_retained_tokens=48)
     assert UsageRecord.from_json(rec.to_json()) == rec
+    older = {k: v for k, v in orjson.loads(rec.to_json()).items() if k not in CACHE_TOKEN_FIELDS}
+    # A gateway older than the cache counts sent none: they read as 0.
+    assert UsageRecord.from_json(orjson.dumps(older)) == replace(rec, **dict.fromkeys(CACHE_TOKEN_FIELDS, 0))
     newer = orjson.loads(rec.to_json()) | {"reasoning_tokens": 7}  # written by a newer gateway
     assert UsageRecord.from_json(orjson.dumps(newer)) == rec
     with pytest.raises(KeyError):

@@ -8,6 +8,9 @@ from decimal import Decimal
 import pytest
 
 from billing.prices import (
+    CACHE_TOKEN_FIELDS,
+    OPTIONAL_PRICE_FIELDS,
+    PRICE_FIELDS,
     Price,
     PriceBook,
     PriceNotFound,
@@ -24,7 +27,9 @@ SONNETISH = Price.of(input=3_000_000, output=15_000_000)
 def test_defaults_cached_is_a_tenth_and_batch_is_half_rounded_down() -> None:
     assert SONNETISH == Price(input=3_000_000, cached_input=300_000, output=15_000_000,
                               batch_input=1_500_000, batch_cached_input=150_000, batch_output=7_500_000,
-                              embedding_input=3_000_000, batch_embedding_input=1_500_000)
+                              embedding_input=3_000_000, batch_embedding_input=1_500_000, cache_write=0,
+                              cache_pin=0, cache_retention=0, batch_cache_write=0, batch_cache_pin=0,
+                              batch_cache_retention=0)
     odd = Price.of(input=7, output=9)
     assert (odd.cached_input, odd.batch_input, odd.batch_cached_input, odd.batch_output) == (0, 3, 0, 4)
     assert (odd.embedding_input, odd.batch_embedding_input) == (7, 3)
@@ -80,6 +85,85 @@ def test_embedding_max_cost_is_the_exact_cost() -> None:
     assert max_cost_pico_usd(dear, 7, 0, "interactive", embedding=True) == 350
 
 
+def test_cache_prices_default_to_zero_and_batch_to_half_rounded_down() -> None:
+    assert PRICE_FIELDS[-6:] == ("cache_write", "cache_pin", "cache_retention", "batch_cache_write",
+                                 "batch_cache_pin", "batch_cache_retention")
+    assert set(OPTIONAL_PRICE_FIELDS) == set(PRICE_FIELDS) - {"input", "output"}
+    odd = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_001, cache_pin=7, cache_retention=1)
+    assert (odd.cache_write, odd.cache_pin, odd.cache_retention) == (3_750_001, 7, 1)
+    assert (odd.batch_cache_write, odd.batch_cache_pin, odd.batch_cache_retention) == (1_875_000, 3, 0)
+    explicit = Price.of(input=1, output=1, cache_pin=10, batch_cache_pin=9, batch_cache_write=4)
+    assert (explicit.cache_write, explicit.batch_cache_write) == (0, 4)
+    assert (explicit.cache_pin, explicit.batch_cache_pin) == (10, 9)
+    assert SONNETISH.cache_for_class("interactive") == SONNETISH.cache_for_class("batch") == (0, 0, 0)
+
+
+# $3.75 per million tokens written to the cache, $0.30 pinned, $0.10 retained, on top of $3 / $0.30 / $15.
+CACHER = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cache_pin=300_000,
+                  cache_retention=100_000)
+
+
+def test_cache_products_are_charged_on_top_exactly() -> None:
+    # 1,000 prompt tokens: 600 cached, 384 of the other 400 written to the cache, 992 pinned, 992 retained.
+    plain = 400 * 3_000_000 + 600 * 300_000 + 200 * 15_000_000
+    products = 384 * 3_750_000 + 992 * 300_000 + 992 * 100_000
+    assert cost_pico_usd(CACHER, 1_000, 600, 200, "interactive", cache_write_tokens=384,
+                         cache_pinned_tokens=992, cache_retained_tokens=992) == plain + products
+    assert cost_pico_usd(CACHER, 1_000, 600, 200, "interactive") == plain
+    # Each product alone, at its own price.
+    assert cost_pico_usd(CACHER, 1_000, 600, 200, "interactive", cache_write_tokens=384) == (
+        plain + 384 * 3_750_000)
+    assert cost_pico_usd(CACHER, 1_000, 600, 200, "interactive", cache_pinned_tokens=992) == (
+        plain + 992 * 300_000)
+    assert cost_pico_usd(CACHER, 1_000, 600, 200, "interactive", cache_retained_tokens=992) == (
+        plain + 992 * 100_000)
+    # The batch class pays the batch prices, half by default.
+    batch_plain = 400 * 1_500_000 + 600 * 150_000 + 200 * 7_500_000
+    assert cost_pico_usd(CACHER, 1_000, 600, 200, "batch", cache_write_tokens=384, cache_pinned_tokens=992,
+                         cache_retained_tokens=992) == (
+        batch_plain + 384 * 1_875_000 + 992 * 150_000 + 992 * 50_000)
+    # Default prices charge nothing for the products (OpenAI's default).
+    assert cost_pico_usd(SONNETISH, 1_000, 600, 200, "interactive", cache_write_tokens=400,
+                         cache_pinned_tokens=1_000, cache_retained_tokens=1_000) == plain
+
+
+@pytest.mark.parametrize("name", CACHE_TOKEN_FIELDS)
+@pytest.mark.parametrize("count", [-1, 1_001])
+def test_cost_refuses_cache_counts_outside_the_prompt(name: str, count: int) -> None:
+    with pytest.raises(ValueError, match=name):
+        cost_pico_usd(CACHER, 1_000, 0, 0, "interactive", **{name: count})
+    assert cost_pico_usd(CACHER, 1_000, 0, 0, "interactive", **{name: 1_000}) > 1_000 * 3_000_000
+
+
+def test_embedding_cost_refuses_cache_products() -> None:
+    for name in CACHE_TOKEN_FIELDS:
+        with pytest.raises(ValueError, match="cache products"):
+            cost_pico_usd(CACHER, 10, 0, 0, "interactive", embedding=True, **{name: 1})
+    assert cost_pico_usd(CACHER, 10, 0, 0, "interactive", embedding=True, cache_write_tokens=0) == 30_000_000
+    # Admission holds an embedding request's exact cost, whatever lifetimes were asked for.
+    assert max_cost_pico_usd(CACHER, 10, 0, "batch", embedding=True, cache_pin=True,
+                             cache_retention=True) == 10 * 1_500_000
+
+
+def test_max_cost_holds_a_cache_write_of_every_prompt_token_and_the_lifetimes_asked_for() -> None:
+    dearest = 3_000_000 + 3_750_000
+    assert max_cost_pico_usd(CACHER, 1_000, 300, "interactive") == 1_000 * dearest + 300 * 15_000_000
+    assert max_cost_pico_usd(CACHER, 1_000, 300, "interactive", cache_pin=True) == (
+        1_000 * (dearest + 300_000) + 300 * 15_000_000)
+    assert max_cost_pico_usd(CACHER, 1_000, 300, "interactive", cache_retention=True) == (
+        1_000 * (dearest + 100_000) + 300 * 15_000_000)
+    both = max_cost_pico_usd(CACHER, 1_000, 300, "batch", cache_pin=True, cache_retention=True)
+    assert both == 1_000 * (1_500_000 + 1_875_000 + 150_000 + 50_000) + 300 * 7_500_000
+    for klass in ("interactive", "batch"):
+        bound = max_cost_pico_usd(CACHER, 1_000, 300, klass, cache_pin=True, cache_retention=True)
+        for cached, written in ((0, 1_000), (500, 496), (1_000, 0)):
+            for held in (0, 512, 1_000):
+                assert cost_pico_usd(CACHER, 1_000, cached, 300, klass, cache_write_tokens=written,
+                                     cache_pinned_tokens=held, cache_retained_tokens=held) <= bound
+        assert bound == cost_pico_usd(CACHER, 1_000, 0, 300, klass, cache_write_tokens=1_000,
+                                      cache_pinned_tokens=1_000, cache_retained_tokens=1_000)
+
+
 def test_cost_is_exact_with_cached_tokens_at_the_cached_price() -> None:
     # 1,000 prompt tokens of which 600 cached, 200 completion tokens.
     expected = 400 * 3_000_000 + 600 * 300_000 + 200 * 15_000_000
@@ -123,12 +207,14 @@ def test_usd_per_mtok_refuses_non_integral_or_invalid_prices(bad: str) -> None:
 
 
 def test_price_rejects_negative_or_fractional_values() -> None:
+    zeros = dict.fromkeys(PRICE_FIELDS, 0)
     with pytest.raises(ValueError):
-        Price(input=-1, cached_input=0, output=0, batch_input=0, batch_cached_input=0, batch_output=0,
-              embedding_input=0, batch_embedding_input=0)
+        Price(**{**zeros, "input": -1})
     with pytest.raises(ValueError):
-        Price(input=1.5, cached_input=0, output=0, batch_input=0, batch_cached_input=0,  # type: ignore[arg-type]
-              batch_output=0, embedding_input=0, batch_embedding_input=0)
+        Price(**{**zeros, "input": 1.5})
+    for name in ("cache_write", "cache_pin", "cache_retention", "batch_cache_retention"):
+        with pytest.raises(ValueError, match=name):
+            Price.of(input=1, output=1, **{name: -1})
     with pytest.raises(ValueError, match="embedding_input"):
         Price.of(input=1, output=1, embedding_input=-1)
     with pytest.raises(ValueError, match="batch_embedding_input"):

@@ -1,6 +1,7 @@
 """Rollups equal the ledger after concurrent flushers (and a reconcile running among them), the reconcile
-repairs gaps, the kind split is exact across a price change, statements add up to the ledger to the
-pico-USD with cents carried, and the monthly partitions take rows out of the default partition."""
+repairs gaps, the kind split (the prompt-cache products included) is exact across a price change,
+statements add up to the ledger to the pico-USD with cents carried, and the monthly partitions take rows
+out of the default partition."""
 
 from __future__ import annotations
 
@@ -18,15 +19,25 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from billing.ledger import UsageFlusher
 from billing.outbox import UsageRecord, append_usage
 from billing.partitions import ensure_usage_partitions
-from billing.prices import Price, cost_pico_usd
-from billing.rollups import PriceHistory, find_rollup_mismatches, hour_of, reconcile_rollups
-from billing.statements import build_statement, carry_rounding
+from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
+from billing.rollups import (
+    KIND_COST_COLUMNS,
+    KIND_TOKEN_COLUMNS,
+    KINDS,
+    PriceHistory,
+    find_rollup_mismatches,
+    hour_of,
+    reconcile_rollups,
+)
+from billing.statements import TOKEN_KINDS, build_statement, carry_rounding
 from tests.factories import create_price, create_tenant, create_usage_event
 from tollgate.db import Database
 from tollgate.models import UsageEvent, UsageHourly
 
-PRICES = {"alpha": Price.of(input=3_000_000, output=15_000_000),
+PRICES = {"alpha": Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_001, cache_pin=300_000,
+                            cache_retention=100_003),
           "beta": Price.of(input=250_000, output=1_250_003, cached_input=31_111)}
+CACHE_PRICE_FIELDS = ("cache_write", "cache_pin", "cache_retention")
 MONTH_START = datetime(2026, 10, 1, tzinfo=UTC)
 
 
@@ -39,14 +50,17 @@ def make_records(tenant_ids: list[int], count: int, seed: int) -> list[UsageReco
         prompt = rng.randint(0, 5000)
         cached = rng.randint(0, prompt)
         completion = rng.randint(0, 900)
+        held = rng.choice([0, prompt // 16 * 16])
+        cache_tokens = {"cache_write_tokens": (prompt - cached) // 16 * 16, "cache_pinned_tokens": held,
+                        "cache_retained_tokens": rng.choice([0, held])}
         at = MONTH_START + timedelta(days=rng.choice([0, 14, 30]), hours=rng.randint(0, 3),
                                      seconds=rng.randint(0, 3599))
         records.append(UsageRecord(
             request_id=f"r{seed}-{i}", tenant_id=rng.choice(tenant_ids), api_key_id=None, model=model,
             request_class=klass, tier="default", prompt_tokens=prompt, cached_tokens=cached,
             completion_tokens=completion,
-            cost_pico_usd=cost_pico_usd(PRICES[model], prompt, cached, completion, klass),
-            status="completed", ttft_ms=None, tpot_ms=None, created_at=at))
+            cost_pico_usd=cost_pico_usd(PRICES[model], prompt, cached, completion, klass, **cache_tokens),
+            status="completed", ttft_ms=None, tpot_ms=None, created_at=at, **cache_tokens))
     return records
 
 
@@ -56,7 +70,9 @@ async def ledger_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
         select(UsageEvent.tenant_id, hour, UsageEvent.model, UsageEvent.request_class, func.count(),
                func.sum(UsageEvent.prompt_tokens - UsageEvent.cached_tokens),
                func.sum(UsageEvent.cached_tokens),
-               func.sum(UsageEvent.completion_tokens), func.sum(cast(UsageEvent.cost_pico_usd, Numeric)))
+               func.sum(UsageEvent.completion_tokens),
+               *(func.sum(getattr(UsageEvent, name)) for name in CACHE_TOKEN_FIELDS),
+               func.sum(cast(UsageEvent.cost_pico_usd, Numeric)))
         .where(UsageEvent.tenant_id.in_(tenant_ids))
         .group_by(UsageEvent.tenant_id, hour, UsageEvent.model, UsageEvent.request_class))
     return {(t, hour_of(h), m, c): tuple(int(v) for v in rest) for t, h, m, c, *rest in rows.all()}
@@ -65,11 +81,17 @@ async def ledger_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
 async def rollup_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
     rows = (await session.scalars(select(UsageHourly).where(UsageHourly.tenant_id.in_(tenant_ids)))).all()
     for r in rows:  # the kind split always adds up to the ledger cost
-        split = r.input_cost_pico_usd + r.cached_input_cost_pico_usd + r.output_cost_pico_usd
-        assert split == r.cost_pico_usd
+        assert sum(getattr(r, name) for name in KIND_COST_COLUMNS) == r.cost_pico_usd
     return {(r.tenant_id, hour_of(r.hour), r.model, r.request_class):
-            (r.requests, r.input_tokens, r.cached_input_tokens, r.output_tokens, r.cost_pico_usd)
+            tuple(getattr(r, name) for name in ("requests", *KIND_TOKEN_COLUMNS, "cost_pico_usd"))
             for r in rows}
+
+
+async def cache_costs_by_kind(session, tenant_ids: list[int]) -> dict[tuple, list[int]]:
+    """Per (tenant, hour, model, class): the cache products' rolled-up costs."""
+    rows = (await session.scalars(select(UsageHourly).where(UsageHourly.tenant_id.in_(tenant_ids)))).all()
+    return {(r.tenant_id, hour_of(r.hour), r.model, r.request_class):
+            [getattr(r, name) for name in KIND_COST_COLUMNS[3:]] for r in rows}
 
 
 async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(new_database,
@@ -80,7 +102,8 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
             tenants = [(await create_tenant(session)).id for _ in range(3)]
             for model, price in PRICES.items():
                 await create_price(session, model=model, input=price.input, output=price.output,
-                                   cached_input=price.cached_input)
+                                   cached_input=price.cached_input,
+                                   **{name: getattr(price, name) for name in CACHE_PRICE_FIELDS})
         records = make_records(tenants, 600, seed=1)
         for rec in records + records[:50]:  # some appended twice (gateway retries)
             await append_usage(redis_client, rec)
@@ -132,10 +155,19 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
         assert seen_mismatches == []
         assert runs[0] == 0 and any(0 < n < commits for n in runs) and runs[-1] == commits
         assert sum(r.inserted for r in results) == 600
+        # Each cache product's cost, as the gateways billed it: its tokens at its (batch) price.
+        cache_costs: dict[tuple, list[int]] = {}
+        for rec in records:
+            key = (rec.tenant_id, hour_of(rec.created_at), rec.model, rec.request_class)
+            per_token = PRICES[rec.model].cache_for_class(rec.request_class)
+            costs = cache_costs.setdefault(key, [0, 0, 0])
+            for i, (name, price) in enumerate(zip(CACHE_TOKEN_FIELDS, per_token, strict=True)):
+                costs[i] += getattr(rec, name) * price
         async with db.session() as session:
             ledger = await ledger_buckets(session, tenants)
             assert await rollup_buckets(session, tenants) == ledger
             assert sum(v[-1] for v in ledger.values()) == sum(r.cost_pico_usd for r in records)
+            assert await cache_costs_by_kind(session, tenants) == cache_costs
             clean = await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32),
                                             tenant_ids=tenants)
             assert (clean.repaired, clean.removed) == ([], [])
@@ -178,7 +210,13 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
                 assert statement.total_cents == (int(exact) + 5 * 10**9) // 10**10
                 rows = list(csv.reader(io.StringIO(statement.to_csv())))
                 assert rows[-1][2] == "TOTAL" and int(rows[-1][6]) == statement.total_pico_usd
-                assert {line.token_kind for line in statement.lines} <= {"input", "cached_input", "output"}
+                assert {line.token_kind for line in statement.lines} == set(TOKEN_KINDS)
+                for i, kind in enumerate(("cache_write", "cache_pinned", "cache_retained")):
+                    lines = [line for line in statement.lines if line.token_kind == kind]
+                    assert sum(line.amount_pico_usd for line in lines) == sum(
+                        costs[i] for key, costs in cache_costs.items() if key[0] == tenant_id)
+                    assert sum(line.tokens for line in lines) == sum(
+                        getattr(r, CACHE_TOKEN_FIELDS[i]) for r in records if r.tenant_id == tenant_id)
                 assert {line.request_class for line in statement.lines} <= {"interactive", "batch"}
     finally:
         await db.dispose()
@@ -198,10 +236,11 @@ def test_the_split_uses_the_price_the_request_was_admitted_with() -> None:
     history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), old), ("alpha", change, new)])
     row = {"model": "alpha", "request_class": "interactive", "prompt_tokens": 100, "cached_tokens": 40,
            "completion_tokens": 7, "created_at": change + timedelta(seconds=30),
-           "cost_pico_usd": cost_pico_usd(old, 100, 40, 7, "interactive")}  # admitted before the change
-    assert history.split(row) == (60 * 3_000_000, 40 * 300_000, 7 * 15_000_000)
+           "cost_pico_usd": cost_pico_usd(old, 100, 40, 7, "interactive"),  # admitted before the change
+           **dict.fromkeys(CACHE_TOKEN_FIELDS, 0)}
+    assert history.split(row) == (60 * 3_000_000, 40 * 300_000, 7 * 15_000_000, 0, 0, 0)
     row["cost_pico_usd"] = cost_pico_usd(new, 100, 40, 7, "interactive")
-    assert history.split(row) == (60 * 2_000_000, 40 * 200_000, 7 * 9_000_000)
+    assert history.split(row) == (60 * 2_000_000, 40 * 200_000, 7 * 9_000_000, 0, 0, 0)
     row["cost_pico_usd"] = 1_000_003  # matches no price (written by hand): apportioned, still exact
     assert sum(history.split(row)) == 1_000_003
 
@@ -211,10 +250,30 @@ def test_an_embeddings_row_is_split_at_the_embedding_price_all_input() -> None:
     history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), price)])
     row = {"model": "alpha", "request_class": "batch", "prompt_tokens": 100, "cached_tokens": 40,
            "completion_tokens": 0, "created_at": datetime(2026, 10, 10, tzinfo=UTC),
-           "cost_pico_usd": cost_pico_usd(price, 100, 40, 0, "batch", embedding=True)}
-    assert history.split(row) == (100 * 10_000, 0, 0)
+           "cost_pico_usd": cost_pico_usd(price, 100, 40, 0, "batch", embedding=True),
+           **dict.fromkeys(CACHE_TOKEN_FIELDS, 0)}
+    assert history.split(row) == (100 * 10_000, 0, 0, 0, 0, 0)
     row["cost_pico_usd"] = cost_pico_usd(price, 100, 40, 0, "batch")  # a generation that stopped at once
-    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0)
+    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0, 0, 0, 0)
+
+
+def test_the_cache_products_are_split_at_the_price_in_effect() -> None:
+    change = datetime(2026, 10, 10, 12, tzinfo=UTC)
+    old = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cache_pin=300_000,
+                   cache_retention=100_000)
+    new = Price.of(input=3_000_000, output=15_000_000, cache_write=1_000_000, cache_pin=500_000)
+    history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), old), ("alpha", change, new)])
+    assert KINDS == ("input", "cached_input", "output", "cache_write", "cache_pinned", "cache_retained")
+    counts = {"cache_write_tokens": 48, "cache_pinned_tokens": 96, "cache_retained_tokens": 80}
+    row = {"model": "alpha", "request_class": "batch", "prompt_tokens": 100, "cached_tokens": 40,
+           "completion_tokens": 0, "created_at": change + timedelta(seconds=30),
+           "cost_pico_usd": cost_pico_usd(old, 100, 40, 0, "batch", **counts), **counts}
+    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0, 48 * 1_875_000, 96 * 150_000, 80 * 50_000)
+    row["cost_pico_usd"] = cost_pico_usd(new, 100, 40, 0, "batch", **counts)
+    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0, 48 * 500_000, 96 * 250_000, 0)
+    row["cost_pico_usd"] = 123_456_789  # matches no price: apportioned by the newest price, still exact
+    split = history.split(row)
+    assert sum(split) == 123_456_789 and split[3] > 0 and split[4] > 0 and split[5] == 0
 
 
 async def test_monthly_partitions_take_their_rows_out_of_the_default_partition(db_session) -> None:

@@ -170,6 +170,30 @@ def test_prices_cli_sets_exact_prices_and_refuses_fractions(new_database, settin
     assert result.exit_code == 2 and "--embedding-input" in result.output
 
 
+def test_prices_cli_sets_the_cache_prices(new_database, settings, monkeypatch) -> None:
+    monkeypatch.setenv("TOLLGATE_DATABASE_URL", new_database)
+    get_settings.cache_clear()
+    runner = CliRunner()
+    result = runner.invoke(cli, ["prices", "set", "cli-cacher", "--input", "3", "--output", "15"])
+    assert result.exit_code == 0, result.output
+    assert ("cache_write=$0/Mtok cache_pin=$0/Mtok cache_retention=$0/Mtok batch_cache_write=$0/Mtok "
+            "batch_cache_pin=$0/Mtok batch_cache_retention=$0/Mtok") in result.output
+    result = runner.invoke(cli, ["prices", "set", "cli-cacher", "--input", "3", "--output", "15",
+                                 "--cache-write", "3.75", "--cache-pin", "0.3", "--cache-retention", "0.1",
+                                 "--batch-cache-pin", "0.2", "--effective-from", "2099-01-01T00:00:00"])
+    assert result.exit_code == 0, result.output
+    assert ("cache_write=$3.75/Mtok cache_pin=$0.3/Mtok cache_retention=$0.1/Mtok "
+            "batch_cache_write=$1.875/Mtok batch_cache_pin=$0.2/Mtok batch_cache_retention=$0.05/Mtok"
+            ) in result.output
+    result = runner.invoke(cli, ["prices", "list", "cli-cacher"])
+    assert result.output.count("cli-cacher") == 2 and "batch_cache_write=$1.875/Mtok" in result.output
+    for flag in ("--cache-write", "--cache-pin", "--cache-retention", "--batch-cache-write",
+                 "--batch-cache-pin", "--batch-cache-retention"):
+        result = runner.invoke(cli, ["prices", "set", "cli-cacher", "--input", "3", "--output", "15",
+                                     flag, "0.0000001"])
+        assert result.exit_code == 2 and flag in result.output and "not a whole number" in result.output
+
+
 def test_celery_tasks_run_in_a_worker_process_runtime(new_database, service_settings, monkeypatch) -> None:
     monkeypatch.setenv("TOLLGATE_DATABASE_URL", new_database)
     get_settings.cache_clear()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from sqlalchemy import select, text
 
+from billing.prices import CACHE_TOKEN_FIELDS
 from gateway.admin import service
 from gateway.auth import Principal
 from gateway.errors import GatewayError
@@ -370,7 +371,8 @@ async def test_add_and_list_prices_with_effective_dates(client: httpx.AsyncClien
     assert now_row.json()["pico_usd_per_token"] == {
         "input": 3_000_000, "cached_input": 300_000, "output": 15_000_000,
         "batch_input": 1_500_000, "batch_cached_input": 150_000, "batch_output": 7_500_000,
-        "embedding_input": 3_000_000, "batch_embedding_input": 1_500_000}
+        "embedding_input": 3_000_000, "batch_embedding_input": 1_500_000, "cache_write": 0, "cache_pin": 0,
+        "cache_retention": 0, "batch_cache_write": 0, "batch_cache_pin": 0, "batch_cache_retention": 0}
     for start, price in ((soon, "2.5"), (later, "2")):
         response = await client.post("/admin/v1/prices", json={
             "model": model, "input_usd_per_mtok": price, "output_usd_per_mtok": "10",
@@ -415,6 +417,29 @@ async def test_a_price_with_embedding_prices_reads_back(client: httpx.AsyncClien
         "embedding_input_usd_per_mtok": "-1"}), 400)
 
 
+async def test_a_price_with_cache_prices_reads_back(client: httpx.AsyncClient) -> None:
+    model = unique("cacher")
+    created = await client.post("/admin/v1/prices", json={
+        "model": model, "input_usd_per_mtok": "3", "output_usd_per_mtok": "15",
+        "cache_write_usd_per_mtok": "3.75", "cache_pin_usd_per_mtok": "0.3",
+        "cache_retention_usd_per_mtok": 0.1, "batch_cache_retention_usd_per_mtok": "0.04"})
+    assert created.status_code == 201, created.text
+    [row] = (await client.get("/admin/v1/prices", params={"model": model})).json()["data"]
+    assert row == created.json()
+    assert {k: v for k, v in row["pico_usd_per_token"].items() if "cache_" in k} == {
+        "cache_write": 3_750_000, "cache_pin": 300_000, "cache_retention": 100_000,
+        "batch_cache_write": 1_875_000, "batch_cache_pin": 150_000, "batch_cache_retention": 40_000}
+    assert (row["usd_per_mtok"]["cache_write"], row["usd_per_mtok"]["batch_cache_write"]) == ("3.75", "1.875")
+    for field in ("cache_write", "cache_pin", "cache_retention", "batch_cache_write", "batch_cache_pin",
+                  "batch_cache_retention"):
+        assert_error(await client.post("/admin/v1/prices", json={
+            "model": model, "input_usd_per_mtok": "3", "output_usd_per_mtok": "15",
+            f"{field}_usd_per_mtok": "-1"}), 400)
+    assert_error(await client.post("/admin/v1/prices", json={
+        "model": model, "input_usd_per_mtok": "3", "output_usd_per_mtok": "15",
+        "cache_write_usd_per_mtok": "0.0000001"}), 400)
+
+
 # ------------------------------------------------------------------------------------------ usage
 
 
@@ -424,15 +449,16 @@ async def test_usage_sums_equal_the_ledger_rows(api: AdminApi, client: httpx.Asy
     async with api.db.session() as session:
         first, second = await create_tenant(session), await create_tenant(session)
         rows = [
-            (first, "alpha", "interactive", 100, 40, 10, day + timedelta(hours=1)),
-            (first, "alpha", "interactive", 300, 0, 50, day + timedelta(hours=1, minutes=59)),
-            (first, "alpha", "batch", 1000, 500, 200, day + timedelta(hours=5)),
-            (first, "beta", "interactive", 7, 0, 3, day + timedelta(days=1, hours=2)),
-            (second, "alpha", "interactive", 50, 10, 5, day + timedelta(hours=3)),
+            (first, "alpha", "interactive", 100, 40, 10, day + timedelta(hours=1), (48, 96, 0)),
+            (first, "alpha", "interactive", 300, 0, 50, day + timedelta(hours=1, minutes=59), (288, 0, 288)),
+            (first, "alpha", "batch", 1000, 500, 200, day + timedelta(hours=5), (496, 992, 992)),
+            (first, "beta", "interactive", 7, 0, 3, day + timedelta(days=1, hours=2), (0, 0, 0)),
+            (second, "alpha", "interactive", 50, 10, 5, day + timedelta(hours=3), (32, 48, 48)),
         ]
         events = [await create_usage_event(session, tenant, model=model, request_class=klass, prompt_tokens=p,
-                                           cached_tokens=c, completion_tokens=o, created_at=at)
-                  for tenant, model, klass, p, c, o, at in rows]
+                                           cached_tokens=c, completion_tokens=o, created_at=at,
+                                           **dict(zip(CACHE_TOKEN_FIELDS, cache, strict=True)))
+                  for tenant, model, klass, p, c, o, at, cache in rows]
         # Outside the window: must not count.
         await create_usage_event(session, first, created_at=day - timedelta(seconds=1))
         await create_usage_event(session, first, created_at=day + timedelta(days=2))
@@ -443,11 +469,12 @@ async def test_usage_sums_equal_the_ledger_rows(api: AdminApi, client: httpx.Asy
         return {"requests": len(selected), "prompt_tokens": sum(e.prompt_tokens for e in selected),
                 "cached_tokens": sum(e.cached_tokens for e in selected),
                 "completion_tokens": sum(e.completion_tokens for e in selected),
+                **{name: sum(getattr(e, name) for e in selected) for name in CACHE_TOKEN_FIELDS},
                 "cost_pico_usd": str(cost), "cost_usd": format((Decimal(cost) / 10**12).normalize(), "f")}
 
     def totals(row: dict[str, Any]) -> dict[str, Any]:
         return {k: row[k] for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens",
-                                    "cost_pico_usd", "cost_usd")}
+                                    *CACHE_TOKEN_FIELDS, "cost_pico_usd", "cost_usd")}
 
     mine = [e for e in events if e.tenant_id == first.id]
     report = (await client.get(f"/admin/v1/tenants/{first.id}/usage", params={**window,

@@ -18,7 +18,7 @@ import gateway.api
 import gateway.usage
 from billing.ledger import UsageFlusher
 from billing.outbox import UsageRecord, append_usage
-from billing.prices import Price, cost_pico_usd
+from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
 from gateway.admin.auth import generate_admin_token, hash_admin_token
 from gateway.app import create_app
 from tests.factories import create_admin, create_api_key, create_price, create_tenant
@@ -28,13 +28,18 @@ from tollgate.models import UsageEvent
 from tollgate.settings import Settings
 
 DAY = datetime(2026, 9, 14, tzinfo=UTC)
-PRICES = {"alpha": Price.of(input=3_000_000, output=15_000_000),
-          "beta": Price.of(input=500_000, output=700_001)}
-# (model, class, hour offset from DAY, prompt, cached, completion)
-MINE = [("alpha", "interactive", 1, 1000, 200, 50), ("alpha", "interactive", 1, 10, 0, 5),
-        ("beta", "batch", 1, 4000, 1000, 300), ("alpha", "interactive", 30, 77, 7, 7),
-        ("beta", "interactive", 50, 12, 0, 1)]
-THEIRS = [("alpha", "interactive", 1, 99_999, 0, 99_999), ("gamma", "interactive", 2, 5, 0, 5)]
+NONE = (0, 0, 0)
+PRICES = {"alpha": Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cache_pin=300_000,
+                            cache_retention=100_000),
+          "beta": Price.of(input=500_000, output=700_001, cache_write=625_001, cache_retention=7)}
+# (model, class, hour offset from DAY, prompt, cached, completion, (cache written, pinned, retained))
+MINE = [("alpha", "interactive", 1, 1000, 200, 50, (784, 992, 992)),
+        ("alpha", "interactive", 1, 10, 0, 5, NONE),
+        ("beta", "batch", 1, 4000, 1000, 300, (2992, 0, 3984)),
+        ("alpha", "interactive", 30, 77, 7, 7, (64, 64, 0)),
+        ("beta", "interactive", 50, 12, 0, 1, NONE)]
+THEIRS = [("alpha", "interactive", 1, 99_999, 0, 99_999, (99_984, 99_984, 0)),
+          ("gamma", "interactive", 2, 5, 0, 5, NONE)]
 
 
 @dataclass
@@ -49,14 +54,15 @@ class Setup:
 
 
 def record(tenant_id: int, i: int, row: tuple) -> UsageRecord:
-    model, klass, hour, prompt, cached, completion = row
+    model, klass, hour, prompt, cached, completion, cache = row
+    cache_tokens = dict(zip(CACHE_TOKEN_FIELDS, cache, strict=True))
     return UsageRecord(request_id=f"usage-api-{tenant_id}-{i}", tenant_id=tenant_id, api_key_id=None,
                        model=model, request_class=klass, tier="default", prompt_tokens=prompt,
                        cached_tokens=cached, completion_tokens=completion,
                        cost_pico_usd=cost_pico_usd(PRICES.get(model, PRICES["alpha"]), prompt, cached,
-                                                   completion, klass),
+                                                   completion, klass, **cache_tokens),
                        status="completed", ttft_ms=None, tpot_ms=None,
-                       created_at=DAY + timedelta(hours=hour, minutes=13 + i))
+                       created_at=DAY + timedelta(hours=hour, minutes=13 + i), **cache_tokens)
 
 
 @asynccontextmanager
@@ -68,7 +74,9 @@ async def usage_app(database_url: str, redis_url: str, redis_client) -> AsyncIte
         tenant = await create_tenant(session)
         other = await create_tenant(session)
         for model, price in PRICES.items():
-            await create_price(session, model=model, input=price.input, output=price.output)
+            await create_price(session, model=model, input=price.input, output=price.output,
+                               cache_write=price.cache_write, cache_pin=price.cache_pin,
+                               cache_retention=price.cache_retention)
         _, key = await create_api_key(session, tenant, settings=settings)
         _, other_key = await create_api_key(session, other, settings=settings)
         token = generate_admin_token()
@@ -115,6 +123,15 @@ async def test_daily_usage_matches_the_ledger_and_shows_no_other_tenant(setup: S
     assert totals[0]["output_tokens"] == sum(r[5] for r in day0)
     assert sum(t["num_model_requests"] for t in totals) == len(MINE)  # nothing of the other tenant
     assert sum(t["output_tokens"] for t in totals) == sum(r[5] for r in MINE)
+    # Cache writes are part of the input, apart from the cached and the uncached input (OpenAI's split).
+    assert totals[0]["input_cache_write_tokens"] == 784 + 2992
+    assert totals[0]["input_uncached_tokens"] == sum(r[3] - r[4] - r[6][0] for r in day0)
+    day = totals[0]
+    assert day["input_tokens"] == (day["input_cached_tokens"] + day["input_cache_write_tokens"]
+                                   + day["input_uncached_tokens"])
+    assert (day["input_cache_pinned_tokens"], day["input_cache_retained_tokens"]) == (992, 992 + 3984)
+    assert (totals[1]["input_cache_write_tokens"], totals[1]["input_cache_pinned_tokens"]) == (64, 64)
+    assert totals[2]["input_cache_write_tokens"] == totals[2]["input_cache_retained_tokens"] == 0
 
 
 async def test_hourly_grouped_usage_pagination_and_filters(setup: Setup) -> None:
@@ -141,6 +158,9 @@ async def test_hourly_grouped_usage_pagination_and_filters(setup: Setup) -> None
     assert_conforms(minutes, "UsageResponse")
     assert [b["start_time"] for b in minutes["data"] if b["results"]] == [
         ts(DAY + timedelta(hours=1, minutes=13 + i)) for i in range(3)]
+    # Minute buckets read the ledger's cache counts.
+    assert [(r["input_cache_write_tokens"], r["input_cache_pinned_tokens"], r["input_cache_retained_tokens"])
+            for b in minutes["data"] for r in b["results"]] == [row[6] for row in MINE[:3]]
 
 
 async def test_costs_equal_the_ledger_and_statements(setup: Setup) -> None:
@@ -150,9 +170,17 @@ async def test_costs_equal_the_ledger_and_statements(setup: Setup) -> None:
     assert response.status_code == 200, body
     assert_conforms(body, "UsageResponse")
     lines = {r["line_item"]: r for r in body["data"][0]["results"]}
-    assert set(lines) == {"alpha, input", "alpha, cached input", "alpha, output", "beta, batch input",
-                          "beta, batch cached input", "beta, batch output"}
+    assert set(lines) == {"alpha, input", "alpha, cached input", "alpha, output", "alpha, cache write",
+                          "alpha, cache pin", "alpha, cache retention", "beta, batch input",
+                          "beta, batch cached input", "beta, batch output", "beta, batch cache write",
+                          "beta, batch cache retention"}  # no batch pin was bought: no line for it
     assert lines["alpha, output"]["quantity"] == 55 and lines["alpha, output"]["quantity_unit"] == "tokens"
+    for item, tokens, price in (("alpha, cache write", 784, 3_750_000), ("alpha, cache pin", 992, 300_000),
+                                ("alpha, cache retention", 992, 100_000),
+                                ("beta, batch cache write", 2992, 312_500),
+                                ("beta, batch cache retention", 3984, 3)):
+        assert lines[item]["quantity"] == tokens
+        assert lines[item]["amount"]["value"] == pytest.approx(tokens * price / 1e12, rel=1e-12)
     ungrouped = (await setup.client.get("/v1/organization/costs", headers=setup.headers, params={
         "start_time": ts(DAY), "end_time": ts(DAY + timedelta(days=3))})).json()
     day_totals = [b["results"][0]["amount"]["value"] if b["results"] else 0.0 for b in ungrouped["data"]]
@@ -165,6 +193,15 @@ async def test_costs_equal_the_ledger_and_statements(setup: Setup) -> None:
                                        params={"month": "2026-09"})
     assert statement.status_code == 200, statement.text
     assert statement.json()["total_pico_usd"] == exact
+    cache_lines = {(line["model"], line["request_class"], line["token_kind"]): (line["tokens"],
+                                                                                line["amount_pico_usd"])
+                   for line in statement.json()["lines"] if line["token_kind"].startswith("cache_")}
+    assert cache_lines == {
+        ("alpha", "interactive", "cache_write"): (784 + 64, (784 + 64) * 3_750_000),
+        ("alpha", "interactive", "cache_pinned"): (992 + 64, (992 + 64) * 300_000),
+        ("alpha", "interactive", "cache_retained"): (992, 992 * 100_000),
+        ("beta", "batch", "cache_write"): (2992, 2992 * 312_500),
+        ("beta", "batch", "cache_retained"): (3984, 3984 * 3)}
     csv_response = await setup.client.get(f"/admin/v1/statements/{setup.tenant_id}.csv",
                                           headers=setup.admin_headers, params={"month": "2026-09"})
     assert csv_response.headers["content-type"].startswith("text/csv")

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+from datetime import UTC, datetime
+
 import psycopg
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, pool
 
+from billing.partitions import ensure_usage_partitions
 from tollgate import schema
-from tollgate.db import to_psycopg_url
+from tollgate.db import Database, to_psycopg_url
 from tollgate.models import Base
 
 CONTRACT_COLUMNS = {
@@ -47,6 +52,12 @@ CONTRACT_COLUMNS = {
         "batch_input",
         "batch_cached_input",
         "batch_output",
+        "cache_write",
+        "cache_pin",
+        "cache_retention",
+        "batch_cache_write",
+        "batch_cache_pin",
+        "batch_cache_retention",
     },
     "usage_events": {
         "request_id",
@@ -63,6 +74,9 @@ CONTRACT_COLUMNS = {
         "ttft_ms",
         "tpot_ms",
         "created_at",
+        "cache_write_tokens",
+        "cache_pinned_tokens",
+        "cache_retained_tokens",
     },
     "admins": {"id", "email", "password_hash", "api_token_hash", "created_at"},
     "audit_log": {"id", "actor", "action", "tenant_id", "details", "created_at"},
@@ -123,3 +137,109 @@ def test_history_is_linear_with_dated_file_names():
     for revision in script.walk_revisions():
         name = revision.path.rsplit("/", 1)[1]
         assert name[:8].isdigit() and name[8] == "_", name
+
+
+CACHE_PRICES = ("cache_write", "cache_pin", "cache_retention")
+CACHE_TOKENS = ("cache_write_tokens", "cache_pinned_tokens", "cache_retained_tokens")
+
+
+def _columns(conn: psycopg.Connection, table: str, schema_name: str = "public") -> set[str]:
+    rows = conn.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s",
+        (schema_name, table),
+    ).fetchall()
+    return {name for (name,) in rows}
+
+
+def test_0006_gives_existing_rows_and_ledger_partitions_no_cache_products(new_database):
+    schema.downgrade(new_database, "0005")
+    now = datetime.now(UTC)
+    with psycopg.connect(new_database, autocommit=True) as conn:
+        tenant_id = conn.execute("INSERT INTO tenants (name) VALUES ('m6') RETURNING id").fetchone()[0]
+        conn.execute(
+            "INSERT INTO prices (model, effective_from, input, cached_input, output, batch_input,"
+            " batch_cached_input, batch_output, embedding_input, batch_embedding_input)"
+            " VALUES ('m6', %s, 3, 0, 15, 1, 0, 7, 3, 1)",
+            (now,),
+        )
+        # A monthly partition made the way billing.partitions makes them, before the migration.
+        conn.execute(
+            "CREATE TABLE usage_partitions.usage_events_2031_03"
+            " (LIKE usage_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+        )
+        conn.execute(
+            "ALTER TABLE usage_events ATTACH PARTITION usage_partitions.usage_events_2031_03"
+            " FOR VALUES FROM ('2031-03-01T00:00:00+00:00') TO ('2031-04-01T00:00:00+00:00')"
+        )
+        ledger = (
+            "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
+            " cached_tokens, completion_tokens, cost_pico_usd, status, created_at)"
+            " VALUES (%s, %s, 'm6', 'interactive', 'default', 100, 0, 5, 375, 'completed', %s)"
+        )
+        for request_id, at in (("now", now), ("march", datetime(2031, 3, 2, tzinfo=UTC)),
+                               ("may", datetime(2031, 5, 2, tzinfo=UTC))):  # fmt: skip
+            conn.execute(ledger, (request_id, tenant_id, at))
+        conn.execute(
+            "INSERT INTO usage_hourly (tenant_id, hour, model, request_class, requests, input_tokens,"
+            " cached_input_tokens, output_tokens, input_cost_pico_usd, cached_input_cost_pico_usd,"
+            " output_cost_pico_usd, cost_pico_usd) VALUES (%s, %s, 'm6', 'interactive', 1, 100, 0, 5, 300, 0,"
+            " 75, 375)",
+            (tenant_id, now.replace(minute=0, second=0, microsecond=0)),
+        )
+
+    schema.upgrade(new_database)
+    with psycopg.connect(new_database, autocommit=True) as conn:
+        price = conn.execute(
+            "SELECT cache_write, cache_pin, cache_retention, batch_cache_write, batch_cache_pin,"
+            " batch_cache_retention FROM prices WHERE model = 'm6'"
+        ).fetchone()
+        assert price == (0, 0, 0, 0, 0, 0)
+        rows = conn.execute(
+            "SELECT request_id, tableoid::regclass::text, cache_write_tokens, cache_pinned_tokens,"
+            " cache_retained_tokens FROM usage_events WHERE model = 'm6' ORDER BY created_at"
+        ).fetchall()
+        assert [(r[0], r[2:]) for r in rows] == [("now", (0, 0, 0)), ("march", (0, 0, 0)), ("may", (0, 0, 0))]
+        assert rows[1][1] == "usage_partitions.usage_events_2031_03"
+        assert rows[2][1] == "usage_partitions.usage_events_default"
+        for partition in ("usage_events_2031_03", "usage_events_default"):
+            assert set(CACHE_TOKENS) <= _columns(conn, partition, "usage_partitions")
+        hourly = conn.execute(
+            "SELECT cache_write_tokens, cache_write_cost_pico_usd, cache_retained_cost_pico_usd"
+            " FROM usage_hourly WHERE model = 'm6'"
+        ).fetchone()
+        assert hourly == (0, 0, 0)
+        # The check reaches every partition: a count beyond the prompt is refused in March too.
+        with pytest.raises(psycopg.errors.CheckViolation, match="ck_usage_events_cache_token_counts"):
+            conn.execute(
+                "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
+                " cached_tokens, completion_tokens, cost_pico_usd, status, created_at, cache_pinned_tokens)"
+                " VALUES ('too-many', %s, 'm6', 'interactive', 'default', 10, 0, 0, 0, 'completed',"
+                " '2031-03-03T00:00:00+00:00', 11)",
+                (tenant_id,),
+            )
+        with pytest.raises(psycopg.errors.CheckViolation, match="ck_prices_non_negative"):
+            conn.execute("UPDATE prices SET batch_cache_pin = -1 WHERE model = 'm6'")
+
+    async def partition_may() -> list[str]:
+        db = Database(new_database, pool_size=1)
+        try:
+            async with db.session() as session:
+                return await ensure_usage_partitions(
+                    session, at=datetime(2031, 5, 1, tzinfo=UTC), months_ahead=0
+                )
+        finally:
+            await db.dispose()
+
+    # A partition made after the migration takes the default partition's row, new columns and all.
+    assert asyncio.run(partition_may()) == ["usage_events_2031_05"]
+    with psycopg.connect(new_database) as conn:
+        where = conn.execute("SELECT tableoid::regclass::text FROM usage_events WHERE request_id = 'may'")
+        assert where.fetchone() == ("usage_partitions.usage_events_2031_05",)
+
+    schema.downgrade(new_database, "0005")
+    with psycopg.connect(new_database) as conn:
+        assert not set(CACHE_PRICES) & _columns(conn, "prices")
+        assert not set(CACHE_TOKENS) & (_columns(conn, "usage_events") | _columns(conn, "usage_hourly"))
+        assert not set(CACHE_TOKENS) & _columns(conn, "usage_events_2031_05", "usage_partitions")
+        assert conn.execute("SELECT count(*) FROM usage_events WHERE model = 'm6'").fetchone() == (3,)
+    schema.upgrade(new_database)

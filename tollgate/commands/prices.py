@@ -3,10 +3,14 @@ pico-USD per token in the database (exact ``Decimal`` conversion; a price that i
 pico-USD per token is refused, never rounded).
 
 Defaults for the optional prices: cached input = 10% of input, embedding input (what ``/v1/embeddings``
-charges per prompt token) = input, batch = half of the synchronous price (rounded down to whole
-pico-USD). A row that has taken effect is never rewritten; add a new one with a
-later ``--effective-from``. ``--effective-from`` in the past is refused (exit code 2), as the admin API
-refuses it (``billing.prices.new_price_start``): a backdated row would reprice requests already billed.
+charges per prompt token) = input, the prompt-cache products (``--cache-write``, ``--cache-pin``,
+``--cache-retention``: charged on top of the input prices per prompt token written to the prefix cache,
+pinned for ``prompt_cache_options.ttl``, retained for ``prompt_cache_retention``) = 0, batch = half of
+the synchronous price (rounded down to whole pico-USD). One option per
+``billing.prices.OPTIONAL_PRICE_FIELDS`` name. A row that has taken effect is never rewritten; add a new
+one with a later ``--effective-from``. ``--effective-from`` in the past is refused (exit code 2), as the
+admin API refuses it (``billing.prices.new_price_start``): a backdated row would reprice requests
+already billed.
 """
 
 from __future__ import annotations
@@ -54,11 +58,19 @@ def prices() -> None:
 @click.option("--embedding-input", callback=_pico,
               help="USD per 1M /v1/embeddings input tokens, cached or not [--input].")
 @click.option("--batch-embedding-input", callback=_pico, help="[half of the embedding input price]")
+@click.option("--cache-write", callback=_pico,
+              help="USD per 1M prompt tokens written to the prompt cache, on top of input [0].")
+@click.option("--cache-pin", callback=_pico,
+              help="USD per 1M prompt tokens pinned for prompt_cache_options.ttl, on top of input [0].")
+@click.option("--cache-retention", callback=_pico,
+              help="USD per 1M prompt tokens retained for prompt_cache_retention 24h, on top of input [0].")
+@click.option("--batch-cache-write", callback=_pico, help="[half of the cache write price]")
+@click.option("--batch-cache-pin", callback=_pico, help="[half of the cache pin price]")
+@click.option("--batch-cache-retention", callback=_pico, help="[half of the cache retention price]")
 @click.option("--effective-from", callback=_when,
               help="ISO 8601 start, now or later (UTC if no offset) [now].")
-def set_price(model: str, input_: int, output: int, cached_input: int | None, batch_input: int | None,
-              batch_cached_input: int | None, batch_output: int | None, embedding_input: int | None,
-              batch_embedding_input: int | None, effective_from: datetime | None) -> None:
+def set_price(model: str, input_: int, output: int, effective_from: datetime | None,
+              **optional: int | None) -> None:
     """Set MODEL's price from --effective-from on."""
     from billing.prices import PastEffectiveFrom, Price, new_price_start
     from billing.service import PriceConflict
@@ -71,9 +83,7 @@ def set_price(model: str, input_: int, output: int, cached_input: int | None, ba
             "a price row takes effect now or later, never retroactively (gateways have already billed "
             "by the row in effect). Omit --effective-from to start now.",
             param_hint="'--effective-from'") from None
-    price = Price.of(input=input_, output=output, cached_input=cached_input, batch_input=batch_input,
-                     batch_cached_input=batch_cached_input, batch_output=batch_output,
-                     embedding_input=embedding_input, batch_embedding_input=batch_embedding_input)
+    price = Price.of(input=input_, output=output, **optional)
     try:
         start = asyncio.run(_set(model, price, effective_from))
     except PriceConflict as exc:

@@ -44,9 +44,9 @@ def statements(tenant: str, month: str, fmt: str) -> None:
         return
     click.echo(f"Statement {statement.month} for {statement.tenant_name} (tenant {statement.tenant_id}), "
                f"{statement.requests} requests")
-    click.echo(f"{'model':<24} {'class':<12} {'kind':<13} {'tokens':>14} {'amount (USD)':>14}")
+    click.echo(f"{'model':<24} {'class':<12} {'kind':<14} {'tokens':>14} {'amount (USD)':>14}")
     for line in statement.lines:
-        click.echo(f"{line.model:<24} {line.request_class:<12} {line.token_kind:<13} {line.tokens:>14} "
+        click.echo(f"{line.model:<24} {line.request_class:<12} {line.token_kind:<14} {line.tokens:>14} "
                    f"{format_cents(line.amount_cents):>14}")
-    click.echo(f"{'total':<65} {format_cents(statement.total_cents):>14}")
+    click.echo(f"{'total':<66} {format_cents(statement.total_cents):>14}")
     click.echo(f"exact total: {statement.total_pico_usd} pico-USD")
