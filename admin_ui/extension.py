@@ -6,10 +6,10 @@
   a 403 page.
 - ``install(app)`` also mounts the read-only sqladmin record browser (``admin_ui.records``) at
   ``/admin/db``, behind the same login; ``lifespan(app)`` binds its sessions to the app's database.
-- ``router``: the pages under ``/admin`` (login, tenants and keys, usage, SLOs and engines, batches,
-  prices), and last a catch-all so that an unknown dashboard path says "log in" to an anonymous visitor.
-  The admin API (``/admin/v1``, ``gateway.admin``) is a separate extension with token auth; this one
-  never answers under ``/admin/v1``.
+- ``router``: the pages under ``/admin`` (login, tenants and keys, usage, SLOs and engines, prompt
+  cache, batches, prices), and last a catch-all so that an unknown dashboard path says "log in" to an
+  anonymous visitor. The admin API (``/admin/v1``, ``gateway.admin``) is a separate extension with token
+  auth; this one never answers under ``/admin/v1``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from fastapi import APIRouter, FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from admin_ui.records import bind_records, install_records
-from admin_ui.views import auth, batches, engines, prices, tenants, usage
+from admin_ui.views import auth, batches, cache, engines, prices, tenants, usage
 from admin_ui.web import PACKAGE_DIR, install_handlers
 
 __all__ = ["install", "lifespan", "router"]
 
 router = APIRouter(include_in_schema=False)
-for module in (auth, tenants, usage, engines, batches, prices):
+for module in (auth, tenants, usage, engines, cache, batches, prices):
     router.include_router(module.router)
 router.include_router(auth.catch_all)
 

@@ -47,7 +47,8 @@ SECURITY_HEADERS = {
                                 "form-action 'self'; base-uri 'none'"),
 }
 NAV = (("Tenants", "/admin/tenants"), ("Usage", "/admin/usage"), ("SLOs & engines", "/admin/engines"),
-       ("Batches", "/admin/batches"), ("Prices", "/admin/prices"), ("Records", "/admin/db/"))
+       ("Prompt cache", "/admin/cache"), ("Batches", "/admin/batches"), ("Prices", "/admin/prices"),
+       ("Records", "/admin/db/"))
 
 
 def _fmt_int(value: int | None) -> str:
@@ -62,7 +63,20 @@ def _fmt_usd(pico: int | Decimal | str | None) -> str:
     return "—" if pico is None else "$" + usd_string(int(pico))
 
 
-templates.env.filters.update(num=_fmt_int, when=_fmt_time, usd=_fmt_usd)
+def _fmt_share(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _fmt_bytes(value: int) -> str:
+    scaled = float(value)
+    for unit in ("B", "KiB", "MiB"):
+        if scaled < 1024:
+            return f"{scaled:,.0f} {unit}" if unit == "B" else f"{scaled:,.1f} {unit}"
+        scaled /= 1024
+    return f"{scaled:,.1f} GiB"
+
+
+templates.env.filters.update(num=_fmt_int, when=_fmt_time, usd=_fmt_usd, share=_fmt_share, size=_fmt_bytes)
 
 
 def _secure(request: Request, response: Response) -> Response:

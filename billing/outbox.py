@@ -11,8 +11,10 @@ Invariants:
 - Token counts and cost are non-negative integers, ``cached_tokens <= prompt_tokens``, each cache token
   count (``billing.prices.CACHE_TOKEN_FIELDS``: written to the prefix cache, pinned, retained)
   ``<= prompt_tokens``, ``created_at`` is timezone-aware (UTC on the wire).
-- A record without the cache token counts (appended by a gateway older than them) reads as 0 of each:
-  such a gateway billed none.
+- ``cached_host_tokens`` and ``cached_disk_tokens`` (the cached tokens the engine found in host memory
+  and on disk, the rest were on the device) add up to at most ``cached_tokens``.
+- A record without the cache token counts or the tier counts (``OPTIONAL_COUNTS``, appended by a gateway
+  older than them) reads as 0 of each: such a gateway billed none.
 - The stream is never trimmed by length: an entry leaves it only after its row is committed
   (``billing.ledger``), so nothing is dropped while Postgres is down.
 """
@@ -32,7 +34,9 @@ USAGE_STREAM = "tollgate:usage"
 RECORD_FIELD = b"r"
 # How the request ended (a batch line that ran out of its window is "expired").
 REQUEST_STATUSES = ("completed", "failed", "cancelled", "expired")
-_COUNTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cost_pico_usd", *CACHE_TOKEN_FIELDS)
+CACHED_TIER_FIELDS = ("cached_host_tokens", "cached_disk_tokens")
+OPTIONAL_COUNTS = (*CACHE_TOKEN_FIELDS, *CACHED_TIER_FIELDS)
+_COUNTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cost_pico_usd", *OPTIONAL_COUNTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,8 @@ class UsageRecord:
     cache_write_tokens: int = 0
     cache_pinned_tokens: int = 0
     cache_retained_tokens: int = 0
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -69,6 +75,8 @@ class UsageRecord:
         for name in ("cached_tokens", *CACHE_TOKEN_FIELDS):
             if getattr(self, name) > self.prompt_tokens:
                 raise ValueError(f"{name} exceeds prompt_tokens")
+        if self.cached_host_tokens + self.cached_disk_tokens > self.cached_tokens:
+            raise ValueError("cached_host_tokens + cached_disk_tokens exceeds cached_tokens")
         if self.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
 
@@ -84,8 +92,8 @@ class UsageRecord:
         if not isinstance(data, dict):
             raise ValueError("a usage record is a JSON object")
         # Fields a newer gateway added are ignored (rolling upgrades); a missing one is an error, except
-        # the cache token counts an older gateway does not send.
-        values = {name: data[name] for name in _FIELDS if name in data or name not in CACHE_TOKEN_FIELDS}
+        # the counts an older gateway does not send.
+        values = {name: data[name] for name in _FIELDS if name in data or name not in OPTIONAL_COUNTS}
         values["created_at"] = datetime.fromisoformat(values["created_at"])
         return cls(**values)
 

@@ -521,7 +521,8 @@ class LLMEngine:
         disk = tiers.disk
         return {"kv_tier_blocks": {"host": len(tiers), "disk": len(disk) if disk else 0},
                 "kv_tier_capacity": {"host": tiers.num_slots, "disk": disk.capacity if disk else 0},
-                "kv_tier_moves": asdict(tiers.counters), "kv_block_bytes": transfer.block_bytes}
+                "kv_tier_moves": asdict(tiers.counters), "kv_block_bytes": transfer.block_bytes,
+                "kv_pinned_blocks": {"host": len(tiers.pins), "disk": len(disk.pins) if disk else 0}}
 
 
 def _is_int(value: object) -> bool:

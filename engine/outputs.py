@@ -179,6 +179,8 @@ class EngineStats:
     kv_tier_capacity: dict[str, int] = field(default_factory=dict)
     kv_tier_moves: dict[str, int] = field(default_factory=dict)
     kv_block_bytes: int = 0
+    # Blocks held by cache lifetimes (``engine.kv_pins``): pinned in the host tier, retained on disk.
+    kv_pinned_blocks: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_requests_finished: dict[str, int] = field(default_factory=dict)

@@ -258,6 +258,20 @@ class InfoResponse(BaseModel):
     pooling: str | None = None
 
 
+class CacheReport(BaseModel):
+    """A replica's prefix cache by tier (``LoadReport.cache``): prompt tokens looked up and served from
+    each tier since start, blocks held / capacity / held by lifetimes (pinned on the host, retained on
+    disk) in the lower tiers, blocks moved between tiers by kind since start, and one block's bytes."""
+
+    query_tokens: int
+    hit_tokens_by_tier: dict[str, int]
+    tier_blocks: dict[str, int] = Field(default_factory=dict)
+    tier_capacity: dict[str, int] = Field(default_factory=dict)
+    pinned_blocks: dict[str, int] = Field(default_factory=dict)
+    moved_blocks: dict[str, int] = Field(default_factory=dict)
+    block_bytes: int = 0
+
+
 class LoadReport(BaseModel):
     """What the gateway routes and admits on. Rates are exponential moving averages."""
 
@@ -282,6 +296,8 @@ class LoadReport(BaseModel):
     step_time_s: float
     # Recent mean time to first token of finished requests, seconds.
     ttft_s: float
+    # The prefix cache by tier (None: an engine that does not report it).
+    cache: CacheReport | None = None
 
 
 class PurgeRequest(_Strict):

@@ -46,6 +46,7 @@ from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.pooling import PoolingParams
 from engine.protocol import (
     AbortRequest,
+    CacheReport,
     CacheSpec,
     ErrorInfo,
     ErrorRecord,
@@ -226,6 +227,10 @@ def create_app(engine: ServingEngine) -> FastAPI:
             tokens_per_s=s.tokens_per_s,
             step_time_s=s.step_time_s,
             ttft_s=s.ttft_s,
+            cache=CacheReport(query_tokens=s.prefix_query_tokens,
+                              hit_tokens_by_tier=s.prefix_hit_tokens_by_tier, tier_blocks=s.kv_tier_blocks,
+                              tier_capacity=s.kv_tier_capacity, pinned_blocks=s.kv_pinned_blocks,
+                              moved_blocks=s.kv_tier_moves, block_bytes=s.kv_block_bytes),
         )
 
     @app.get("/kv/events")

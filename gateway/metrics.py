@@ -13,8 +13,10 @@ or an admin API token; anything else is a 401 in OpenAI's error body.
   ``gateway.admission.rejections``: ``rpm``, ``tpm``, ``concurrency``, ``budget``, ``suspended``,
   ``overloaded``, ``unavailable``).
 - ``tollgate_gateway_tokens_total{kind, model, tier}``: metered tokens, ``kind`` one of ``prompt``,
-  ``cached`` (the part of ``prompt`` served from the prefix cache) and ``completion``: exactly the numbers
-  of the usage record each generation appends to the billing outbox.
+  ``cached`` (the part of ``prompt`` served from the prefix cache), ``cached_host`` and ``cached_disk``
+  (the parts of ``cached`` the engine loaded from its host-memory and disk tiers; the rest came from the
+  device pool), ``cache_write`` (prompt tokens newly written to the cache) and ``completion``: exactly the
+  numbers of the usage record each generation appends to the billing outbox.
 - ``tollgate_gateway_generations_total{model, tier, status}``: generations by how they ended.
 - ``tollgate_gateway_kv_index_blocks{replica, tier}``: block hashes this process's routing index says a
   replica holds per tier (every process follows the same events, so the merged value is the largest);
@@ -109,7 +111,8 @@ class GatewayMetrics:
         self.rejections = Counter("tollgate_gateway_rejections", "Requests refused before any engine work, "
                                   "by reason and tier.", ["reason", "tier"], registry=reg)
         self.tokens = Counter("tollgate_gateway_tokens", "Metered tokens by kind (prompt, cached, "
-                              "completion).", ["kind", "model", "tier"], registry=reg)
+                              "cached_host, cached_disk, cache_write, completion).",
+                              ["kind", "model", "tier"], registry=reg)
         self.generations = Counter("tollgate_gateway_generations", "Generations by how they ended.",
                                    ["model", "tier", "status"], registry=reg)
         self.ttft = Histogram("tollgate_gateway_ttft_seconds", "Time to first token seen by the gateway.",
@@ -164,16 +167,17 @@ def observe_rejection(reason: str, tier: str) -> None:
 
 
 def observe_generation(*, model: str, tier: str, status: str, prompt_tokens: int, cached_tokens: int,
-                       completion_tokens: int, ttft_s: float | None, tpot_s: float | None) -> None:
+                       completion_tokens: int, ttft_s: float | None, tpot_s: float | None,
+                       cached_host_tokens: int = 0, cached_disk_tokens: int = 0,
+                       cache_write_tokens: int = 0) -> None:
     """A generation was settled and metered (called once per usage record). Never raises."""
     try:
         m = gateway_metrics()
-        if prompt_tokens:
-            m.tokens.labels("prompt", model, tier).inc(prompt_tokens)
-        if cached_tokens:
-            m.tokens.labels("cached", model, tier).inc(cached_tokens)
-        if completion_tokens:
-            m.tokens.labels("completion", model, tier).inc(completion_tokens)
+        for kind, count in (("prompt", prompt_tokens), ("cached", cached_tokens),
+                            ("cached_host", cached_host_tokens), ("cached_disk", cached_disk_tokens),
+                            ("cache_write", cache_write_tokens), ("completion", completion_tokens)):
+            if count:
+                m.tokens.labels(kind, model, tier).inc(count)
         m.generations.labels(model, tier, status).inc()
         if ttft_s is not None:
             m.ttft.labels(model, tier).observe(ttft_s)

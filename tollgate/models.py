@@ -175,6 +175,11 @@ class UsageEvent(Base):
             " AND cache_retained_tokens BETWEEN 0 AND prompt_tokens",
             name="cache_token_counts",
         ),
+        CheckConstraint(
+            "cached_host_tokens >= 0 AND cached_disk_tokens >= 0"
+            " AND cached_host_tokens + cached_disk_tokens <= cached_tokens",
+            name="cached_tier_counts",
+        ),
         CheckConstraint("cost_pico_usd >= 0", name="cost_non_negative"),
         Index("ix_usage_events_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_usage_events_created_at", "created_at"),
@@ -201,6 +206,9 @@ class UsageEvent(Base):
     cache_write_tokens: Mapped[int] = _zero(Integer)
     cache_pinned_tokens: Mapped[int] = _zero(Integer)
     cache_retained_tokens: Mapped[int] = _zero(Integer)
+    # Of ``cached_tokens``, those the engine loaded from host memory and read from disk (revision 0007).
+    cached_host_tokens: Mapped[int] = _zero(Integer)
+    cached_disk_tokens: Mapped[int] = _zero(Integer)
 
 
 class UsageRequestId(Base):

@@ -381,12 +381,16 @@ class Generation:
         ttft = self._ttft_ms
         if ttft is None and self._first_token_at is not None:
             ttft = (self._first_token_at - self._started_at) * 1000.0
+        cached = self.usage.cached_tokens
+        host = min(self.usage.cached_host_tokens, cached)
+        disk = min(self.usage.cached_disk_tokens, cached - host)
         record = UsageRecord(
             request_id=self.request_id, tenant_id=self.principal.tenant_id,
             api_key_id=self.principal.api_key_id, model=self.route.name, request_class=rt.request_class,
-            tier=self.tier, prompt_tokens=self.usage.prompt_tokens, cached_tokens=self.usage.cached_tokens,
+            tier=self.tier, prompt_tokens=self.usage.prompt_tokens, cached_tokens=cached,
             completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
             ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at, **cache_tokens,
+            cached_host_tokens=host, cached_disk_tokens=disk,
         )
         settle_error, append_error = await rt.admission.settle_and_append(
             self.admission, self.usage.total_tokens, cost, record)
@@ -395,6 +399,8 @@ class Generation:
                          settle_error)
         observe_generation(model=record.model, tier=self.tier, status=self.status,
                            prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens,
+                           cached_host_tokens=host, cached_disk_tokens=disk,
+                           cache_write_tokens=record.cache_write_tokens,
                            completion_tokens=record.completion_tokens, tpot_s=(self._tpot_ms or 0) / 1000,
                            ttft_s=(None if self._first_token_at is None
                                    else self._first_token_at - self._started_at))

@@ -25,13 +25,15 @@ PRICE = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cach
 
 
 def record(tenant_id: int, request_id: str, *, prompt: int = 1_000, cached: int = 200,
-           completion: int = 50, status: str = "completed", **cache_tokens: int) -> UsageRecord:
+           completion: int = 50, status: str = "completed", host: int = 0, disk: int = 0,
+           **cache_tokens: int) -> UsageRecord:
     return UsageRecord(
         request_id=request_id, tenant_id=tenant_id, api_key_id=None, model="tiny",
         request_class="interactive", tier="default", prompt_tokens=prompt, cached_tokens=cached,
         completion_tokens=completion,
         cost_pico_usd=cost_pico_usd(PRICE, prompt, cached, completion, "interactive", **cache_tokens),
         status=status, ttft_ms=12.5, tpot_ms=3.0, created_at=datetime.now(UTC), **cache_tokens,
+        cached_host_tokens=host, cached_disk_tokens=disk,
     )
 
 
@@ -74,6 +76,19 @@ async def test_cache_token_counts_reach_the_ledger_columns(db_session, redis_cli
                                    + 784 * 3_750_000 + 992 * 300_000 + 496 * 100_000)
     assert [getattr(second, name) for name in CACHE_TOKEN_FIELDS] == [0, 0, 0]
     assert second.cost_pico_usd == plain.cost_pico_usd
+
+
+async def test_where_cached_tokens_came_from_reaches_the_ledger(db_session, redis_client,
+                                                                unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    await append_usage(redis_client, record(tenant.id, "tiers-1", cached=200, host=96, disk=64))
+    assert (await UsageFlusher(redis_client, unit_of_work, consumer="w1").flush()).inserted == 1
+    [row] = await ledger_rows(db_session, tenant.id)
+    assert (row.cached_tokens, row.cached_host_tokens, row.cached_disk_tokens) == (200, 96, 64)
+    too_many = record(tenant.id, "tiers-2").row() | {"cached_host_tokens": 150, "cached_disk_tokens": 51}
+    with pytest.raises(IntegrityError, match="ck_usage_events_cached_tier_counts"):
+        async with unit_of_work() as session:
+            await insert_usage_events(session, [too_many])
 
 
 @pytest.mark.parametrize("name", CACHE_TOKEN_FIELDS)
@@ -172,11 +187,15 @@ async def test_records_validate_their_columns() -> None:
             record(1, "x", prompt=10, cached=0, **{name: 11})
         with pytest.raises(ValueError, match=name):
             record(1, "x", **{name: -1})
-    rec = record(1, "roundtrip", cache_write_tokens=16, cache_pinned_tokens=32, cache_retained_tokens=48)
+    with pytest.raises(ValueError, match="cached_host_tokens"):
+        record(1, "x", cached=100, host=60, disk=41)
+    rec = record(1, "roundtrip", cache_write_tokens=16, cache_pinned_tokens=32, cache_retained_tokens=48,
+                 host=16, disk=32)
     assert UsageRecord.from_json(rec.to_json()) == rec
-    older = {k: v for k, v in orjson.loads(rec.to_json()).items() if k not in CACHE_TOKEN_FIELDS}
-    # A gateway older than the cache counts sent none: they read as 0.
-    assert UsageRecord.from_json(orjson.dumps(older)) == replace(rec, **dict.fromkeys(CACHE_TOKEN_FIELDS, 0))
+    optional = (*CACHE_TOKEN_FIELDS, "cached_host_tokens", "cached_disk_tokens")
+    older = {k: v for k, v in orjson.loads(rec.to_json()).items() if k not in optional}
+    # A gateway older than the cache and tier counts sent none: they read as 0.
+    assert UsageRecord.from_json(orjson.dumps(older)) == replace(rec, **dict.fromkeys(optional, 0))
     newer = orjson.loads(rec.to_json()) | {"reasoning_tokens": 7}  # written by a newer gateway
     assert UsageRecord.from_json(orjson.dumps(newer)) == rec
     with pytest.raises(KeyError):

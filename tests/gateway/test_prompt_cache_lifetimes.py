@@ -59,6 +59,10 @@ async def test_ttl_and_retention_are_held_and_reported(client: httpx.AsyncClient
     hashes = prompt_hashes(gateway, tenant_key, body)
     assert len(hashes) == whole_blocks // BLOCK
     assert all(held[d] & TIER_BITS["disk"] for d in hashes)  # on disk already: written at once
+    async with httpx.AsyncClient() as http:
+        cache = (await http.get(f"{engine_url}/load")).json()["cache"]
+    assert cache["tier_capacity"]["host"] > 0 and cache["tier_capacity"]["disk"] > 0
+    assert cache["pinned_blocks"]["host"] >= len(hashes) and cache["pinned_blocks"]["disk"] >= len(hashes)
 
 
 async def test_without_lifetimes_the_usage_is_openais_alone(client: httpx.AsyncClient) -> None:

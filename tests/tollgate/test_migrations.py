@@ -77,6 +77,8 @@ CONTRACT_COLUMNS = {
         "cache_write_tokens",
         "cache_pinned_tokens",
         "cache_retained_tokens",
+        "cached_host_tokens",
+        "cached_disk_tokens",
     },
     "admins": {"id", "email", "password_hash", "api_token_hash", "created_at"},
     "audit_log": {"id", "actor", "action", "tenant_id", "details", "created_at"},
