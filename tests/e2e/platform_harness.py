@@ -1,19 +1,19 @@
 """The whole platform as ``tollgate up`` runs it, started once per test session for the end-to-end tests.
 
 ``start_platform`` starts one ``tollgate engine`` replica of the tiny model (``tests.gateway.conftest.
-run_engine``), then ``python -m tollgate up --no-engine`` (gateway, Celery worker and beat, under its
-supervisor) in a fresh data directory, on a free port, pointed at a database and a Redis database index
-of its own on the session's shared servers (``tests/conftest.py``), so it starts no Postgres or Redis
-of its own. The replica serves the model ``tiny`` in both the ``interactive`` and the ``batch`` pools (as
-an operator with replicas of their own configures it; ``tollgate up`` with its own engine has no batch
-pool, and its batch lines only soak the interactive replica). Everything is configured through
-``TOLLGATE_*`` variables, as an operator would: time constants shortened (``PLATFORM_SETTINGS``), SLOs
-loose enough that a CPU engine is never shed. Ready once ``tollgate up`` prints "tollgate is up" (every
-child healthy, the ``env`` file written); stopped with SIGTERM (its supervisor stops every child), then
-the engine, and the database is dropped.
+run_engine``, with a host and a disk tier as ``tollgate up`` gives its own engine), then ``python -m
+tollgate up --no-engine`` (gateway, Celery worker and beat, under its supervisor) in a fresh data directory,
+on a free port, pointed at a database and a Redis database index of its own on the session's shared servers
+(``tests/conftest.py``), so it starts no Postgres or Redis of its own. The replica serves the model ``tiny``
+in both the ``interactive`` and the ``batch`` pools (as an operator with replicas of their own configures
+it; ``tollgate up`` with its own engine has no batch pool, and its batch lines only soak the interactive
+replica). Everything is configured through ``TOLLGATE_*`` variables, as an operator would: time constants
+shortened (``PLATFORM_SETTINGS``), SLOs loose enough that a CPU engine is never shed. Ready once ``tollgate
+up`` prints "tollgate is up" (every child healthy, the ``env`` file written); stopped with SIGTERM (its
+supervisor stops every child), then the engine, and the database is dropped.
 
-Tests share it; each makes its own tenants and keys (``Platform.tenant``) and looks only at its own
-rows, so no test sees another's traffic. The demo key of the ``env`` file is the SDK tests' key.
+Tests share it; each makes its own tenants and keys (``Platform.tenant``) and looks only at its own rows, so
+no test sees another's traffic. The demo key of the ``env`` file is the SDK tests' key.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import redis
 
 from tests.factories import create_api_key, create_tenant
-from tests.gateway.conftest import TenantKey, run_engine
+from tests.gateway.conftest import TenantKey, run_engine, tiered
 from tests.gateway.gateway_processes import LOOSE_TIERS
 from tests.polling import wait_until
 from tollgate.db import Database
@@ -202,7 +202,7 @@ def start_platform(shared_servers: Any, root: Path) -> Iterator[Platform]:
     model_dir = create_tiny_checkpoint(root / "tiny", arch="llama", seed=0)
     data_dir, log = root / "data", root / "up.log"
     try:
-        with run_engine(model_dir, root / "engine.log") as (engine_url, _engine):
+        with run_engine(model_dir, root / "engine.log", options=tiered(root / "kv")) as (engine_url, _engine):
             env = platform_env(shared_servers.postgres.url(database), redis_url, engine_url, model_dir)
             proc = spawn([sys.executable, "-m", "tollgate", "up", "--no-engine", "--data-dir", str(data_dir),
                           "--port", str(free_port())], log_path=log, env=env, cwd=root)

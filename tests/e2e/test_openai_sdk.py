@@ -230,3 +230,40 @@ def test_rate_limited_tenant_gets_rate_limit_error_with_headers(platform: Platfo
     assert float(error.response.headers["retry-after"]) > 0
     assert error.response.headers["x-ratelimit-limit-requests"] == "1"
     assert error.response.headers["x-ratelimit-reset-requests"]
+
+
+def test_cache_lifetimes_through_the_sdk_are_held_and_metered(client: openai.OpenAI,
+                                                              platform: Platform) -> None:
+    """On a replica with host and disk tiers (as ``tollgate up`` starts its own), a ttl and a 24h
+    retention asked for with the SDK's own parameters are held, reported and written to the ledger;
+    explicit breakpoints work through the Responses API."""
+    rules = "Every tenant's ledger closes at midnight UTC and is audited the next morning. " * 10
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=2, prompt_cache_options={"ttl": "30m"}, prompt_cache_retention="24h",
+        messages=[{"role": "system", "content": rules}, {"role": "user", "content": "When?"}])
+    usage = raw.parse().usage
+    details = usage.prompt_tokens_details
+    whole_blocks = usage.prompt_tokens // 16 * 16
+    assert details.cache_write_tokens == whole_blocks
+    assert details.model_extra == {"cache_pinned_tokens": whole_blocks, "cache_retained_tokens": whole_blocks}
+    _ledger_row(platform, raw.headers["x-request-id"])
+    with psycopg.connect(platform.database_url, autocommit=True) as conn:
+        counts = conn.execute("SELECT cache_write_tokens, cache_pinned_tokens, cache_retained_tokens"
+                              " FROM usage_events WHERE request_id = %s",
+                              (raw.headers["x-request-id"],)).fetchone()
+    assert counts == (whole_blocks, whole_blocks, whole_blocks)
+
+    marked = [{"role": "user", "content": [
+        {"type": "input_text", "text": rules, "prompt_cache_breakpoint": {"mode": "explicit"}},
+        {"type": "input_text", "text": " Who audits it?"}]}]
+    first = client.responses.create(model=MODEL, input=marked, max_output_tokens=2,
+                                    prompt_cache_options={"mode": "explicit"})
+    assert first.prompt_cache_options is not None
+    assert (first.prompt_cache_options.ttl, first.prompt_cache_options.mode) == ("30m", "explicit")
+    again = client.responses.create(model=MODEL, input=marked, max_output_tokens=2,
+                                    prompt_cache_options={"mode": "explicit"})
+    # The marked rules' whole blocks are cached (read or written by the first response), nothing after them.
+    details = first.usage.input_tokens_details
+    held = details.cached_tokens + details.cache_write_tokens
+    assert 0 < held < first.usage.input_tokens - 16
+    assert again.usage.input_tokens_details.cached_tokens == held

@@ -83,12 +83,17 @@ def run_engine(model_dir: Path, log: Path, port: int | None = None,
             proc.wait()
 
 
+def tiered(kv_dir: Path) -> tuple[str, ...]:
+    """``run_engine`` options of a replica with a host and a disk tier under its prefix cache (in
+    ``kv_dir``), as ``tollgate up`` starts its own engine."""
+    return ("--num-kv-blocks", "512", "--host-kv-gb", "0.01", "--disk-kv-gb", "0.02",
+            "--kv-disk-dir", str(kv_dir))
+
+
 @pytest.fixture(scope="session")
 def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tiers = ("--num-kv-blocks", "512", "--host-kv-gb", "0.01", "--disk-kv-gb", "0.02",
-             "--kv-disk-dir", str(tmp_path_factory.mktemp("engine_kv")))
     with run_engine(tiny_model_dir, tmp_path_factory.mktemp("engine_log") / "engine.log",
-                    options=tiers) as (url, _):
+                    options=tiered(tmp_path_factory.mktemp("engine_kv"))) as (url, _):
         yield url
 
 
