@@ -14,7 +14,9 @@ justify keeping ~500 lines of protocol code, so it was deleted.
   already here, so the SSE writer can coalesce writes. The socket is read only as the consumer asks for
   more lines, so aiohttp's flow control pauses a replica that streams faster than its client reads.
 - Timeouts: ``connect_timeout_s`` for connecting (and for waiting on a free connection when
-  ``max_connections`` per replica are busy); ``request_timeout_s`` between two reads of a response.
+  ``max_connections`` per replica are busy); ``request_timeout_s`` between two reads of a response
+  (a ``/generate`` stream, and a ``/kv/purge``, which deletes files before it answers; the admin
+  service that purges bounds the whole call itself). Probes and ``/kv/events`` use a short one.
 
 Error mapping (what the client of the gateway sees):
 - The replica cannot be reached, or refuses for overload (``429``/``503``) → ``EngineUnavailable``
@@ -48,6 +50,7 @@ from engine.protocol import (
     HealthResponse,
     InfoResponse,
     LoadReport,
+    PurgeRequest,
     parse_record,
 )
 from gateway.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError
@@ -239,6 +242,21 @@ class EngineClient:
             raise EngineUnavailable(f"{base_url}/kv/events: unreadable answer")
         return page
 
+    async def purge(self, base_url: str, cache_salt: str) -> int:
+        """``POST /kv/purge``: the replica drops every cached block of ``cache_salt`` from every tier;
+        returns how many went. ``EngineUnavailable`` on any failure (the caller reports it per replica).
+        The answer may take a while (the disk tier's files are deleted first): it is read with the
+        request timeout, not the probes' short one."""
+        body = PurgeRequest(cache_salt=cache_salt).model_dump_json().encode()
+        content = await self._request_bytes("POST", base_url, "/kv/purge", self._request_timeout_s, body)
+        try:
+            purged = orjson.loads(content)["purged_blocks"]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise EngineUnavailable(f"{base_url}/kv/purge: unreadable answer") from exc
+        if not isinstance(purged, int) or isinstance(purged, bool):
+            raise EngineUnavailable(f"{base_url}/kv/purge: unreadable answer")
+        return purged
+
     async def _get(self, base_url: str, path: str, model: type[M]) -> M:
         """Raises ``EngineUnavailable`` on any failure (probes decide health on it)."""
         content = await self._get_bytes(base_url, path)
@@ -248,8 +266,14 @@ class EngineClient:
             raise EngineUnavailable(f"{base_url}{path}: unreadable answer") from exc
 
     async def _get_bytes(self, base_url: str, path: str, timeout_s: float | None = None) -> bytes:
+        return await self._request_bytes("GET", base_url, path, timeout_s or self._probe_timeout_s)
+
+    async def _request_bytes(self, method: str, base_url: str, path: str, timeout_s: float,
+                             body: bytes | None = None) -> bytes:
+        """The body of a 200 answer; raises ``EngineUnavailable`` on any failure."""
+        headers = {"Content-Type": "application/json"} if body is not None else None
         try:
-            response = await self._send("GET", f"{base_url}{path}", None, timeout_s or self._probe_timeout_s)
+            response = await self._send(method, f"{base_url}{path}", body, timeout_s, headers)
             try:
                 status, content = response.status, await response.read()
             finally:

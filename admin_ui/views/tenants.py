@@ -1,11 +1,13 @@
 """Tenants and their API keys: list with search, create, edit tier/limits/budget, suspend/reactivate,
-create (secret shown once) and revoke keys, and the tenant's audit log.
+create (secret shown once) and revoke keys, purge the tenant's prompt cache on every engine replica, and
+the tenant's audit log.
 
 Every action calls ``gateway.admin.service`` inside the admin unit of work (audit row in the same
 transaction, commit, then the ``tollgate:invalidate`` message gateways reload limits and keys on), as
 the admin API does. An edit sends only the fields that changed, so the audit log shows the change.
 A new key's secret is rendered in the response to the POST itself (never stored, never redirected
-through a URL or the session) and the page is ``no-store``.
+through a URL or the session) and the page is ``no-store``. So is a purge's outcome (blocks dropped,
+and each replica that was not purged, with why): it is per call, and repeating a purge is harmless.
 """
 
 from __future__ import annotations
@@ -216,6 +218,33 @@ async def reactivate(request: Request, admin: CurrentAdmin, tenant_id: TenantId)
     force = fields.get("force") == "on"
     return await _act(request, admin, tenant_id, lambda s: service.reactivate_tenant(
         s, tenant_id, actor=admin.actor, force=force, note=note), "reactivated")
+
+
+def purge_messages(purge: service.CachePurge) -> tuple[str, list[str]]:
+    """The notice and the errors (one per replica not purged) that report a purge."""
+    done, blocks = len(purge.replicas) - len(purge.failed), purge.purged_blocks
+    notice = (f"Prompt cache purged: {blocks:,} block{'' if blocks == 1 else 's'} dropped on {done} of "
+              f"{len(purge.replicas)} replica{'' if len(purge.replicas) == 1 else 's'}.")
+    return notice, [f"Not purged: {r.url} ({r.error}). Purge again to retry." for r in purge.failed]
+
+
+@router.post("/{tenant_id}/purge-cache", include_in_schema=False)
+async def purge_cache(request: Request, admin: CurrentAdmin, tenant_id: TenantId) -> Response:
+    fields = await check_csrf(request)
+    note = fields.get("note", "").strip()[:1000] or None
+    runtime = getattr(request.app.state, "gateway", None)  # absent when the public API is not installed
+    try:
+        async with unit_of_work(request) as session:
+            purge = await service.purge_tenant_cache(session, tenant_id, settings=_settings(request),
+                                                     actor=admin.actor, note=note,
+                                                     engine=runtime.engine if runtime else None)
+    except GatewayError as exc:
+        if exc.status == 404:
+            return render(request, "error.html", {"title": "Not found", "message": exc.message},
+                          status=404, admin=admin)
+        return await _tenant_page(request, admin, tenant_id, errors=[exc.message], code=exc.status)
+    notice, errors = purge_messages(purge)
+    return await _tenant_page(request, admin, tenant_id, notice=notice, errors=errors)
 
 
 @router.post("/{tenant_id}/keys", include_in_schema=False)

@@ -3,9 +3,10 @@ on the router), runs in one unit of work (``AdminSession``: commit, then publish
 the response is sent) and calls ``gateway.admin.service``.
 
 Tenants: ``GET/POST /tenants``, ``GET/PATCH /tenants/{id}``, ``POST /tenants/{id}/suspend``,
-``POST /tenants/{id}/reactivate``. Keys: ``GET/POST /tenants/{id}/keys``,
-``POST /tenants/{id}/keys/{key_id}/revoke``. Prices: ``GET/POST /prices``. Usage: ``GET /usage``,
-``GET /tenants/{id}/usage``. Audit: ``GET /audit``.
+``POST /tenants/{id}/reactivate``, ``POST /tenants/{id}/purge-cache`` (drop the tenant's prompt cache on
+every engine replica; 200 with each replica's outcome, also when some could not be purged). Keys:
+``GET/POST /tenants/{id}/keys``, ``POST /tenants/{id}/keys/{key_id}/revoke``. Prices: ``GET/POST /prices``.
+Usage: ``GET /usage``, ``GET /tenants/{id}/usage``. Audit: ``GET /audit``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from gateway.admin.schemas import (
     ApiKeyList,
     AuditEntry,
     AuditList,
+    CachePurgeReport,
     KeyCreateRequest,
     PriceCreateRequest,
     PriceList,
     PriceRowOut,
+    PurgeCacheRequest,
     ReactivateRequest,
     SuspendRequest,
     TenantCreateRequest,
@@ -106,6 +109,16 @@ async def reactivate_tenant(tenant_id: TenantId, session: AdminSession, admin: C
     tenant = await service.reactivate_tenant(session, tenant_id, actor=admin.actor, force=body.force,
                                              note=body.note)
     return AdminTenant.of(tenant)
+
+
+@router.post("/tenants/{tenant_id}/purge-cache", summary="Purge a tenant's prompt cache on every replica")
+async def purge_cache(tenant_id: TenantId, request: Request, session: AdminSession, settings: AppSettings,
+                      admin: CurrentAdmin, body: PurgeCacheRequest | None = None) -> CachePurgeReport:
+    runtime = getattr(request.app.state, "gateway", None)  # absent when the public API is not installed
+    purge = await service.purge_tenant_cache(session, tenant_id, settings=settings, actor=admin.actor,
+                                             engine=runtime.engine if runtime else None,
+                                             note=body.note if body else None)
+    return CachePurgeReport.of(purge)
 
 
 # ------------------------------------------------------------------------------------------ keys

@@ -142,6 +142,30 @@ class ReactivateRequest(BaseModel):
     note: str | None = Field(default=None, max_length=1000)
 
 
+class PurgeCacheRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+    note: str | None = Field(default=None, max_length=1000, description="Why (kept in the audit log).")
+
+
+class ReplicaPurgeOut(BaseModel):
+    url: str
+    purged_blocks: int | None = Field(description="Blocks dropped from every tier; null if not purged.")
+    error: str | None = Field(description="Why the replica was not purged (retry the purge); else null.")
+
+
+class CachePurgeReport(BaseModel):
+    tenant_id: int
+    replicas: list[ReplicaPurgeOut]
+    purged_blocks: int = Field(description="Blocks dropped over all replicas.")
+
+    @classmethod
+    def of(cls, purge: Any) -> CachePurgeReport:
+        replicas = [ReplicaPurgeOut(url=r.url, purged_blocks=r.purged_blocks, error=r.error)
+                    for r in purge.replicas]
+        return cls(tenant_id=purge.tenant_id, replicas=replicas, purged_blocks=purge.purged_blocks)
+
+
 class AdminTenant(TenantRead):
     monthly_budget_usd: str | None
 

@@ -16,15 +16,23 @@ Invariants:
   such, and never replaced by an ``admin`` one (that would let a plain reactivate lift it).
 - Price rows start now or later: a row that starts in the past would rewrite which price was in effect
   for requests already billed.
+- A prompt-cache purge (``purge_tenant_cache``) asks every replica of every configured pool
+  (``settings.pools``: the batch pool too, which the public API's router does not route to) to drop
+  the tenant's salted blocks, concurrently, each bounded by ``PURGE_TIMEOUT_S``, once the tenant is
+  known to exist (404 before any replica is asked). A replica that fails or does not answer is a row of
+  the result (``error``), never an error of the call, so the others are purged and the admin sees which
+  to retry; a purge is idempotent. Its audit row says what each replica answered, so the purge runs
+  before the commit: should the commit fail, the admin gets an error and repeats it.
 - Errors are ``AdminError`` (a ``GatewayError``: HTTP status + ``{"error": ...}`` body); the tenant
   service's domain errors are translated with the same status.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -49,7 +57,9 @@ from gateway.admin.schemas import (
     usd_string,
 )
 from gateway.admin.uow import queue_invalidation
+from gateway.engine_client import EngineClient, EngineUnavailable
 from gateway.errors import GatewayError
+from gateway.generation.service import cache_salt
 from gateway.tenants.repository import AuditLogRepository
 from gateway.tenants.schemas import ApiKeyCreate
 from gateway.tenants.service import ApiKeyService, TenantError, TenantService
@@ -59,6 +69,8 @@ from tollgate.settings import Settings
 EMAIL_RE = re.compile(r"[^@\s]+@[^@\s]+\.[^@\s]+")
 EMAIL_MAX_LENGTH = 254
 MAX_PAGE = 1000
+# How long one replica may take to purge a tenant's blocks (it deletes the disk tier's files first).
+PURGE_TIMEOUT_S = 30.0
 _TENANT_ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 409: "conflict"}
 
 
@@ -225,6 +237,81 @@ async def reactivate_tenant(session: AsyncSession, tenant_id: int, *, actor: str
                                                       "note": note})
     queue_invalidation(session, tenant_id=tenant.id)
     return tenant
+
+
+# ------------------------------------------------------------------------------------------ prompt cache
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPurge:
+    """One replica's answer to a purge: the blocks it dropped, or why it was not purged."""
+
+    url: str
+    purged_blocks: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CachePurge:
+    tenant_id: int
+    replicas: list[ReplicaPurge]
+
+    @property
+    def purged_blocks(self) -> int:
+        return sum(r.purged_blocks or 0 for r in self.replicas)
+
+    @property
+    def failed(self) -> list[ReplicaPurge]:
+        """The replicas that still may hold the tenant's blocks (purge again to retry them)."""
+        return [r for r in self.replicas if r.error is not None]
+
+
+def configured_replicas(settings: Settings) -> list[str]:
+    """Every engine replica's base URL over all configured pools, once each, in configuration order."""
+    urls = (url.rstrip("/") for pool in settings.pools.values() for url in pool.replicas)
+    return list(dict.fromkeys(urls))
+
+
+@asynccontextmanager
+async def _engine_client(engine: EngineClient | None, settings: Settings) -> AsyncIterator[EngineClient]:
+    """``engine`` (a gateway runtime's pool of connections), else a client of this call's own."""
+    if engine is not None:
+        yield engine
+        return
+    own = EngineClient(request_timeout_s=settings.request_timeout_s,
+                       connect_timeout_s=settings.health_check_timeout_s)
+    try:
+        yield own
+    finally:
+        await own.aclose()
+
+
+async def _purge_replica(engine: EngineClient, url: str, salt: str, timeout_s: float) -> ReplicaPurge:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return ReplicaPurge(url, await engine.purge(url, salt))
+    except EngineUnavailable as exc:
+        return ReplicaPurge(url, None, exc.message.removeprefix(f"{url}/kv/purge: "))
+    except TimeoutError:
+        return ReplicaPurge(url, None, f"no answer within {timeout_s:g} s")
+
+
+async def purge_tenant_cache(session: AsyncSession, tenant_id: int, *, settings: Settings, actor: str,
+                             engine: EngineClient | None = None, note: str | None = None,
+                             timeout_s: float = PURGE_TIMEOUT_S) -> CachePurge:
+    """Drop the tenant's prompt cache (device, host and disk tiers) on every configured replica; per
+    replica the blocks dropped or the error. Recorded as ``tenant.purge_cache`` with each outcome."""
+    tenant = await get_tenant(session, tenant_id, settings=settings)
+    salt = cache_salt(settings.key_hash_secret.get_secret_value(), tenant.id)
+    async with _engine_client(engine, settings) as client:
+        replicas = await asyncio.gather(*(_purge_replica(client, url, salt, timeout_s)
+                                          for url in configured_replicas(settings)))
+    purge = CachePurge(tenant.id, list(replicas))
+    await AuditLogRepository(session).record(actor, "tenant.purge_cache", tenant_id=tenant.id, details={
+        "purged_blocks": purge.purged_blocks,
+        "replicas": {r.url: r.purged_blocks for r in purge.replicas if r.error is None},
+        "failed": {r.url: r.error for r in purge.failed} or None, "note": note})
+    return purge
 
 
 # ------------------------------------------------------------------------------------------ keys

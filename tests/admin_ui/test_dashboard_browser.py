@@ -1,9 +1,9 @@
 """An admin's day in a real browser (Playwright on Debian's chromium) against the running gateway:
 log in, create a tenant and a key, change its quota and see the gateway enforce it, make a request and
 find it in the usage chart with the ledger's numbers, watch SLOs and replicas, cancel a batch, add a
-price, suspend/reactivate, revoke the key, log out; and the prompt-cache products (tokens written,
-pinned, retained and their cost) on the usage pages. Every page is screenshotted to
-``test-artifacts/screenshots/``."""
+price, purge the tenant's prompt cache, suspend/reactivate, revoke the key, log out; and the
+prompt-cache products (tokens written, pinned, retained and their cost) on the usage pages. Every page
+is screenshotted to ``test-artifacts/screenshots/``."""
 
 from __future__ import annotations
 
@@ -207,6 +207,15 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     await expect(page.locator("#prices tbody")).to_contain_text("2031-01-01 00:00 UTC")
     await screenshot(page, "10-prices")
 
+    # Purge the tenant's prompt cache: the engine drops its blocks, the batch pool's replica is down.
+    await page.goto(f"/admin/tenants/{tenant_id}")
+    await page.fill("#purge-cache-form input[name=note]", "browser test")
+    await page.click("#purge-cache-form button[type=submit]")
+    purged = re.compile(r"[1-9][\d,]* blocks? dropped on 1 of 2 replicas")
+    await expect(page.locator("p.notice")).to_contain_text(purged)
+    await expect(page.locator("p.error")).to_contain_text("Not purged: http://127.0.0.1:")
+    await screenshot(page, "10b-tenant-purge-cache")
+
     # Suspend, reactivate, revoke: each enforced by the gateway and recorded in the audit log.
     await page.goto(f"/admin/tenants/{tenant_id}")
     await page.fill("#suspend-form input[name=note]", "browser test")
@@ -223,7 +232,7 @@ async def test_admin_journey(page: Any, dashboard: Dashboard) -> None:
     async with dashboard.db.session() as session:
         actions = set(await session.scalars(select(AuditLog.action).where(AuditLog.tenant_id == tenant_id)))
     assert {"tenant.create", "api_key.create", "tenant.update", "tenant.suspend", "tenant.reactivate",
-            "api_key.revoke", "batch.cancel"} <= actions
+            "api_key.revoke", "batch.cancel", "tenant.purge_cache"} <= actions
 
     # The read-only record browser (sqladmin) lists the ledger row behind the chart.
     records = await page.goto("/admin/db/usage-event/list")

@@ -1,9 +1,10 @@
 """Dashboard forms against the admin services: invalid input is re-rendered with the reason and changes
-nothing; edits record only what changed; billing suspensions need an explicit override; every refusal
-is a page, never a stack trace."""
+nothing; edits record only what changed; billing suspensions need an explicit override; a prompt-cache
+purge reports each replica; every refusal is a page, never a stack trace."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,8 @@ import pytest
 from sqlalchemy import select
 
 from tests.admin_ui.conftest import Dashboard, login_client
-from tests.factories import create_tenant
+from tests.factories import create_api_key, create_tenant
+from tests.gateway.conftest import MODEL
 from tollgate.models import AuditLog, Price, Tenant
 
 # Meant for one worker sharing the gateway + engine + browser (pytest -n --dist loadgroup); with pytest 9
@@ -95,6 +97,35 @@ async def test_billing_suspension_needs_the_override(dashboard: Dashboard,
     assert lifted.status_code == 303
     assert await _audit(dashboard, tenant.id) == [("tenant.reactivate", {
         "lifted_reason": "billing", "forced": True, "note": "paid by wire"})]
+
+
+async def test_purging_the_prompt_cache_reports_each_replica(
+        dashboard: Dashboard, admin_client: tuple[httpx.AsyncClient, str]) -> None:
+    client, token = admin_client
+    tenant = await _tenant(dashboard)
+    async with dashboard.db.session() as session:
+        _, key = await create_api_key(session, tenant, settings=dashboard.settings)
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "cache me " * 20}]}
+    async with httpx.AsyncClient(base_url=f"{dashboard.url}/v1", headers={"Authorization": f"Bearer {key}"},
+                                 timeout=60.0) as api:
+        assert (await api.post("/chat/completions", json=chat)).status_code == 200
+    assert 'id="purge-cache-form"' in (await client.get(f"/admin/tenants/{tenant.id}")).text
+    purged = await client.post(f"/admin/tenants/{tenant.id}/purge-cache",
+                               data={"csrf_token": token, "note": "erasure request"})
+    assert purged.status_code == 200, purged.text[-2000:]
+    # The engine answered; the batch pool's only replica is down, and the page says to retry it.
+    assert re.search(r"Prompt cache purged: [1-9][\d,]* blocks? dropped on 1 of 2 replicas\.", purged.text)
+    down = dashboard.settings.pools["batch"].replicas[0]
+    assert f'<p class="error" role="alert">Not purged: {down}' in purged.text
+    [(action, details)] = await _audit(dashboard, tenant.id)
+    assert action == "tenant.purge_cache" and details["note"] == "erasure request"
+    assert details["purged_blocks"] > 0 and set(details["failed"]) == {down}
+    assert "tenant.purge_cache" in purged.text  # the page's audit log already shows it
+    missing = await client.post("/admin/tenants/999999999/purge-cache", data={"csrf_token": token})
+    assert missing.status_code == 404 and "no tenant" in missing.text
+    forged = await client.post(f"/admin/tenants/{tenant.id}/purge-cache", data={"note": "no token"})
+    assert forged.status_code == 403
+    assert len(await _audit(dashboard, tenant.id)) == 1
 
 
 async def test_refusals_render_pages(dashboard: Dashboard,

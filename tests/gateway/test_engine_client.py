@@ -1,5 +1,5 @@
 """The gateway's own HTTP/1.1 engine client against a scripted server: keep-alive reuse, a server that
-closed an idle connection, error mapping, chunked NDJSON streams, interrupting a stream."""
+closed an idle connection, error mapping, chunked NDJSON streams, interrupting a stream, purges."""
 
 from __future__ import annotations
 
@@ -218,3 +218,28 @@ async def test_interrupt_closes_the_connection_and_ends_the_stream_quietly() -> 
             assert stream.closed
         finally:
             await client.aclose()
+
+
+async def test_purge_sends_the_salt_and_reads_the_count() -> None:
+    answers = iter([(200, b'{"purged_blocks": 7}'), (500, b"boom"), (200, b'{"purged": 7}'),
+                    (200, b'{"purged_blocks": true}')])
+    bodies: list[bytes] = []
+
+    async def handler(line: bytes, body: bytes, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bool:
+        bodies.append(body)
+        respond(writer, *next(answers))
+        return True
+
+    async with scripted(handler) as (url, server):
+        client = EngineClient(request_timeout_s=5)
+        try:
+            assert await client.purge(url, "salt-a") == 7
+            for _ in range(3):  # an error status, then answers that do not say how many went
+                with pytest.raises(EngineUnavailable) as odd:
+                    await client.purge(url, "salt-a")
+                assert odd.value.message.startswith(f"{url}/kv/purge: ")
+        finally:
+            await client.aclose()
+    assert server.requests[0] == b"POST /kv/purge HTTP/1.1"
+    assert orjson.loads(bodies[0]) == {"cache_salt": "salt-a"}

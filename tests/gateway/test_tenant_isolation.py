@@ -305,6 +305,7 @@ CHECKS: dict[tuple[str, str], Callable[[World], Awaitable[None]]] = {
         ("patch", "/admin/v1/tenants/{tenant_id}", {"tpm_limit": 1}),
         ("post", "/admin/v1/tenants/{tenant_id}/suspend", {"reason": "x"}),
         ("post", "/admin/v1/tenants/{tenant_id}/reactivate", {}),
+        ("post", "/admin/v1/tenants/{tenant_id}/purge-cache", {}),
         ("get", "/admin/v1/tenants/{tenant_id}/keys", None),
         ("post", "/admin/v1/tenants/{tenant_id}/keys", {"name": "stolen"}),
         ("post", "/admin/v1/tenants/{tenant_id}/keys/{key_id}/revoke", {}),

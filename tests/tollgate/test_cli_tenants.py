@@ -1,17 +1,24 @@
-"""``tollgate tenants|keys|migrate`` against a database of their own (the commands commit)."""
+"""``tollgate tenants|keys|migrate`` against a database of their own (the commands commit);
+``tenants purge-cache`` against a synthetic engine replica and a dead one."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
 import psycopg
 import pytest
 from click.testing import CliRunner
 
+from engine.protocol import GenerateRequest
+from gateway.generation.service import cache_salt
 from gateway.tenants.keys import parse_key
 from gateway.tenants.service import ApiKeyService, InvalidApiKey
+from tests.gateway.gateway_processes import synthetic_engine
 from tollgate.cli import main
 from tollgate.db import Database
+from tollgate.local_services import free_port
 from tollgate.settings import get_settings
 
 
@@ -107,6 +114,44 @@ def test_suspend_and_resume(cli):
     resumed = cli("tenants", "resume", "sleepy", "--force")
     assert resumed.exit_code == 0 and "status=active" in resumed.output
     assert "sleepy" in cli("tenants", "list").output
+
+
+def test_purge_cache_reports_every_replica_and_fails_when_one_was_missed(cli, monkeypatch, tmp_path):
+    assert cli("tenants", "create", "leaving").exit_code == 0
+    with psycopg.connect(cli.url) as conn:
+        (tenant_id,) = conn.execute("SELECT id FROM tenants WHERE name = 'leaving'").fetchone()
+    with synthetic_engine(tmp_path / "engine.log") as engine:
+        dead = f"http://127.0.0.1:{free_port()}"
+        monkeypatch.setenv("TOLLGATE_POOLS", json.dumps({"interactive": {"replicas": [engine.url]},
+                                                         "batch": {"replicas": [dead]}}))
+        get_settings.cache_clear()
+        salt = cache_salt(get_settings().key_hash_secret.get_secret_value(), tenant_id)
+        request = GenerateRequest(request_id="seed", prompt_token_ids=list(range(1, 41)), max_tokens=1,
+                                  cache_salt=salt)
+        seeded = httpx.post(f"{engine.url}/generate", json=request.model_dump(), timeout=30.0)
+        assert seeded.status_code == 200, seeded.text
+
+        missed = cli("tenants", "purge-cache", "leaving", "--note", "erasure #7")
+        assert missed.exit_code == 1, missed.output
+        lines = missed.output.splitlines()
+        assert lines[0] == f"{engine.url}\t2 blocks purged"  # the two full blocks of 40 prompt tokens
+        assert lines[1].startswith(f"{dead}\tNOT purged: ")
+        assert f"tenant {tenant_id}: 2 blocks purged on 1 of 2 replicas" in missed.output
+        assert "1 replica(s) not purged" in missed.output and "Traceback" not in missed.output
+
+        monkeypatch.setenv("TOLLGATE_POOLS", json.dumps({"interactive": {"replicas": [engine.url]}}))
+        get_settings.cache_clear()
+        again = cli("tenants", "purge-cache", str(tenant_id))
+        assert again.exit_code == 0, again.output
+        assert again.output.splitlines() == [f"{engine.url}\t0 blocks purged",
+                                             f"tenant {tenant_id}: 0 blocks purged on 1 of 1 replicas"]
+    with psycopg.connect(cli.url) as conn:
+        audit = conn.execute("SELECT actor, details FROM audit_log WHERE action = 'tenant.purge_cache' "
+                             "ORDER BY id").fetchall()
+    assert [details["purged_blocks"] for _, details in audit] == [2, 0]
+    assert audit[0][0].startswith("cli") and audit[0][1]["note"] == "erasure #7"
+    assert set(audit[0][1]["failed"]) == {dead} and audit[1][1]["failed"] is None
+    assert cli("tenants", "purge-cache", "nobody").exit_code == 1
 
 
 def test_migrate_is_idempotent_and_needs_a_database_url(cli, monkeypatch):

@@ -5,6 +5,10 @@ change in ``audit_log`` with the actor ``cli:<user>``. ``keys create`` prints th
 LAST line of its output (scripts take ``| tail -n 1``); it is shown only once. Revocations and tenant
 changes are announced on Redis (``tollgate:invalidate``) after the commit when Redis is configured, so
 running gateways drop cached keys at once.
+
+``tenants purge-cache`` drops the tenant's prompt cache on every replica of the configured pools
+(``settings.pools``: the CLI reaches them itself, it runs in no gateway), one line per replica, then the
+total; it exits 1 when a replica was not purged (run it again to retry those).
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ def _announce(settings: Settings, **what: int | str) -> None:
 
 def _limit(value: int | None) -> str:
     return "unlimited" if value is None else str(value)
+
+
+def _blocks(count: int) -> str:
+    return f"{count} block{'' if count == 1 else 's'}"
 
 
 def _echo_tenant(tenant: object) -> None:
@@ -144,6 +152,32 @@ def resume_tenant(tenant: str, force: bool) -> None:
     row = run_in_session(settings, work)
     _announce(settings, tenant_id=row.id)
     _echo_tenant(row)
+
+
+@tenants.command("purge-cache")
+@click.argument("tenant")
+@click.option("--note", default=None, help="Why (kept in the audit log), e.g. a deletion request's id.")
+def purge_cache(tenant: str, note: str | None) -> None:
+    """Drop TENANT's (name or id) cached prompt blocks on every engine replica, in every tier."""
+    from gateway.admin.service import CachePurge, purge_tenant_cache
+    from gateway.tenants.service import TenantService
+
+    settings = get_settings()
+
+    async def work(session: AsyncSession) -> CachePurge:
+        tenant_id = (await TenantService(session, settings).get_tenant(tenant)).id
+        return await purge_tenant_cache(session, tenant_id, settings=settings, actor=cli_actor(), note=note)
+
+    purge = run_in_session(settings, work)
+    for replica in purge.replicas:
+        outcome = (f"{_blocks(replica.purged_blocks or 0)} purged" if replica.error is None
+                   else f"NOT purged: {replica.error}")
+        click.echo(f"{replica.url}\t{outcome}")
+    click.echo(f"tenant {purge.tenant_id}: {_blocks(purge.purged_blocks)} purged on "
+               f"{len(purge.replicas) - len(purge.failed)} of {len(purge.replicas)} replicas")
+    if purge.failed:
+        raise click.ClickException(f"{len(purge.failed)} replica(s) not purged; run the command again "
+                                   "to retry them")
 
 
 @click.group()
