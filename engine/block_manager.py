@@ -252,27 +252,29 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         num_full = min(num_full, len(seq.block_table))
         committed = self._seq_committed.get(seq.seq_id, 0)
-        if num_full <= committed:
-            return
-        self._seq_committed[seq.seq_id] = num_full
         if not self.enable_prefix_caching:
+            self._seq_committed[seq.seq_id] = max(num_full, committed)
             return
         policy = seq.cache_policy
-        cacheable = min(num_full, policy.cacheable_tokens(len(seq.token_ids)) // self.block_size)
-        hashes = self._hashes_upto(seq, cacheable)
         salt = self._salt(seq.cache_salt)[1]
-        prompt_blocks = seq.num_prompt_tokens // self.block_size if not seq.num_preemptions else 0
-        for i in range(committed, cacheable):
-            block = seq.block_table[i]
-            digest = hashes[i]
-            if self._block_hash[block] is None and digest not in self._hash_to_block:
-                self._register(block, digest, salt, policy.persist)
-                if i < prompt_blocks:
-                    seq.num_cache_write_tokens += self.block_size
+        if num_full > committed:
+            self._seq_committed[seq.seq_id] = num_full
+            cacheable = min(num_full, policy.cacheable_tokens(len(seq.token_ids)) // self.block_size)
+            hashes = self._hashes_upto(seq, cacheable)
+            prompt_blocks = seq.num_prompt_tokens // self.block_size if not seq.num_preemptions else 0
+            for i in range(committed, cacheable):
+                block = seq.block_table[i]
+                digest = hashes[i]
+                if self._block_hash[block] is None and digest not in self._hash_to_block:
+                    self._register(block, digest, salt, policy.persist)
+                    if i < prompt_blocks:
+                        seq.num_cache_write_tokens += self.block_size
+        # Once the prompt's cacheable blocks are all in (newly committed, or prefix hits already: a
+        # returning turn refreshes its pins), its lifetimes apply.
         pinned_blocks = policy.cacheable_tokens(seq.num_prompt_tokens) // self.block_size
-        if not seq.cache_lifetimes_applied and num_full >= pinned_blocks:
+        if not seq.cache_lifetimes_applied and max(num_full, committed) >= pinned_blocks:
             seq.cache_lifetimes_applied = True
-            self._apply_lifetimes(seq, hashes[:pinned_blocks], salt)
+            self._apply_lifetimes(seq, self._hashes_upto(seq, pinned_blocks)[:pinned_blocks], salt)
 
     def _apply_lifetimes(self, seq: Sequence, digests: list[bytes], salt: str) -> None:
         policy, tiers = seq.cache_policy, self.tiers

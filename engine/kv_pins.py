@@ -8,7 +8,8 @@ OpenAI's API sells cache lifetime as a product; the gateway turns it into a ``Ca
 - ``prompt_cache_retention`` ``24h`` is ``retention_s``: the blocks are written to the disk tier now (not
   only when evicted) and pinned there; the pin is the block file's modification time, so it outlives a
   restart. ``in_memory`` is ``persist=False``: the blocks this request writes to the cache never reach
-  the disk (a host eviction drops them).
+  the disk (a host eviction drops them); a later request of the same tenant that asks for a retention
+  of the same prefix still retains them (its own choice for its own tokens).
 - ``prompt_cache_options.mode`` ``explicit`` limits the cache to the prompt's first ``prefix_tokens``
   (its last explicit breakpoint, rounded down to whole blocks): nothing past it is looked up or written,
   and with no breakpoint (``0``) the request does not use the cache at all. ``None`` is ``implicit``:
@@ -45,6 +46,8 @@ class CachePolicy:
             raise ValueError(f"prefix_tokens must be >= 0, got {self.prefix_tokens}")
         if self.ttl_s < 0 or self.retention_s < 0:
             raise ValueError("ttl_s and retention_s must be >= 0")
+        if self.retention_s and not self.persist:
+            raise ValueError("a retention on disk contradicts persist=False (in_memory)")
 
     def cacheable_tokens(self, num_tokens: int) -> int:
         """Of a sequence's first ``num_tokens``, how many the cache may hold."""

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -46,9 +47,9 @@ def cache_fingerprint(model_dir: Path, dtype: torch.dtype, block_shape: tuple[in
     return digest[:16]
 
 
-# Copies issued together: the side stream's event (None: done), the device tensors it reads (kept alive until
-# it has), and what to do on the host once they have landed, in order.
-_InFlight = tuple["torch.cuda.Event | None", list[torch.Tensor], list[Callable[[], None]]]
+# Copies issued together: an event on each side stream after them (none on the CPU: done), the tensors
+# they read and write (kept alive until then), and what to do on the host once they have landed, in order.
+_InFlight = tuple[list["torch.cuda.Event"], list[torch.Tensor], list[Callable[[], None]]]
 
 
 class KVTransfer:
@@ -118,7 +119,7 @@ class KVTransfer:
 
     def poll(self) -> None:
         """Land the copies that have finished (after a step: the forward pass hid them)."""
-        while self._in_flight and (self._in_flight[0][0] is None or self._in_flight[0][0].query()):
+        while self._in_flight and all(event.query() for event in self._in_flight[0][0]):
             self._land(self._in_flight.pop(0))
 
     def complete(self) -> None:
@@ -127,19 +128,20 @@ class KVTransfer:
             self._land(self._in_flight.pop(0))
 
     def _land(self, entry: _InFlight) -> None:
-        event, _keep, landing = entry  # _keep: device tensors the side stream read, alive until now
-        if event is not None:
+        events, _keep, landing = entry  # _keep: what the side streams read and wrote, alive until now
+        for event in events:
             event.synchronize()
         for step in landing:
             step()
 
-    def _record(self, keep: list[torch.Tensor]) -> torch.cuda.Event | None:
-        """An event after the side stream's copies so far (None on the CPU or with none issued)."""
-        if self.stream is None or not keep:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+    def _record(self, keep: list[torch.Tensor]) -> list[torch.cuda.Event]:
+        """An event after each side stream's copies so far (none on the CPU or with none issued)."""
+        if self.stream is None or self.load_stream is None or not keep:
+            return []
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        events[0].record(self.stream)
+        events[1].record(self.load_stream)
+        return events
 
     def _to_host(self, gathered: list[torch.Tensor], keep: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per layer, the gathered blocks copied into pinned host memory (asynchronously on a GPU; the
@@ -276,7 +278,7 @@ class KVTransfer:
                         out.write(payload)  # type: ignore[arg-type]
                     os.replace(tmp, path)
                 elif kind == "read":
-                    digest, salt = payload  # type: ignore[misc]
+                    digest, salt = cast(tuple[bytes, str], payload)
                     self._reads.put((digest, salt, self._read_file(path)))
                 elif kind == "pin":
                     os.utime(path, (payload, payload))  # type: ignore[arg-type]
@@ -287,11 +289,12 @@ class KVTransfer:
                         child.unlink(missing_ok=True)
                     path.rmdir()
                 elif kind == "barrier":
-                    payload.set()  # type: ignore[union-attr]
+                    cast(threading.Event, payload).set()
             except Exception as exc:  # the thread must outlive any one job: readers wait on its answers
                 logger.warning("KV disk tier: %s %s failed: %r", kind, path, exc)
                 if kind == "read":
-                    self._reads.put((*payload, None))  # type: ignore[misc]
+                    digest, salt = cast(tuple[bytes, str], payload)
+                    self._reads.put((digest, salt, None))
 
     def _read_file(self, path: Path) -> bytes | None:
         try:

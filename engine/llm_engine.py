@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence as SequenceLike
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -514,7 +515,7 @@ class LLMEngine:
         )
 
 
-    def _tier_stats(self) -> dict[str, object]:
+    def _tier_stats(self) -> dict[str, Any]:
         tiers, transfer = self.block_manager.tiers, self.kv_transfer
         if tiers is None or transfer is None:
             return {}

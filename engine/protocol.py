@@ -73,6 +73,12 @@ class CacheSpec(_Strict):
     retention_s: float = Field(default=0.0, ge=0.0, le=7 * 86_400)
     persist: bool = True
 
+    @model_validator(mode="after")
+    def _consistent(self) -> CacheSpec:
+        if self.retention_s and not self.persist:
+            raise ValueError("cache.retention_s contradicts cache.persist=false")
+        return self
+
 
 class GenerateRequest(_Strict):
     """One generation request. Sampling fields mirror ``engine.sampling_params.SamplingParams``."""

@@ -37,14 +37,14 @@ OFFLOAD_CHARS = 32_000
 
 
 async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None,
-                      param: str, add_generation_prompt: bool = True) -> list[int]:
+                      param: str) -> list[int]:
     """The tokens of ``messages`` (and ``tools``) through the model's chat template, as the engine will
     run them; a long conversation off the event loop; a template error is a 400 naming ``param``."""
     size = sum(len(m["content"] or "") for m in messages)
     try:
         if size > OFFLOAD_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools, add_generation_prompt)
-        return tokenizer.encode_chat(messages, tools, add_generation_prompt)
+            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
+        return tokenizer.encode_chat(messages, tools)
     except ValueError as exc:
         raise InvalidRequestError(f"Invalid '{param}': {exc}", param=param) from None
 
@@ -54,19 +54,37 @@ async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], tool
 BREAKPOINT_KEY = "_cache_breakpoint"
 
 
+# Put at a breakpoint to find it in the rendered conversation (private-use characters: no text has them,
+# and no template rewrites them).
+_MARK = "\ue000tollgate-cache-breakpoint\ue000"
+
+
 async def breakpoint_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None,
                             prompt: list[int], param: str) -> int | None:
     """The tokens of ``prompt`` (the rendered ``messages``) before the conversation's last breakpoint;
-    None when no message has one. The conversation is rendered cut there, and what it has in common with
-    the prompt counts (a template's closing tokens after the cut never do)."""
+    None when no message has one. The whole conversation is rendered again with a mark at the breakpoint
+    (so the template sees the same shape: roles, tool calls, the generation prompt), and the text before
+    the mark is tokenized: the tokens it shares with the prompt count (a token merging across the mark
+    does not). A template that drops the mark leaves nothing cacheable."""
     last = max((i for i, m in enumerate(messages) if m.get(BREAKPOINT_KEY) is not None), default=None)
     if last is None:
         return None
-    cut = dict(messages[last])
-    cut["content"] = cut["content"][: cut[BREAKPOINT_KEY]]
-    tokens = await render_chat(tokenizer, [*messages[:last], cut], tools, param, add_generation_prompt=False)
+    marked = dict(messages[last])
+    at = marked[BREAKPOINT_KEY]
+    marked["content"] = marked["content"][:at] + _MARK + marked["content"][at:]
+    conversation = [*messages[:last], marked, *messages[last + 1:]]
+    try:
+        if sum(len(m["content"] or "") for m in conversation) > OFFLOAD_CHARS:
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, conversation, tools)
+        else:
+            text = tokenizer.apply_chat_template(conversation, tools)
+    except ValueError as exc:
+        raise InvalidRequestError(f"Invalid '{param}': {exc}", param=param) from None
+    end = text.find(_MARK)
+    if end < 0:
+        return 0
     common = 0
-    for mine, theirs in zip(tokens, prompt, strict=False):
+    for mine, theirs in zip(tokenizer.encode(text[:end], add_special_tokens=False), prompt, strict=False):
         if mine != theirs:
             break
         common += 1

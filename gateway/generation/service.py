@@ -157,7 +157,11 @@ class Generation:
         self._router_key = tenant_routing_key(salt, self.routing_key)
         info = self.route.info()
         block_size = info.block_size if info is not None else 16
-        hashes = [prefix_block_hashes(p, block_size, salt) for p in self.prompts]
+        # What each prompt may find cached (explicit mode: nothing past its breakpoint): what routing, shed
+        # checks and the routing index's expectations look at.
+        cacheable = None if self.cache is None or self.cache.prefix_tokens is None else (
+            self.cache.prefix_tokens // block_size)
+        hashes = [prefix_block_hashes(p, block_size, salt)[:cacheable] for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
         # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).
         async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class, tier=self.tier):

@@ -80,11 +80,12 @@ BACKGROUND_TASK = "responses.background"
 
 
 def _text_part(text: str, kind: str = "input_text", breakpoint: bool = False) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": kind, "text": text}
     if kind == "output_text":
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    if breakpoint:
-        return {"type": kind, "text": text, "prompt_cache_breakpoint": {"mode": "explicit"}}
-    return {"type": kind, "text": text}
+        part |= {"annotations": [], "logprobs": []}
+    if breakpoint:  # kept whatever the part's kind: a later turn's conversation still has it
+        part["prompt_cache_breakpoint"] = {"mode": "explicit"}
+    return part
 
 
 def _message_parts(item: MessageItem) -> list[dict[str, Any]]:

@@ -173,3 +173,20 @@ def test_explicit_mode_caches_only_up_to_the_breakpoint() -> None:
     bm.free(none)
     repeat = seq(list(range(50, 67)), CachePolicy(prefix_tokens=0))
     assert bm.allocate_for_prefill(repeat) and repeat.num_cached_tokens == 0
+
+
+def test_a_returning_prompt_served_from_the_cache_refreshes_its_pins() -> None:
+    clock = Clock()
+    host = HostTier(8, DiskIndex(capacity=16, clock=clock), clock=clock)
+    bm = BlockManager(num_blocks=8, block_size=BS, tiers=host)
+    policy = CachePolicy(ttl_s=1800, retention_s=86_400)
+    first = seq(list(range(10)), policy)  # 2 full blocks + 2 tokens
+    prefill(bm, first)
+    bm.free(first)
+    clock.now += 1000
+    again = seq(list(range(10)), policy)
+    prefill(bm, again)  # both blocks were prefix hits: nothing new to commit, the lifetimes still apply
+    assert again.num_cached_tokens == 2 * BS
+    assert (again.num_cache_pinned_tokens, again.num_cache_retained_tokens) == (2 * BS, 2 * BS)
+    digest = bm._hashes_upto(again, 1)[0]
+    assert host.pins.expiry(digest) == clock.now + 1800  # refreshed by the returning request

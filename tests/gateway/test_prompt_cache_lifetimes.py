@@ -137,3 +137,17 @@ async def test_bad_lifetimes_are_400_on_every_endpoint(client: httpx.AsyncClient
     check_error(await client.post("/responses", json={"model": MODEL, "input": "x", **fields}), 400, param)
     marked = [{"type": "text", "text": "hi", "prompt_cache_breakpoint": {"mode": "implicit"}}]
     check_error(await client.post("/chat/completions", json=chat(marked, "x")), 400)
+
+
+async def test_a_breakpoint_on_an_assistant_turn_is_kept(client: httpx.AsyncClient) -> None:
+    body = {"model": MODEL, "max_output_tokens": 2, "prompt_cache_options": {"mode": "explicit"},
+            "input": [{"role": "user", "content": SYSTEM},
+                      {"role": "assistant", "content": [{"type": "input_text", "text": "Noted.",
+                                                         "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+                      {"role": "user", "content": "Rule 5?"}]}
+    response = (await client.post("/responses", json=body)).json()
+    items = (await client.get(f"/responses/{response['id']}/input_items")).json()["data"]
+    assistant = next(item for item in items if item["role"] == "assistant")
+    assert assistant["content"][0]["prompt_cache_breakpoint"] == {"mode": "explicit"}
+    # Explicit mode caches up to the assistant's "Noted." (without the breakpoint: nothing at all).
+    assert response["usage"]["input_tokens_details"]["cache_write_tokens"] > 0
