@@ -20,7 +20,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
 
 RUN useradd --create-home --uid 10001 --user-group tollgate \
-    && mkdir -p /models /var/lib/tollgate/files /var/lib/tollgate/beat \
+    && mkdir -p /models /var/lib/tollgate/files /var/lib/tollgate/beat /var/lib/tollgate/kv \
     && chown -R tollgate:tollgate /models /var/lib/tollgate
 
 WORKDIR /app
