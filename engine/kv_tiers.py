@@ -224,9 +224,7 @@ class HostTier:
             if digest in self.disk:
                 self.disk.touch(digest)
             else:
-                self.plan.persist.append((slot, digest, salt))
-                self.counters.persisted_blocks += 1
-                self._add_file(digest, salt)
+                self._write_slot(slot, digest, salt)
         return True
 
     def lock(self, digests: list[bytes]) -> None:
@@ -314,11 +312,7 @@ class HostTier:
             if digest in disk:
                 disk.touch(digest)
             elif digest in self._slot_of:
-                slot = self._slot_of[digest]
-                self._locked.add(slot)  # the write reads the slot when the plan runs
-                self.plan.persist.append((slot, digest, salt))
-                self.counters.persisted_blocks += 1
-                self._add_file(digest, salt)
+                self._write_slot(self._slot_of[digest], digest, salt)
             else:
                 self.plan.save.append((device_block, digest, salt))  # type: ignore[arg-type]
                 self.counters.saved_blocks += 1
@@ -390,6 +384,14 @@ class HostTier:
             return
         self.plan.demote.append((slot, digest, salt))
         self.counters.demoted_blocks += 1
+        self._add_file(digest, salt)
+
+    def _write_slot(self, slot: int, digest: bytes, salt: str) -> None:
+        """Write host ``slot`` to the file of ``digest`` when the plan runs (the slot is kept from reuse
+        until then)."""
+        self._locked.add(slot)
+        self.plan.persist.append((slot, digest, salt))
+        self.counters.persisted_blocks += 1
         self._add_file(digest, salt)
 
     def _add_file(self, digest: bytes, salt: str) -> None:

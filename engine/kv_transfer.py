@@ -163,8 +163,7 @@ class KVTransfer:
     def _write_saved(self, saved: list[torch.Tensor], save: list[tuple[int, bytes, str]]) -> None:
         blocks = torch.stack(saved)  # [layers, 2, n, bs, heads, dim]
         for i, (_, digest, salt) in enumerate(save):
-            data = blocks[:, :, i].contiguous().view(torch.uint8).numpy().tobytes()
-            self._jobs.put(("write", self.path(digest, salt), data))
+            self._jobs.put(("write", self.path(digest, salt), _file_bytes(blocks[:, :, i])))
 
     def _load(self, load: list[tuple[int, int]], keep: list[torch.Tensor]) -> None:
         """Host slots into device blocks: on a GPU, staged in pinned memory and copied on the load stream
@@ -190,8 +189,7 @@ class KVTransfer:
         self._jobs.put(("write", path, self._slot_bytes(slot)))
 
     def _slot_bytes(self, slot: int) -> bytes:
-        block = torch.stack([host[:, slot] for host in self.host])  # [layers, 2, bs, heads, dim]
-        return block.contiguous().view(torch.uint8).numpy().tobytes()
+        return _file_bytes(torch.stack([host[:, slot] for host in self.host]))
 
     def _set_slot(self, slot: int, data: bytes) -> None:
         block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
@@ -308,3 +306,8 @@ class KVTransfer:
         if path.stat().st_mtime <= time.time():  # recently used (a pinned file keeps its expiry)
             os.utime(path)
         return data[len(_MAGIC):]
+
+
+def _file_bytes(block: torch.Tensor) -> bytes:
+    """A block file's payload: one block's K/V, ``[layers, 2, block_size, kv_heads, head_dim]``, raw."""
+    return block.contiguous().view(torch.uint8).numpy().tobytes()

@@ -34,6 +34,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from engine.kv_events import EventPage
+from engine.kv_pins import CachePolicy
 
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 
@@ -75,9 +76,11 @@ class CacheSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> CacheSpec:
-        if self.retention_s and not self.persist:
-            raise ValueError("cache.retention_s contradicts cache.persist=false")
+        self.policy()  # its rules across fields (a contradiction is a 400, not a failure later)
         return self
+
+    def policy(self) -> CachePolicy:
+        return CachePolicy(**self.model_dump())
 
 
 class GenerateRequest(_Strict):

@@ -47,7 +47,6 @@ from engine.pooling import PoolingParams
 from engine.protocol import (
     AbortRequest,
     CacheReport,
-    CacheSpec,
     ErrorInfo,
     ErrorRecord,
     GenerateRequest,
@@ -93,9 +92,6 @@ class ServingEngine(Protocol):
 
     def shutdown(self) -> None: ...
 
-
-def _cache_policy(spec: CacheSpec | None) -> CachePolicy:
-    return DEFAULT_POLICY if spec is None else CachePolicy(**spec.model_dump())
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
@@ -186,11 +182,12 @@ def create_app(engine: ServingEngine) -> FastAPI:
                 params = SamplingParams(**kwargs)
             except ValueError as exc:
                 return _error(400, str(exc), _param_of(str(exc)), request_id=body.request_id)
+        cache_policy = DEFAULT_POLICY if body.cache is None else body.cache.policy()
         try:
             stream = await engine.add_request(body.request_id, body.prompt_token_ids, params,
                                               tenant=body.tenant, cache_salt=body.cache_salt,
                                               priority=body.priority, pooling=pooling,
-                                              cache_policy=_cache_policy(body.cache))
+                                              cache_policy=cache_policy)
         except RequestValidationError as exc:
             return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:

@@ -6,7 +6,8 @@ the model's chat template, and the context length."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
@@ -36,17 +37,27 @@ def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> M
 OFFLOAD_CHARS = 32_000
 
 
+Rendered = TypeVar("Rendered")
+
+
+async def _through_template(render: Callable[[list[dict[str, Any]], list[dict] | None], Rendered],
+                            messages: list[dict[str, Any]], tools: list[dict] | None, param: str) -> Rendered:
+    """``render(messages, tools)`` (a use of the chat template), off the event loop for a long
+    conversation; a template error is a 400 naming ``param``."""
+    size = sum(len(m["content"] or "") for m in messages)
+    try:
+        if size > OFFLOAD_CHARS:
+            return await asyncio.to_thread(render, messages, tools)
+        return render(messages, tools)
+    except ValueError as exc:
+        raise InvalidRequestError(f"Invalid '{param}': {exc}", param=param) from None
+
+
 async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None,
                       param: str) -> list[int]:
     """The tokens of ``messages`` (and ``tools``) through the model's chat template, as the engine will
     run them; a long conversation off the event loop; a template error is a 400 naming ``param``."""
-    size = sum(len(m["content"] or "") for m in messages)
-    try:
-        if size > OFFLOAD_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
-        return tokenizer.encode_chat(messages, tools)
-    except ValueError as exc:
-        raise InvalidRequestError(f"Invalid '{param}': {exc}", param=param) from None
+    return await _through_template(tokenizer.encode_chat, messages, tools, param)
 
 
 # On a chat-template message: the characters of its content that end at its last prompt-cache breakpoint
@@ -73,13 +84,7 @@ async def breakpoint_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]]
     at = marked[BREAKPOINT_KEY]
     marked["content"] = marked["content"][:at] + _MARK + marked["content"][at:]
     conversation = [*messages[:last], marked, *messages[last + 1:]]
-    try:
-        if sum(len(m["content"] or "") for m in conversation) > OFFLOAD_CHARS:
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, conversation, tools)
-        else:
-            text = tokenizer.apply_chat_template(conversation, tools)
-    except ValueError as exc:
-        raise InvalidRequestError(f"Invalid '{param}': {exc}", param=param) from None
+    text = await _through_template(tokenizer.apply_chat_template, conversation, tools, param)
     end = text.find(_MARK)
     if end < 0:
         return 0

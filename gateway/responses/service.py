@@ -118,8 +118,12 @@ def input_items(body: CreateResponseRequest) -> list[dict[str, Any]]:
     return items
 
 
+def _stored_part_text(part: dict[str, Any]) -> str:
+    return part.get("text") or part.get("refusal") or ""
+
+
 def _message_text(item: dict[str, Any]) -> str:
-    return "".join(part.get("text") or part.get("refusal") or "" for part in item["content"])
+    return "".join(_stored_part_text(part) for part in item["content"])
 
 
 def template_messages(instructions: str | None, history: list[dict[str, Any]],
@@ -135,8 +139,8 @@ def template_messages(instructions: str | None, history: list[dict[str, Any]],
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             message = {"role": role, "content": _message_text(item)}
-            offset = breakpoint_offset([(p.get("text") or p.get("refusal") or "",
-                                         "prompt_cache_breakpoint" in p) for p in item["content"]])
+            offset = breakpoint_offset([(_stored_part_text(p), "prompt_cache_breakpoint" in p)
+                                        for p in item["content"]])
             if offset is not None:
                 message[BREAKPOINT_KEY] = offset
             messages.append(message)
