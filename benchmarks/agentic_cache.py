@@ -110,7 +110,7 @@ async def run_turn(client: Any, session: Session, number: int, index: int, rng: 
 
 def ideal_hits(prompts: list[tuple[int, list[int]]], block_size: int) -> int:
     """Hit tokens of an infinite cache with perfect routing over ``(tenant, prompt token ids)`` in order."""
-    from engine.block_hash import prefix_block_hashes
+    from engine.kv.block_hash import prefix_block_hashes
 
     seen: set[bytes] = set()
     hits = 0

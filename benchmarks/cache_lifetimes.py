@@ -47,7 +47,7 @@ def words(rng: random.Random, count: int) -> list[int]:
 
 def run_config(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from engine import LLM, SamplingParams
-    from engine.kv_pins import DEFAULT_POLICY, CachePolicy
+    from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 
     tiers: dict[str, Any] = {"num_host_kv_blocks": args.host_blocks}
     if "disk" in name:

@@ -3,7 +3,7 @@ decode step's time with offloads in flight against without.
 
 Set-up: Llama-3-8B's shapes (``benchmarks.decode_step``), bfloat16, random weights drawn on the device,
 a device pool for ``--batch`` sequences of ``--context`` tokens plus the blocks to move, and a host tier
-(``engine.kv_transfer.KVTransfer``, pinned memory) of ``--blocks`` slots.
+(``engine.kv.transfer.KVTransfer``, pinned memory) of ``--blocks`` slots.
 
 1. PCIe rate: one pinned host buffer of ``--blocks`` blocks' bytes copied to and from the device
    (the best of several copies, synchronised).
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from engine.config import EngineConfig
-    from engine.kv_tiers import TransferPlan
-    from engine.kv_transfer import KVTransfer
+    from engine.kv.tiers import TransferPlan
+    from engine.kv.transfer import KVTransfer
     from engine.model_runner import ModelRunner
 
     per_seq = -(-args.context // 16)

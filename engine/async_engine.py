@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.kv_pins import DEFAULT_POLICY, CachePolicy
+from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams, checkpoint_pooling
@@ -196,7 +196,7 @@ class AsyncEngine:
             "vocab_size": e.vocab_size,
             "block_size": self.config.block_size,
             "eos_token_ids": sorted(e.eos_token_ids),
-            "num_kv_blocks": e.block_manager.num_blocks,
+            "num_kv_blocks": e.kv.blocks.num_blocks,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "embedding_dimensions": e.runner.args.hidden_size,

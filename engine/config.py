@@ -35,7 +35,7 @@ class EngineConfig:
     # (benchmarks of model shapes without a checkpoint, never serving).
     load_format: str = "safetensors"
     seed: int = 0
-    # Lower tiers of the prefix cache (``engine.kv_tiers``): host memory for evicted blocks (0: none)
+    # Lower tiers of the prefix cache (``engine.kv.tiers``): host memory for evicted blocks (0: none)
     # and, below it, block files in ``kv_disk_dir`` (0: none; they survive a restart).
     host_kv_gb: float = 0.0
     disk_kv_gb: float = 0.0
@@ -43,7 +43,7 @@ class EngineConfig:
     # Exact tier sizes in blocks, overriding the GiB settings (tests, benchmarks).
     num_host_kv_blocks: int | None = None
     num_disk_kv_blocks: int | None = None
-    # Cache lifetimes (``engine.kv_pins``): the blocks one tenant may pin in the host tier for a ttl, and
+    # Cache lifetimes (``engine.kv.pins``): the blocks one tenant may pin in the host tier for a ttl, and
     # retain on disk (None: a quarter of the tier).
     kv_pin_quota_blocks: int | None = None
     kv_retention_quota_blocks: int | None = None

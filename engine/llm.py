@@ -21,7 +21,7 @@ from collections.abc import Sequence as SequenceLike
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.kv_pins import DEFAULT_POLICY, CachePolicy
+from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.llm_engine import LLMEngine, RequestValidationError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.pooling import PoolingParams, checkpoint_pooling
@@ -99,7 +99,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run ``prompts`` (strings or token-id lists) to completion; outputs in input order. With
         ``pooling``, each is an embedding request (``RequestOutput.embedding``; see ``embed``);
-        ``cache_policy``: every prompt's prefix-cache lifetimes (``engine.kv_pins``)."""
+        ``cache_policy``: every prompt's prefix-cache lifetimes (``engine.kv.pins``)."""
         prompt_list = _as_prompt_list(prompts)
         n = len(prompt_list)
         params_list = _per_prompt(params if params is not None else SamplingParams(), n, "params",

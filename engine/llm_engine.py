@@ -31,19 +31,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as SequenceLike
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
-from engine.kv_events import KVEventLog
-from engine.kv_pins import DEFAULT_POLICY, CachePolicy
-from engine.kv_tiers import DiskIndex, HostTier, TransferPlan
-from engine.kv_transfer import KVTransfer, cache_fingerprint
+from engine.kv.cache import KVCache
+from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams
@@ -90,12 +86,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config)
-        self.kv_events = KVEventLog()
-        self.kv_transfer, tiers = self._kv_tiers()
-        self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, tiers, self.kv_events
-        )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.kv = KVCache.create(config, self.runner.num_kv_blocks, self.runner.kv_transfer)
+        self.kv_events = self.kv.events
+        self.scheduler = Scheduler(config, self.kv)
         self.vocab_size: int = self.runner.vocab_size
         self.eos_token_ids: frozenset[int] = frozenset(self.runner.eos_token_ids)
         self.sampler = Sampler(self.vocab_size, self._grammar_backend(), seed=config.seed)
@@ -112,46 +105,20 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []
         self._stats = EngineStats(num_kv_blocks=self.runner.num_kv_blocks)
 
-    def _kv_tiers(self) -> tuple[KVTransfer | None, HostTier | None]:
-        """The host and disk tiers of the prefix cache, as configured (none by default)."""
-        config, runner = self.config, self.runner
-        if not config.host_tier or not config.enable_prefix_caching:
-            return None, None
-        block_bytes = config.block_size * runner.kv_bytes_per_token
-
-        def blocks(exact: int | None, gb: float) -> int:
-            return exact if exact is not None else int(gb * 2**30) // block_bytes
-
-        num_slots = max(1, blocks(config.num_host_kv_blocks, config.host_kv_gb))
-        disk_dir = Path(config.kv_disk_dir) if config.disk_tier and config.kv_disk_dir else None
-        block_shape = tuple(runner.kv_caches[0].shape[2:])
-        fingerprint = cache_fingerprint(Path(config.model), runner.dtype, block_shape)
-        transfer = KVTransfer(runner.kv_caches, num_slots, disk_dir, fingerprint)
-        disk = None
-        if disk_dir is not None:
-            files, pins = transfer.scan(time.time())
-            disk = DiskIndex(blocks(config.num_disk_kv_blocks, config.disk_kv_gb), files, self.kv_events,
-                             retention_quota=config.kv_retention_quota_blocks, pinned=pins)
-            transfer.execute(TransferPlan(delete=disk.trim()))
-            logger.info("KV disk tier: %d blocks of %d found in %s", len(disk), disk.capacity, transfer.root)
-        logger.info("KV host tier: %d blocks (%.2f GiB)", num_slots, num_slots * block_bytes / 2**30)
-        return transfer, HostTier(num_slots, disk, self.kv_events, pin_quota=config.kv_pin_quota_blocks)
-
     def purge_cache(self, cache_salt: str | None) -> int:
         """Drop every cached block of ``cache_salt`` from the device, host and disk tiers (between steps);
         returns how many blocks went."""
-        dropped = self.block_manager.purge(cache_salt)
-        tiers, transfer = self.block_manager.tiers, self.kv_transfer
-        if tiers is not None and transfer is not None:
-            transfer.execute(tiers.take_plan())
-            transfer.delete_salt(self.block_manager.salt_key(cache_salt))
+        dropped = self.kv.purge(cache_salt)
+        self.runner.transfer(self.kv.take_plan())
         return dropped
+
+    def flush_kv(self) -> None:
+        """Land every tier copy and finish every queued disk job (tests)."""
+        self.runner.flush_transfers()
 
     def close(self) -> None:
         """Finish the disk tier's queued writes (a restart finds every block demoted so far)."""
-        if self.kv_transfer is not None:
-            self.kv_transfer.flush()
-            self.kv_transfer.close()
+        self.runner.close()
 
     def _grammar_backend(self) -> GrammarBackend | None:
         """Structured output needs the checkpoint's ``tokenizer.json`` and an EOS to end documents."""
@@ -254,8 +221,6 @@ class LLMEngine:
         for completion in completions:
             self._seq_owner[completion.seq.seq_id] = completion
             self.scheduler.add(completion.seq)
-        if self.kv_transfer is not None:  # its prefix on disk is read while it waits
-            self.kv_transfer.read(self.block_manager.disk_reads(completions[0].seq))
         self._stats.prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> bool:
@@ -299,16 +264,11 @@ class LLMEngine:
         """Run one scheduling step; return what every affected request gained."""
         outputs, self._pending = self._pending, []
         started = time.perf_counter()
-        transfer, tiers = self.kv_transfer, self.block_manager.tiers
-        if transfer is not None and tiers is not None:
-            for digest, salt, data in transfer.finished_reads():
-                tiers.fill(digest, salt, data)
         batch = self.scheduler.schedule()
-        if transfer is not None and tiers is not None:
-            transfer.execute(tiers.take_plan())  # before the forward pass overwrites any evicted block
         if not batch:
-            if transfer is not None and tiers is not None and tiers.any_reading():
-                transfer.wait_for_read(timeout_s=0.05)  # every waiting prompt waits for the disk
+            self.runner.transfer(batch.transfers)
+            if self.kv.reading():
+                self.kv.wait_for_read(timeout_s=0.05)  # every waiting prompt waits for the disk
                 return outputs
             if self.scheduler.has_unfinished():
                 # Every accepted request fits the KV pool alone, so an empty step with work left is a bug.
@@ -328,10 +288,7 @@ class LLMEngine:
                 prefill_tokens += scheduled.num_tokens
         logits = self.runner.run(batch)
         self.scheduler.update_after_step(batch)
-        if transfer is not None and tiers is not None:
-            if tiers.plan:  # what committing asked for (retained blocks), while the device blocks are intact
-                transfer.execute(tiers.take_plan())
-            transfer.poll()
+        self.runner.transfer(batch.transfers_after)  # retained blocks, while the device blocks are intact
         touched: dict[str, _Request] = {}
         for seq in pooled:  # an embedding is done once its whole prompt has run
             completion = self._seq_owner[seq.seq_id]
@@ -478,7 +435,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters (a new object; safe to hand to other threads)."""
         s = self._stats
-        sched, bm = self.scheduler, self.block_manager
+        sched, bm = self.scheduler, self.kv.blocks
         pending_prefill = 0
         by_priority: dict[int, int] = {}
         for request in self._requests.values():
@@ -505,7 +462,7 @@ class LLMEngine:
             prefix_query_tokens=bm.prefix_queries_tokens,
             prefix_hit_tokens=bm.prefix_hit_tokens,
             prefix_hit_tokens_by_tier=dict(bm.hit_tokens_by_tier),
-            **self._tier_stats(),
+            **self.kv.tier_stats(),
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             num_requests_finished=dict(s.num_requests_finished),
@@ -513,17 +470,6 @@ class LLMEngine:
             tokens_per_s=s.tokens_per_s,
             ttft_s=s.ttft_s,
         )
-
-
-    def _tier_stats(self) -> dict[str, Any]:
-        tiers, transfer = self.block_manager.tiers, self.kv_transfer
-        if tiers is None or transfer is None:
-            return {}
-        disk = tiers.disk
-        return {"kv_tier_blocks": {"host": len(tiers), "disk": len(disk) if disk else 0},
-                "kv_tier_capacity": {"host": tiers.num_slots, "disk": disk.capacity if disk else 0},
-                "kv_tier_moves": asdict(tiers.counters), "kv_block_bytes": transfer.block_bytes,
-                "kv_pinned_blocks": {"host": len(tiers.pins), "disk": len(disk.pins) if disk else 0}}
 
 
 def _is_int(value: object) -> bool:

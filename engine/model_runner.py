@@ -42,6 +42,8 @@ import torch
 
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
+from engine.kv.tiers import TransferPlan
+from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model
 from engine.models.config import ModelArgs
 from engine.sequence import ScheduledBatch, Sequence
@@ -148,6 +150,15 @@ class ModelRunner:
                                  self.dtype, self.device)
             for _ in range(args.num_layers)
         ]
+        self.kv_transfer: KVTransfer | None = None
+        if config.host_tier and config.enable_prefix_caching:
+            disk_dir = Path(config.kv_disk_dir) if config.disk_tier and config.kv_disk_dir else None
+            block_shape = tuple(self.kv_caches[0].shape[2:])
+            slots = config.num_host_kv_blocks
+            if slots is None:
+                slots = int(config.host_kv_gb * 2**30) // (self.block_size * self.kv_bytes_per_token)
+            self.kv_transfer = KVTransfer(self.kv_caches, max(1, slots), disk_dir,
+                                          cache_fingerprint(model_dir, self.dtype, block_shape))
         self._graphs: _DecodeGraphs | None = None
         use_graphs = self.device.type == "cuda" and self.attention_backend.name == "triton"
         if use_graphs and not config.enforce_eager:
@@ -276,9 +287,31 @@ class ModelRunner:
         return (dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta,
                 dev(torch.tensor(logits_indices, dtype=torch.int64)))
 
+    def transfer(self, plan: TransferPlan | None) -> None:
+        """Make the copies between KV tiers a plan asks for, in device order, and land those that are done."""
+        if self.kv_transfer is None:
+            return
+        if plan is not None:
+            self.kv_transfer.execute(plan)
+        self.kv_transfer.poll()
+
+    def flush_transfers(self) -> None:
+        """Land every copy and finish every queued disk job (tests, shutdown)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.flush()
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (a restart finds every block demoted so far)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.flush()
+            self.kv_transfer.close()
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Compute the batch's chunks into the KV cache; float32 logits ``[num_sampled, vocab]``."""
+        """Make the batch's tier copies, then compute its chunks into the KV cache; float32 logits
+        ``[num_sampled, vocab]``."""
+        if batch.transfers is not None and self.kv_transfer is not None:
+            self.kv_transfer.execute(batch.transfers)  # before the forward pass overwrites an evicted block
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         if self._graphs is not None and self._graphs.covers(meta):
             hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]

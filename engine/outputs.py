@@ -34,7 +34,7 @@ class Usage:
     # Prompt tokens newly written to the prefix cache by this request (full blocks; OpenAI's
     # ``cache_write_tokens``).
     cache_write_tokens: int = 0
-    # Prompt tokens this request's cache lifetimes applied to (``engine.kv_pins``): pinned in the host
+    # Prompt tokens this request's cache lifetimes applied to (``engine.kv.pins``): pinned in the host
     # tier for its ttl, retained on disk.
     cache_pinned_tokens: int = 0
     cache_retained_tokens: int = 0
@@ -172,14 +172,14 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     # Of the hits, where they were served from: device, host (the host tier), disk (read from disk).
     prefix_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    # The lower tiers (``engine.kv_tiers``; empty without them): blocks held and capacity per tier,
+    # The lower tiers (``engine.kv.tiers``; empty without them): blocks held and capacity per tier,
     # blocks moved since start (offloaded, demoted, loaded, disk_read, host_evicted, disk_evicted), and
     # the bytes of one block (moved blocks x this = bytes copied).
     kv_tier_blocks: dict[str, int] = field(default_factory=dict)
     kv_tier_capacity: dict[str, int] = field(default_factory=dict)
     kv_tier_moves: dict[str, int] = field(default_factory=dict)
     kv_block_bytes: int = 0
-    # Blocks held by cache lifetimes (``engine.kv_pins``): pinned in the host tier, retained on disk.
+    # Blocks held by cache lifetimes (``engine.kv.pins``): pinned in the host tier, retained on disk.
     kv_pinned_blocks: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     generation_tokens: int = 0

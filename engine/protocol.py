@@ -33,8 +33,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from engine.kv_events import EventPage
-from engine.kv_pins import CachePolicy
+from engine.kv.events import EventPage
+from engine.kv.pins import CachePolicy
 
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 
@@ -67,7 +67,7 @@ class PoolingSpec(_Strict):
 
 
 class CacheSpec(_Strict):
-    """A request's prompt-cache lifetimes (``engine.kv_pins.CachePolicy``, which says what each means)."""
+    """A request's prompt-cache lifetimes (``engine.kv.pins.CachePolicy``, which says what each means)."""
 
     prefix_tokens: int | None = Field(default=None, ge=0)
     ttl_s: float = Field(default=0.0, ge=0.0, le=7 * 86_400)

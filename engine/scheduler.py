@@ -37,18 +37,19 @@ from __future__ import annotations
 import bisect
 import itertools
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.fairness import TenantFairness
+from engine.kv.cache import KVCache
 from engine.preemption import VictimPolicy
 from engine.sequence import FinishReason, ScheduledBatch, ScheduledSeq, Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCache) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.block_manager = block_manager
+        self.kv = kv
+        self.block_manager = kv.blocks
         # priority -> tenant -> waiting sequences in arrival order.
         self._waiting: dict[int, dict[str, list[Sequence]]] = {}
         self._num_waiting = 0
@@ -89,6 +90,7 @@ class Scheduler:
         self._by_request.setdefault(seq.request_id, []).append(seq)
         self.fairness.activate(seq.tenant)
         self._push_waiting(seq)
+        self.kv.queue_disk_reads(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every unfinished sequence of the request with reason ABORT and free its blocks."""
@@ -132,7 +134,9 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        """Pick the work of one step (see the module docstring for the policy)."""
+        """Pick the work of one step (see the module docstring for the policy), with the copies between
+        KV tiers it needs first (``batch.transfers``)."""
+        self.kv.begin_step()
         self.fairness.advance_vtime()
         step = _Step(self.max_num_batched_tokens)
         running_by_level: dict[int, dict[str, list[Sequence]]] = {}
@@ -156,7 +160,7 @@ class Scheduler:
             step.budget = self.fairness.isolate_admissions(
                 step.scheduled, step.fair_admitted, step.fair_level, step.budget
             )
-        return ScheduledBatch(list(step.scheduled.values()), step.preempted)
+        return ScheduledBatch(list(step.scheduled.values()), step.preempted, self.kv.take_plan())
 
     def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
         """Advance ``num_computed_tokens`` by each chunk and publish newly full blocks to the prefix cache.
@@ -185,6 +189,7 @@ class Scheduler:
                 self.num_partial_prefill_chunks += 1
             seq.num_computed_tokens = end
             self.block_manager.commit_computed(seq)
+        batch.transfers_after = self.kv.take_plan()
         return sampled
 
     # ---- internals: scheduling ------------------------------------------------------------------

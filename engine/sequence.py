@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.kv_pins import DEFAULT_POLICY, CachePolicy
+from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 
 if TYPE_CHECKING:
     from engine.pooling import PoolingParams
@@ -66,7 +66,7 @@ class Sequence:
     # Prompt tokens this sequence newly wrote into the prefix cache (the full prompt blocks it registered
     # on its first admission; recompute after a preemption is not counted).
     num_cache_write_tokens: int = 0
-    # Its prompt-cache lifetimes (``engine.kv_pins``) and what they applied: prompt tokens pinned in the
+    # Its prompt-cache lifetimes (``engine.kv.pins``) and what they applied: prompt tokens pinned in the
     # host tier for the ttl, and retained on disk.
     cache_policy: CachePolicy = DEFAULT_POLICY
     cache_lifetimes_applied: bool = False
@@ -141,6 +141,10 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq]
     # Sequences preempted (by recompute) while building this step, for counters and logs.
     preempted: list[Sequence] = field(default_factory=list)
+    # Copies between KV tiers (``engine.kv.tiers.TransferPlan``) the runner makes before the forward pass,
+    # and those that committing the step asked for (retained blocks), made after it. None: nothing.
+    transfers: Any = None
+    transfers_after: Any = None
 
     @property
     def num_tokens(self) -> int:

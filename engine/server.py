@@ -10,7 +10,7 @@
   ``GET /load``, ``GET /metrics`` (Prometheus text from the replica's own registry).
 - ``GET /kv/events?epoch=&after=&limit=&wait_s=``: the prefix cache's block events after a cursor (with
   ``wait_s``, a long poll: it answers as soon as there is one), or a snapshot of every held block hash
-  when the cursor is of another engine start or too old (``engine.kv_events``;
+  when the cursor is of another engine start or too old (``engine.kv.events``;
   the wire form is ``engine.protocol.KVEventsResponse``). The gateways' routing index follows it.
 - ``POST /kv/purge`` ``{"cache_salt"}``: drop one tenant's cached blocks from every tier (device, host,
   disk files); 200 ``{"purged_blocks": n}``.
@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import EngineError, RequestStream
 from engine.config import EngineConfig
-from engine.kv_events import KVEventLog
-from engine.kv_pins import DEFAULT_POLICY, CachePolicy
+from engine.kv.events import KVEventLog
+from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import CONTENT_TYPE
 from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.pooling import PoolingParams

@@ -6,7 +6,7 @@ validates requests the same way (empty prompt, vocab range, context length), str
 completion every ``token_interval_s`` after ``ttft_s``, and stops at ``max_tokens`` (``length``) or
 when it emits one of ``stop_token_ids`` (``stop``). Token ids cycle through a small fixed word list, so
 texts are readable and deterministic per request. Prefix caching is simulated with the real block hash
-chain (``engine.block_hash``, same salt rules) over an LRU of ``cache_blocks`` hashes, so the gateway's
+chain (``engine.kv.block_hash``, same salt rules) over an LRU of ``cache_blocks`` hashes, so the gateway's
 cached-token pricing sees realistic ``cached_tokens``. No torch.
 
 Queueing (opt-in, ``prefill_tokens_per_s > 0``; for overload and shedding tests): prompts are then
@@ -31,9 +31,9 @@ from collections import OrderedDict
 from typing import Any
 
 from engine.async_engine import RequestStream
-from engine.block_hash import prefix_block_hashes
-from engine.kv_events import KVEventLog
-from engine.kv_pins import DEFAULT_POLICY, CachePolicy
+from engine.kv.block_hash import prefix_block_hashes
+from engine.kv.events import KVEventLog
+from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams

@@ -1,6 +1,6 @@
 """What each engine replica's prefix cache really holds, followed from its block events.
 
-Every gateway process follows each replica's ``GET /kv/events`` (``engine.kv_events``) on its own:
+Every gateway process follows each replica's ``GET /kv/events`` (``engine.kv.events``) on its own:
 events are applied in sequence order from a cursor; a snapshot (the engine restarted: a new ``epoch``;
 or the cursor fell behind what the engine keeps) replaces the view wholesale. So every process converges
 on the same index, and it reflects evictions, offloads to the host and disk tiers, and restarts, which
@@ -8,7 +8,7 @@ no guess from past routing decisions can.
 
 ``ReplicaKVIndex.held_prefix(hashes)`` answers the router on the hot path, in memory: the tier of each
 leading block of a prompt that the replica holds, up to the first it does not. Hashes are salted per
-tenant (``engine.block_hash``), so the index never matches one tenant's prompt to another's blocks.
+tenant (``engine.kv.block_hash``), so the index never matches one tenant's prompt to another's blocks.
 
 Between a routing decision and the events it causes there is a lag (the follow interval plus the
 prefill). So that a session's next turn, or a burst sharing a new prefix, does not miss what is being
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from engine.kv_events import TIER_BITS
+from engine.kv.events import TIER_BITS
 
 DEVICE, HOST, DISK = TIER_BITS["device"], TIER_BITS["host"], TIER_BITS["disk"]
 # What a held block is worth to a new request, by the best tier it is in: a device hit is free, a host

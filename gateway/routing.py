@@ -11,7 +11,7 @@ Invariants and policies:
   is out after ``PROBE_FAILURES_TO_DOWN`` consecutive failures, so a replica that is merely busy
   answering a probe slowly keeps serving. A later successful probe brings a replica back.
 - Where a prompt goes (``settings.routing_policy``), by its leading full-block hashes
-  (``engine.block_hash``, salted per tenant, so no choice ever crosses tenants):
+  (``engine.kv.block_hash``, salted per tenant, so no choice ever crosses tenants):
   - ``index`` (the default): by what each replica's prefix cache really holds (``gateway.kv_index``,
     followed from each replica's ``/kv/events`` by a long poll, so within milliseconds of each event,
     retried every ``kv_index_poll_interval_s`` while a replica is unreachable; plus what this process

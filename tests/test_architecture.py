@@ -91,7 +91,7 @@ def test_the_gateway_the_dashboard_and_the_worker_start_without_torch():
     script = """
 import sys
 import tollgate.gateway_app, gateway.batches.tasks, billing.tasks
-import tollgate.worker, engine.protocol, engine.tokenizer, engine.block_hash
+import tollgate.worker, engine.protocol, engine.tokenizer, engine.kv.block_hash
 app = tollgate.gateway_app.create_app()
 loaded = sorted(m for m in ("torch", "triton", "kernels", "transformers") if m in sys.modules)
 print(loaded)

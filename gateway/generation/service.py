@@ -53,7 +53,7 @@ import anyio
 
 from billing.outbox import UsageRecord
 from billing.prices import CACHE_TOKEN_FIELDS, PriceNotFound, cost_pico_usd, max_cost_pico_usd
-from engine.block_hash import prefix_block_hashes
+from engine.kv.block_hash import prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
 from gateway.admission import Admission
 from gateway.admission.rejections import count_rejections

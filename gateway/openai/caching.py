@@ -1,5 +1,5 @@
 """Cache lifetimes as OpenAI's API sells them, turned into the engine's ``CacheSpec`` the same way for
-chat, completions, responses and batch lines (``engine.kv_pins`` says what the engine does with it).
+chat, completions, responses and batch lines (``engine.kv.pins`` says what the engine does with it).
 
 - ``prompt_cache_options.ttl`` (``30m``, the default when the object is sent): the request's cacheable
   prompt blocks stay in the replica's host tier for at least that long, within the tenant's quota of

@@ -3,8 +3,9 @@ sequences, run steps that append a dummy token to every sampled sequence, check 
 
 import random
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv.block_manager import BlockManager
+from engine.kv.cache import KVCache
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -20,7 +21,7 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, pre
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=prefix_caching,
     )
-    return Scheduler(config, BlockManager(num_blocks, BS, prefix_caching))
+    return Scheduler(config, KVCache(BlockManager(num_blocks, BS, prefix_caching)))
 
 
 _ids = iter(range(10**9))

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from engine.block_hash import hash_block, prefix_block_hashes, salt_digest
+from engine.kv.block_hash import hash_block, prefix_block_hashes, salt_digest
 
 
 def test_one_digest_per_full_block_chained():
@@ -37,7 +37,8 @@ def test_salt_separates_tenants():
 
 def test_identical_in_another_process():
     code = (
-        "from engine.block_hash import prefix_block_hashes as p\nprint(p(list(range(50)), 16, 's')[-1].hex())"
+        "from engine.kv.block_hash import prefix_block_hashes as p\n"
+        "print(p(list(range(50)), 16, 's')[-1].hex())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == prefix_block_hashes(list(range(50)), 16, "s")[-1].hex()

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.kv_pins import CachePolicy, Pins
-from engine.kv_tiers import DiskIndex, HostTier
+from engine.kv.block_manager import BlockManager
+from engine.kv.pins import CachePolicy, Pins
+from engine.kv.tiers import DiskIndex, HostTier
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 

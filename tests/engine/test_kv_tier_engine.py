@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.block_hash import prefix_block_hashes
-from engine.kv_pins import CachePolicy
+from engine.kv.block_hash import prefix_block_hashes
+from engine.kv.pins import CachePolicy
 from engine.metrics import EngineMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,7 +92,7 @@ def test_purging_a_tenant_drops_its_blocks_from_every_tier(tiny_llama_dir: Path,
         assert hashes_a & llm.engine.kv_events.holdings().keys()
         assert llm.engine.purge_cache("tenant-a") > 0
         assert not hashes_a & llm.engine.kv_events.holdings().keys()  # in no tier, as the router sees it
-        llm.engine.kv_transfer.flush()
+        llm.engine.flush_kv()
         assert len({path.parent.name for path in tmp_path.rglob("*.kv")}) == len(dirs) - 1
         # Tenant A's prompts compute everything again; B's still hit.
         assert all(cached == 0 for _, cached in rounds(llm, salt="tenant-a", times=1))
@@ -136,14 +136,14 @@ def test_retained_blocks_are_on_disk_at_once_and_stay_pinned_across_a_restart(ti
         usage = llm.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-a",
                              cache_policy=CachePolicy(retention_s=86_400))[0].usage
         assert (usage.cache_retained_tokens, usage.cache_pinned_tokens) == (48, 0)
-        llm.engine.kv_transfer.flush()
+        llm.engine.flush_kv()
         files = {bytes.fromhex(p.stem): p for p in tmp_path.rglob("*.kv")}
         assert set(retained) <= files.keys()
-        pins = llm.engine.block_manager.tiers.disk.pins
+        pins = llm.engine.kv.tiers.disk.pins
         assert all(abs(files[d].stat().st_mtime - pins.expiry(d)) < 1 for d in retained)  # the pin's expiry
         rounds(llm, salt="tenant-b", times=1)
     with engine(tiny_llama_dir, **tiers) as restarted:
-        manager = restarted.engine.block_manager
+        manager = restarted.engine.kv.blocks
         assert manager.tiers.disk.pins.count(manager.salt_key("tenant-a")) == 3
         rounds(restarted, salt="tenant-b", times=1)
         out = restarted.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-a")[0]
@@ -158,7 +158,7 @@ def test_in_memory_blocks_never_reach_the_disk_and_ttl_pins_are_reported(tiny_ll
         outs = llm.generate(PROMPTS, GREEDY, cache_salt="tenant-a",
                             cache_policy=CachePolicy(persist=False, ttl_s=1800))
         rounds(llm, salt="tenant-a", times=1)  # evicts the first round's blocks to the host and beyond
-        llm.engine.kv_transfer.flush()
+        llm.engine.flush_kv()
     in_memory = {d for p in PROMPTS for d in prefix_block_hashes(p, 16, "tenant-a")}
     assert not in_memory & {bytes.fromhex(p.stem) for p in tmp_path.rglob("*.kv")}
     # The tenant's quota of 2 pinned blocks went to the first prompt; the others got none.
@@ -177,7 +177,7 @@ def test_tiers_on_the_gpu_change_no_output(tiny_llama_dir: Path, tmp_path: Path,
 
     plain = rounds(gpu())
     with gpu(num_host_kv_blocks=32, num_disk_kv_blocks=64, kv_disk_dir=str(tmp_path)) as tiered:
-        assert tiered.engine.kv_transfer.host[0].is_pinned()
+        assert tiered.engine.runner.kv_transfer.host[0].is_pinned()
         with_tiers = rounds(tiered)
         stats = tiered.stats
     assert [tokens for tokens, _ in with_tiers] == [tokens for tokens, _ in plain]

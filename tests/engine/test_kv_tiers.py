@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import prefix_block_hashes
-from engine.block_manager import BlockManager
-from engine.kv_tiers import NO_SALT, DiskIndex, HostTier, salt_key
+from engine.kv.block_hash import prefix_block_hashes
+from engine.kv.block_manager import BlockManager
+from engine.kv.tiers import NO_SALT, DiskIndex, HostTier, salt_key
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 

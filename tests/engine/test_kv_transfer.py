@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_tiers import TransferPlan
-from engine.kv_transfer import KVTransfer
+from engine.kv.tiers import TransferPlan
+from engine.kv.transfer import KVTransfer
 
 LAYERS, BLOCKS, SLOTS = 2, 4, 3
 SHAPE = (2, BLOCKS, 4, 1, 2)  # [k/v, blocks, block_size, kv_heads, head_dim]
@@ -43,7 +43,7 @@ def test_write_through_pins_and_reads_follow_the_landed_copies(tmp_path: Path) -
     digest, saved = bytes(range(32)), bytes(range(1, 33))
     transfer.execute(TransferPlan(offload=[(1, 0)], persist=[(0, digest, "a")], save=[(2, saved, "a")],
                                   pin=[(saved, "a", 4_000_000_000.0)]))
-    transfer.read([(digest, "a")])  # queued after the write it needs: the write lands first
+    transfer.execute(TransferPlan(read=[(digest, "a")]))  # queued after the write it needs: it lands first
     transfer.flush()
     [(read_digest, _, data)] = transfer.finished_reads()
     assert read_digest == digest

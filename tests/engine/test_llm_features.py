@@ -122,21 +122,21 @@ def test_json_schema_output_parses_and_validates(llm: LLM) -> None:
 
 def test_abort_mid_generation_frees_blocks(llm: LLM) -> None:
     engine: LLMEngine = llm.engine
-    total = engine.block_manager.num_free_blocks
+    total = engine.kv.blocks.num_free_blocks
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     engine.add_request("to-abort", _prompt(30, 70), params)
     engine.add_request("keeps-going", _prompt(31, 20), SamplingParams(max_tokens=4, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.block_manager.num_free_blocks < total
+    assert engine.kv.blocks.num_free_blocks < total
     assert engine.abort("to-abort")
     finals = {d.request_id: d for _ in range(10) for d in engine.step() if d.finished}
     while engine.has_unfinished():
         finals.update({d.request_id: d for d in engine.step() if d.finished})
     assert finals["to-abort"].finish_reasons == ["abort"]
     assert finals["keeps-going"].finish_reasons == ["length"]
-    assert engine.block_manager.num_free_blocks == total
-    assert engine.block_manager.usage == 0.0
+    assert engine.kv.blocks.num_free_blocks == total
+    assert engine.kv.blocks.usage == 0.0
     assert not engine.abort("to-abort")
 
 

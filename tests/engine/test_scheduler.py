@@ -258,7 +258,7 @@ def test_scheduler_and_block_manager_import_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, engine.scheduler, engine.block_manager; print('torch' in sys.modules)"
+    code = "import sys, engine.scheduler, engine.kv.block_manager; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.block_hash import prefix_block_hashes
-from engine.kv_events import KVEventLog
+from engine.kv.block_hash import prefix_block_hashes
+from engine.kv.events import KVEventLog
 from engine.protocol import KVEventsResponse, encode_kv_events
 from gateway.engine_client import EngineClient
 from gateway.kv_index import EXPECT_TTL_S, GapError, ReplicaKVIndex

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.block_hash import prefix_block_hashes
-from engine.kv_events import TIER_BITS
+from engine.kv.block_hash import prefix_block_hashes
+from engine.kv.events import TIER_BITS
 from engine.tokenizer import Tokenizer
 from gateway.generation.service import cache_salt
 from tests.gateway.conftest import MODEL, GatewayUnderTest, TenantKey

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import prefix_block_hashes
+from engine.kv.block_hash import prefix_block_hashes
 from engine.protocol import LoadReport
 from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError

@@ -1,5 +1,5 @@
 """The prefix cache's lower tiers, host memory and disk: which block hash lives where, in LRU order, and
-the copies a step must make. Pure Python (no torch); ``engine.kv_transfer`` makes the copies.
+the copies a step must make. Pure Python (no torch); ``engine.kv.transfer`` makes the copies.
 
 Blocks move down when they are evicted and up when a prompt needs them:
 
@@ -21,7 +21,7 @@ Blocks move down when they are evicted and up when a prompt needs them:
   (``disk_run``: the engine's reader thread) as soon as it is queued; each finished read takes a host
   slot (``fill``). Until its reads are done the request waits at the head of its queue like one
   waiting for blocks to free, so the running step never waits for the disk.
-- **Lifetimes** (``engine.kv_pins``). ``pin_host`` pins blocks in the host tier for a request's ``ttl``:
+- **Lifetimes** (``engine.kv.pins``). ``pin_host`` pins blocks in the host tier for a request's ``ttl``:
   a host eviction passes over them. ``retain`` writes blocks to disk now (from their host slot, or
   ``save`` from their device block) and pins their files for the retention; the disk tier's LRU passes
   over them, and the pin is each file's modification time. A block of an ``in_memory`` request
@@ -42,8 +42,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.kv_events import KVEventLog
-from engine.kv_pins import Pins
+from engine.kv.events import KVEventLog
+from engine.kv.pins import Pins
 
 NO_SALT = "none"
 
@@ -59,7 +59,9 @@ class TransferPlan:
     slots are reused), device blocks copied to host slots (``offload``), offloaded slots written to disk
     (``persist``), device blocks written to disk (``save``: retained blocks), disk data put in host slots
     (``fill``), host slots copied to device blocks (``load``); then the files whose pins are set (their
-    expiry as modification time) and the files to delete."""
+    expiry as modification time), the files to delete, the directories of purged salts to remove
+    (``drop_salts``) and, last, the files to read into the host tier (``read``: after every write
+    before them, so a read sees the block just written)."""
 
     demote: list[tuple[int, bytes, str]] = field(default_factory=list)  # (slot, hash, salt key)
     offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
@@ -69,10 +71,12 @@ class TransferPlan:
     load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     pin: list[tuple[bytes, str, float]] = field(default_factory=list)  # (hash, salt key, expiry)
     delete: list[tuple[bytes, str]] = field(default_factory=list)  # (hash, salt key) of disk files
+    drop_salts: list[str] = field(default_factory=list)  # salt keys whose directory goes (a purge)
+    read: list[tuple[bytes, str]] = field(default_factory=list)  # (hash, salt key) of files to read
 
     def __bool__(self) -> bool:
         return bool(self.demote or self.offload or self.persist or self.save or self.fill or self.load
-                    or self.pin or self.delete)
+                    or self.pin or self.delete or self.drop_salts or self.read)
 
 
 class DiskIndex:

@@ -1,12 +1,15 @@
 """The copies of the prefix cache's tiers: device KV pool ↔ host buffer ↔ block files on disk.
 
-``engine.kv_tiers`` decides which block goes where; ``KVTransfer.execute(plan)`` issues one step's copies
+``engine.kv.tiers`` decides which block goes where; ``KVTransfer.execute(plan)`` issues one step's copies
 before the step's forward pass (on a GPU, device ↔ host copies run on side streams and overlap the
 forward pass; see ``execute``), in the plan's order (demote, offload, persist, save, fill, load, pin,
-delete). The host buffer has the device pool's layout per layer (``[2, slots, block_size, kv_heads,
-head_dim]``, pinned memory on a GPU). Disk I/O runs on one background thread in submission order, so a
-read queued after the write of the same file sees it; reads report back through ``finished_reads`` (the
-engine thread feeds them to the host tier) and never block a step.
+delete, drop a purged salt's directory, read). The model runner owns it and calls it in device order
+(on the CPU with a device thread, on that thread); ``finished_reads`` and ``wait_for_read`` are the
+only calls from elsewhere (the scheduler's ``KVCache``), and are thread-safe. The host buffer has the
+device pool's layout per layer (``[2, slots, block_size, kv_heads, head_dim]``, pinned memory on a GPU).
+Disk I/O runs on one background thread in submission order, so a read queued after the write of the
+same file sees it; reads report back through ``finished_reads`` (``KVCache.begin_step`` feeds them to
+the host tier) and never block a step.
 
 A block file is ``{disk_dir}/{fingerprint}/{salt key}/{chain hash}.kv``: a magic header and the block's
 K/V for every layer (``[layers, 2, block_size, kv_heads, head_dim]``, raw). The fingerprint covers the
@@ -32,7 +35,7 @@ from typing import cast
 
 import torch
 
-from engine.kv_tiers import TransferPlan
+from engine.kv.tiers import TransferPlan
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class KVTransfer:
         self.dtype = kv_caches[0].dtype
         self.device = kv_caches[0].device
         pin = self.device.type == "cuda"
+        self.num_slots = num_host_slots
         self.host = [torch.zeros((2, num_host_slots, *layout[2:]), dtype=self.dtype, pin_memory=pin)
                      for _ in kv_caches]
         self.block_shape = (len(kv_caches), 2, *layout[2:])
@@ -107,6 +111,10 @@ class KVTransfer:
             landing.append(partial(self._jobs.put, ("pin", self.path(digest, salt), until)))
         for digest, salt in plan.delete:
             landing.append(partial(self._jobs.put, ("delete", self.path(digest, salt), None)))
+        for salt in plan.drop_salts:
+            landing.append(partial(self._drop_salt, salt))
+        if plan.read:  # after the writes queued above: a read sees the block just written
+            landing.append(partial(self._queue_reads, plan.read))
         for slot, data in plan.fill:
             self._set_slot(slot, data)  # type: ignore[arg-type]
         if plan.load:
@@ -201,11 +209,8 @@ class KVTransfer:
         assert self.root is not None
         return self.root / salt / f"{digest.hex()}{_SUFFIX}"
 
-    def read(self, files: list[tuple[bytes, str]]) -> None:
-        """Queue reads of block files; each result comes back through ``finished_reads`` (after every
-        write issued before, which lands first)."""
-        if files:
-            self.complete()
+    def _queue_reads(self, files: list[tuple[bytes, str]]) -> None:
+        """Queue reads of block files; each result comes back through ``finished_reads``."""
         for digest, salt in files:
             self._jobs.put(("read", self.path(digest, salt), (digest, salt)))
 
@@ -242,10 +247,8 @@ class KVTransfer:
         pins = {digest: mtime for mtime, digest, _ in found if len(digest) == 32 and mtime > now}
         return files, pins
 
-    def delete_salt(self, salt: str) -> None:
-        """Remove a salt's directory (after its files left the index and their deletes landed): the purge
-        of a tenant."""
-        self.complete()
+    def _drop_salt(self, salt: str) -> None:
+        """Remove a salt's directory (queued after its files' deletes): the purge of a tenant."""
         if self.root is not None:
             self._jobs.put(("rmdir", self.root / salt, None))
 

@@ -12,7 +12,7 @@ Invariants:
 - Sequence numbers start at 1 and have no gaps; an event is ``(seq, kind, tier, hash)`` with ``kind``
   ``stored`` or ``removed``. A hash may be held in several tiers at once (device and its disk copy).
 - Replaying ``since(0)``'s snapshot and then every later event reproduces ``holdings()`` exactly.
-- Hashes are the salted chain hashes of ``engine.block_hash``: the gateway computes the same ones from a
+- Hashes are the salted chain hashes of ``engine.kv.block_hash``: the gateway computes the same ones from a
   tenant's prompt, and one tenant's hashes never equal another's.
 """
 

@@ -26,7 +26,7 @@ which shares the parent's full prompt blocks by reference count. Only full block
 the partial last block is recomputed by each sibling, so no copy-on-write is needed: a shared block is
 never written again.
 
-Lower tiers (``engine.kv_tiers``, optional): an evicted cached block is offloaded to the host tier
+Lower tiers (``engine.kv.tiers``, optional): an evicted cached block is offloaded to the host tier
 instead of dropped, and a prompt's chain of hashes continues past its device hits into the host tier,
 whose blocks are copied into fresh device blocks before the step runs (``tiers.take_plan()``; the
 engine executes it). Those are prefix hits like device hits: ``num_cached_tokens`` counts them, and
@@ -35,13 +35,13 @@ engine executes it). Those are prefix hits like device hits: ``num_cached_tokens
 ``disk_reads`` names the files a queued prompt needs read first; ``waiting_for_disk`` holds it back
 until they are on the host.
 
-With an event log (``engine.kv_events``), every hash registered in or dropped from any tier is published
+With an event log (``engine.kv.events``), every hash registered in or dropped from any tier is published
 in order, for the gateways' routing index.
 
 ``commit_computed`` counts the prompt blocks a sequence registers (``seq.num_cache_write_tokens``: what
 the request wrote to the cache, first admission only).
 
-Cache lifetimes (``engine.kv_pins``): a sequence's ``cache_policy`` limits what it looks up and registers
+Cache lifetimes (``engine.kv.pins``): a sequence's ``cache_policy`` limits what it looks up and registers
 to its cacheable prefix (explicit mode), marks the blocks it registers ``in_memory`` ones (never on disk),
 and once its cacheable prompt blocks are committed pins them in the host tier (``ttl``) and retains them
 on disk (``retention``); ``seq.num_cache_pinned_tokens`` / ``num_cache_retained_tokens`` say how much
@@ -56,9 +56,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from engine.block_hash import hash_block, salt_digest
-from engine.kv_events import KVEventLog
-from engine.kv_tiers import NO_SALT, HostTier, salt_key
+from engine.kv.block_hash import hash_block, salt_digest
+from engine.kv.events import KVEventLog
+from engine.kv.tiers import NO_SALT, HostTier, salt_key
 from engine.sequence import Sequence
 
 TIERS = ("device", "host", "disk")
