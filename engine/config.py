@@ -47,6 +47,13 @@ class EngineConfig:
     # retain on disk (None: a quarter of the tier).
     kv_pin_quota_blocks: int | None = None
     kv_retention_quota_blocks: int | None = None
+    # The overlapped step loop (``engine.llm_engine``): the host schedules and prepares step N+1 while
+    # the device runs step N, and learns a step's tokens one step later. False: every step's tokens are
+    # known before the next step is scheduled (the synchronous loop; same outputs).
+    overlap: bool = True
+    # Tests and benchmarks: run the device work on a simulated device whose steps take at least this
+    # many milliseconds (``engine.device.SimulatedDevice``). None: the real device.
+    simulated_step_ms: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +83,8 @@ class EngineConfig:
             raise ValueError("num_host_kv_blocks and num_disk_kv_blocks must be >= 0")
         if (self.kv_pin_quota_blocks or 0) < 0 or (self.kv_retention_quota_blocks or 0) < 0:
             raise ValueError("kv_pin_quota_blocks and kv_retention_quota_blocks must be >= 0")
+        if self.simulated_step_ms is not None and not self.simulated_step_ms >= 0:
+            raise ValueError(f"simulated_step_ms must be >= 0, got {self.simulated_step_ms}")
         if self.disk_tier and (not self.host_tier or not self.kv_disk_dir):
             raise ValueError("a disk KV tier (disk_kv_gb) needs a host tier (host_kv_gb) and kv_disk_dir")
 

@@ -191,7 +191,7 @@ class TenantFairness:
             # allocate_for_prefill / fork gave blocks for every token, so a longer chunk needs none.
             extra = min(seq.num_uncomputed_tokens - chunk.num_tokens, budget)
             if extra > 0:
-                chunk.num_tokens += extra
+                chunk.extend(extra)
                 budget -= extra
                 self.charge(seq.tenant, extra)
         return budget

@@ -1,8 +1,31 @@
 """The engine loop: requests in, token deltas out.
 
-``LLMEngine`` composes the tokenizer, the ``ModelRunner`` (weights + paged KV cache), the
-``BlockManager``, the ``Scheduler`` and the ``Sampler``. ``step()`` is schedule → run →
-``update_after_step`` → sample → postprocess (append, detokenize, stop checks, finish).
+``LLMEngine`` composes the tokenizer, the ``Scheduler`` (which owns the ``KVCache``), the ``ModelRunner``
+(weights, KV pool, device work), the ``Sampler`` and the ``OutputProcessor``. ``step()`` reads schedule →
+run → postprocess:
+
+1. ``scheduler.schedule()``: the batch of step N+1 (with the tier copies it needs);
+2. ``runner.forward(batch)`` and ``runner.sample(...)``: its inputs built on the host and its device work
+   submitted; ``scheduler.update_after_step`` advances the sequences (each that samples gets a *pending*
+   token: its id stays on the device, where step N+2's forward pass reads it);
+3. the tokens of step N, sampled on the device while the host did 1 and 2, are learned (one copy) and
+   postprocessed: appended, detokenized, stop-checked, streamed, finished.
+
+This is the overlapped loop (``config.overlap``, default): the host schedules, prepares and
+postprocesses while the device computes, and a step costs about max(host, device) instead of their
+sum. With ``overlap=False`` step 3 processes the step just launched (the synchronous loop). Both give
+identical outputs:
+
+- A stream that stops at step N (eos, a stop string, ``max_tokens``, an abort) was already scheduled for
+  step N+1: that step computes one extra token for it, which is dropped when it comes back (never
+  appended, emitted, billed, hashed into the prefix cache or written to a tier) and its blocks are freed
+  at the stop (the device runs N+1 before any later step reuses them).
+- Structured output needs the previous token on the host: a grammar matcher must accept it before the
+  next token's mask is computed. A step with a constrained row whose previous token is still pending
+  first processes the previous step (after submitting its own forward pass, which therefore still
+  overlaps), then fills the masks and submits its sampling. Only such steps wait; the others do not.
+- Penalties count tokens on the device (``engine.sampler``), seeded noise depends on the position only,
+  and nothing else in sampling reads a token on the host.
 
 Invariants:
 
@@ -16,14 +39,9 @@ Invariants:
   block manager admits a sequence only when all its known tokens fit). A request with
   ``prompt + max_tokens > max_model_len`` is rejected (OpenAI's behaviour, not vLLM's clamp); without
   ``max_tokens`` it may generate up to the end of the context.
-- Stop checks run after each appended token in this order: eos (unless ``ignore_eos``),
-  ``stop_token_ids``, stop strings (the text is cut before the stop string, held back while a stop
-  string may still be forming), grammar terminated, ``max_tokens``, ``max_model_len``.
-  Stop tokens stay in ``token_ids`` and count as completion tokens; their text is never emitted.
-- Usage counts the prompt once for ``n > 1``; ``cached_tokens`` is the first stream's
-  ``num_cached_tokens`` (set when it first started, never changed by preemption).
+- Stop checks and usage: ``engine.output_processor``.
 - An embedding request (``pooling``, ``engine.pooling``) is never sampled: it finishes (``stop``, zero
-  completion tokens) in the step its last prompt chunk runs, with ``RequestDelta.embedding``.
+  completion tokens) with the step its last prompt chunk runs in, with ``RequestDelta.embedding``.
 """
 
 from __future__ import annotations
@@ -31,7 +49,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as SequenceLike
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,46 +57,18 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
 from engine.kv.cache import KVCache
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
-from engine.model_runner import ModelRunner
-from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
+from engine.model_runner import ModelRunner, Step
+from engine.output_processor import OutputProcessor, ewma
+from engine.outputs import EngineStats, RequestDelta, RequestValidationError
 from engine.pooling import PoolingParams
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, ScheduledBatch, Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from engine.sequence import FinishReason, ScheduledBatch, Sequence
+from engine.step_profile import StepProfile
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_EWMA = 0.1
-
-
-@dataclass(eq=False)
-class _Completion:
-    """Postprocessing state of one stream: detokenizer, stop-string matcher, what was emitted."""
-
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher | None
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: list[str] = field(default_factory=list)
-    new_logprobs: list | None = None
-    reported_finish: bool = False
-    embedding: list[float] | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    completions: list[_Completion]
-
-    @property
-    def finished(self) -> bool:
-        return all(c.seq.is_finished for c in self.completions)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -91,7 +80,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.vocab_size: int = self.runner.vocab_size
         self.eos_token_ids: frozenset[int] = frozenset(self.runner.eos_token_ids)
-        self.sampler = Sampler(self.vocab_size, self._grammar_backend(), seed=config.seed)
+        self.sampler = Sampler(self.vocab_size, self._grammar_backend(), seed=config.seed,
+                               num_slots=config.max_num_seqs)
         kv_capacity = self.runner.num_kv_blocks * config.block_size
         self.max_model_len: int = min(config.max_model_len or self.runner.max_model_len, kv_capacity)
         if self.max_model_len < (config.max_model_len or self.runner.max_model_len):
@@ -99,11 +89,13 @@ class LLMEngine:
                 "max_model_len capped at %d tokens: the KV pool (%d blocks of %d) holds no more",
                 self.max_model_len, self.runner.num_kv_blocks, config.block_size,
             )
-        self._requests: dict[str, _Request] = {}
-        self._seq_owner: dict[int, _Completion] = {}
+        self._stats = EngineStats(num_kv_blocks=self.runner.num_kv_blocks)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self._stats)
         # Deltas produced outside step() (aborts), returned by the next step().
         self._pending: list[RequestDelta] = []
-        self._stats = EngineStats(num_kv_blocks=self.runner.num_kv_blocks)
+        # The step launched last whose tokens are not processed yet (the overlapped loop).
+        self._in_flight: Step | None = None
+        self.profile = StepProfile()
 
     def purge_cache(self, cache_salt: str | None) -> int:
         """Drop every cached block of ``cache_salt`` from the device, host and disk tiers (between steps);
@@ -182,7 +174,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request (``params.n`` streams; with ``pooling``, one embedding and no tokens; its
         prompt-cache lifetimes in ``cache_policy``). Raises ``RequestValidationError``, changing nothing."""
-        if request_id in self._requests:
+        if request_id in self.outputs.requests:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
         self.validate_request(request_id, prompt_token_ids, params)
         if pooling is not None:
@@ -197,54 +189,35 @@ class LLMEngine:
         except ValueError as e:
             raise RequestValidationError(str(e), "response_format") from e
         now = time.monotonic() if arrival_time is None else arrival_time
-        completions = []
-        for index in range(params.n):
-            seq = Sequence(
-                request_id=request_id,
-                token_ids=list(prompt),
-                params=params,
-                priority=priority,
-                tenant=tenant,
-                cache_salt=cache_salt,
-                arrival_time=now,
-                index=index,
-                pooling=pooling,
-                cache_policy=cache_policy,
-            )
-            stop_matcher = StopStringMatcher(params.stop) if params.stop else None
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt, skip_special_tokens=params.skip_special_tokens
-            )
-            completions.append(_Completion(seq, detok, stop_matcher))
-        request = _Request(request_id, prompt, params, now, completions)
-        self._requests[request_id] = request
-        for completion in completions:
-            self._seq_owner[completion.seq.seq_id] = completion
-            self.scheduler.add(completion.seq)
+        seqs = [
+            Sequence(request_id=request_id, token_ids=list(prompt), params=params, priority=priority,
+                     tenant=tenant, cache_salt=cache_salt, arrival_time=now, index=index, pooling=pooling,
+                     cache_policy=cache_policy)
+            for index in range(params.n)
+        ]
+        self.outputs.add(request_id, prompt, params, seqs, now)
+        for seq in seqs:
+            self.scheduler.add(seq)
         self._stats.prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Its final delta (``abort``) comes with the next
         ``step()``. Returns False if the request is unknown or already finished."""
-        request = self._requests.get(request_id)
-        if request is None:
+        if request_id not in self.outputs.requests:
             return False
         self.scheduler.abort(request_id)
-        now = time.monotonic()
-        for completion in request.completions:
-            seq = completion.seq
-            if not seq.is_finished:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = FinishReason.ABORT
-                seq.finished_time = now
-        self._pending.append(self._finish_request(request))
+        delta = self.outputs.abort(request_id)
+        if delta is not None:
+            self._pending.append(delta)
         return True
 
     def abort_all(self) -> list[str]:
-        """Abort every request and drop undelivered deltas (after a failed step). Returns their ids."""
-        request_ids = list(self._requests)
+        """Abort every request and drop undelivered deltas and the step in flight (after a failed
+        step). Returns their ids."""
+        request_ids = list(self.outputs.requests)
         for request_id in request_ids:
             self.abort(request_id)
+        self._in_flight = None
         self.discard_pending()
         return request_ids
 
@@ -253,184 +226,112 @@ class LLMEngine:
         self._pending.clear()
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self.outputs.requests) or bool(self._pending) or self._in_flight is not None
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(self.outputs.requests)
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling step; return what every affected request gained."""
+        """Schedule and launch one step; return what every request gained from the step before it (the
+        overlapped loop) or from this one (``overlap=False``), and the aborts since the last call."""
         outputs, self._pending = self._pending, []
+        profile = self.profile
         started = time.perf_counter()
         batch = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        profile.schedule_s += scheduled - started
         if not batch:
             self.runner.transfer(batch.transfers)
-            if self.kv.reading():
+            if self._in_flight is not None:
+                outputs.extend(self._process(self._take_in_flight()))
+            elif self.kv.reading():
                 self.kv.wait_for_read(timeout_s=0.05)  # every waiting prompt waits for the disk
-                return outputs
-            if self.scheduler.has_unfinished():
+            elif self.scheduler.has_unfinished():
                 # Every accepted request fits the KV pool alone, so an empty step with work left is a bug.
                 raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
             return outputs
         now = time.monotonic()
-        sampled: list[Sequence] = []
-        pooled: list[Sequence] = []
         prefill_tokens = 0
-        for scheduled in batch.seqs:
-            seq = scheduled.seq
+        for item in batch.seqs:
+            seq = item.seq
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-            if scheduled.samples:
-                (sampled if seq.pooling is None else pooled).append(seq)
-            if scheduled.start < seq.num_prompt_tokens:
-                prefill_tokens += scheduled.num_tokens
-        logits = self.runner.run(batch)
+            if item.start < seq.num_prompt_tokens:
+                prefill_tokens += item.num_tokens
+        forward = self.runner.forward(batch)
         self.scheduler.update_after_step(batch)
-        self.runner.transfer(batch.transfers_after)  # retained blocks, while the device blocks are intact
-        touched: dict[str, _Request] = {}
-        for seq in pooled:  # an embedding is done once its whole prompt has run
-            completion = self._seq_owner[seq.seq_id]
-            completion.embedding = self.runner.embedding(seq)
-            seq.first_token_time = seq.finished_time = time.monotonic()
-            self.scheduler.finish(seq, FinishReason.STOP)
-            touched[seq.request_id] = self._requests[seq.request_id]
-        if sampled:
-            results = self.sampler.sample(logits, sampled)
-            now = time.monotonic()
-            for seq, result in zip(sampled, results, strict=True):
-                completion = self._seq_owner[seq.seq_id]
-                self._append(completion, result, now)
-                touched[seq.request_id] = self._requests[seq.request_id]
-        for request in touched.values():
-            outputs.append(self._collect(request))
+        self.runner.transfer(batch.transfers_after)  # retained blocks, once the forward pass wrote them
+        sampling = forward.inputs.sampling
+        prepared = time.perf_counter()
+        profile.prepare_s += prepared - scheduled
+        if sampling is not None and sampling.structured:
+            if self._in_flight is not None and any(sampling.seqs[i].num_pending_tokens > 1
+                                                    for i in sampling.structured):
+                outputs.extend(self._process(self._take_in_flight()))  # their matchers need its tokens
+            self.sampler.fill_grammar(sampling)
+        launched = self.runner.sample(forward, self.sampler)
+        sampled = time.perf_counter()
+        profile.sample_s += sampled - prepared
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            outputs.extend(self._process(previous))
+        if not self.config.overlap:
+            outputs.extend(self._process(self._take_in_flight()))
         self._account_step(batch, prefill_tokens, time.perf_counter() - started)
         return outputs
 
-    def _append(self, completion: _Completion, result: SampleResult, now: float) -> None:
-        seq = completion.seq
-        token_id = int(result.token_id)
-        seq.append_token(token_id)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        completion.new_token_ids.append(token_id)
-        if seq.params.logprobs is not None and result.logprob is not None:
-            if completion.new_logprobs is None:
-                completion.new_logprobs = []
-            completion.new_logprobs.append(result.logprob)
-        self._stats.generation_tokens += 1
-        reason = self._postprocess(completion, token_id, result)
-        if reason is not None:
-            seq.finished_time = now
-            self.scheduler.finish(seq, reason)
+    def _take_in_flight(self) -> Step:
+        step, self._in_flight = self._in_flight, None
+        assert step is not None
+        return step
 
-    def _postprocess(
-        self, completion: _Completion, token_id: int, result: SampleResult
-    ) -> FinishReason | None:
-        """Detokenize the new token, emit its text and decide whether the stream stops here."""
-        seq, params = completion.seq, completion.seq.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-            # The stop token's own text is never emitted; release what was held back before it.
-            self._emit(completion, completion.detokenizer.flush(), final=True)
-            return FinishReason.STOP
-        if self._emit(completion, completion.detokenizer.add(token_id)):
-            return FinishReason.STOP
-        if result.terminated:
-            reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        else:
-            return None
-        if self._emit(completion, completion.detokenizer.flush(), final=True):
-            return FinishReason.STOP
-        return reason
-
-    @staticmethod
-    def _emit(completion: _Completion, text: str, final: bool = False) -> bool:
-        """Queue ``text`` for the next delta through the stop-string matcher; True if a stop string hit."""
-        matcher = completion.stop_matcher
-        if matcher is None:
-            if text:
-                completion.new_text.append(text)
-            return False
-        match = matcher.feed(text)
-        completion.new_text.append(match.text)
-        if match.stop is not None:
-            return True
-        if final:
-            completion.new_text.append(matcher.flush())
-        return False
-
-    def _collect(self, request: _Request) -> RequestDelta:
-        if request.finished:
-            return self._finish_request(request)
-        return RequestDelta(request.request_id, self._drain(request))
-
-    def _drain(self, request: _Request) -> list[CompletionDelta]:
-        deltas = []
-        for c in request.completions:
-            finish = None
-            if c.seq.is_finished and not c.reported_finish:
-                if c.seq.finish_reason is None:
-                    raise RuntimeError(f"sequence {c.seq.seq_id} is finished without a finish reason")
-                finish = c.seq.finish_reason.value
-            if not c.new_token_ids and finish is None:
-                continue
-            deltas.append(CompletionDelta(c.seq.index, c.new_token_ids, "".join(c.new_text),
-                                          c.new_logprobs, finish))
-            c.new_token_ids, c.new_text, c.new_logprobs = [], [], None
-            c.reported_finish = c.reported_finish or finish is not None
+    def _process(self, step: Step) -> list[RequestDelta]:
+        """A launched step's results, once on the host: tokens appended and postprocessed, embeddings
+        delivered, streams finished; the deltas of the requests they touched. The tokens of streams that
+        finished meanwhile are the extra ones, dropped."""
+        profile = self.profile
+        started = time.perf_counter()
+        host, embeddings = step.result()
+        now = time.monotonic()
+        waited = time.perf_counter()
+        profile.wait_s += waited - started
+        scheduler, outputs = self.scheduler, self.outputs
+        touched: dict[str, object] = {}
+        for chunk, _, _ in step.inputs.pooled:
+            seq = chunk.seq
+            if chunk.samples and not seq.is_finished:
+                outputs.embedding(seq, embeddings[seq.seq_id])
+                seq.first_token_time = seq.finished_time = now
+                scheduler.finish(seq, FinishReason.STOP)
+                touched[seq.request_id] = None
+        if host is not None:
+            seqs = step.inputs.sampled
+            for seq, result in zip(seqs, self.sampler.results(host, seqs), strict=True):
+                if seq.is_finished:
+                    continue  # the extra token of a stream that stopped (or was aborted) meanwhile
+                scheduler.token_known(seq, result.token_id)
+                reason = outputs.token(seq, result, now)
+                if reason is not None:
+                    seq.finished_time = now
+                    scheduler.finish(seq, reason)
+                elif seq.num_computed_tokens >= len(seq.token_ids):
+                    scheduler.commit(seq)  # the block this token completes is computed already
+                touched[seq.request_id] = None
+        deltas = [outputs.collect(outputs.requests[request_id]) for request_id in touched]
+        profile.postprocess_s += time.perf_counter() - waited
         return deltas
-
-    def _finish_request(self, request: _Request) -> RequestDelta:
-        completions = self._drain(request)
-        del self._requests[request.request_id]
-        seqs = [c.seq for c in request.completions]
-        for seq in seqs:
-            self._seq_owner.pop(seq.seq_id, None)
-        first = seqs[0]
-        usage = Usage(
-            prompt_tokens=len(request.prompt_token_ids),
-            cached_tokens=first.num_cached_tokens or 0,
-            completion_tokens=sum(s.num_output_tokens for s in seqs),
-            cache_write_tokens=sum(s.num_cache_write_tokens for s in seqs),
-            cache_pinned_tokens=first.num_cache_pinned_tokens,
-            cache_retained_tokens=first.num_cache_retained_tokens,
-            cached_host_tokens=first.num_cached_host_tokens,
-            cached_disk_tokens=first.num_cached_disk_tokens,
-        )
-        timings = self._timings(request, seqs)
-        counts = self._stats.num_requests_finished
-        for seq in seqs:
-            name = (seq.finish_reason or FinishReason.ABORT).value
-            counts[name] = counts.get(name, 0) + 1
-        if timings.ttft > 0:
-            self._stats.ttft_s = _ewma(self._stats.ttft_s, timings.ttft)
-        reasons = [(s.finish_reason or FinishReason.ABORT).value for s in seqs]
-        return RequestDelta(request.request_id, completions, True, reasons, usage, timings,
-                            request.completions[0].embedding)
-
-    @staticmethod
-    def _timings(request: _Request, seqs: list[Sequence]) -> Timings:
-        arrival = request.arrival_time
-        end = max((s.finished_time for s in seqs if s.finished_time is not None), default=time.monotonic())
-        scheduled = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
-        first_tokens = [s.first_token_time for s in seqs if s.first_token_time is not None]
-        queued = (min(scheduled) if scheduled else end) - arrival
-        ttft = (min(first_tokens) - arrival) if first_tokens else 0.0
-        longest = max(s.num_output_tokens for s in seqs)
-        tpot = (end - min(first_tokens)) / (longest - 1) if first_tokens and longest > 1 else 0.0
-        return Timings(queued=queued, ttft=ttft, tpot=tpot, e2e=end - arrival)
 
     # ---- stats ----------------------------------------------------------------------------------
     def _account_step(self, batch: ScheduledBatch, prefill_tokens: int, elapsed: float) -> None:
         stats = self._stats
         stats.num_steps += 1
         stats.computed_decode_tokens += batch.num_tokens - prefill_tokens
-        stats.step_time_s = _ewma(stats.step_time_s, elapsed)
+        stats.step_time_s = ewma(stats.step_time_s, elapsed)
+        self.profile.num_steps += 1
         if elapsed > 0:
-            stats.tokens_per_s = _ewma(stats.tokens_per_s, batch.num_tokens / elapsed)
+            stats.tokens_per_s = ewma(stats.tokens_per_s, batch.num_tokens / elapsed)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters (a new object; safe to hand to other threads)."""
@@ -438,7 +339,7 @@ class LLMEngine:
         sched, bm = self.scheduler, self.kv.blocks
         pending_prefill = 0
         by_priority: dict[int, int] = {}
-        for request in self._requests.values():
+        for request in self.outputs.requests.values():
             for c in request.completions:
                 seq = c.seq
                 if not seq.is_finished and seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -474,7 +375,3 @@ class LLMEngine:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _ewma(previous: float, value: float) -> float:
-    return value if previous == 0.0 else previous + _EWMA * (value - previous)

@@ -1,6 +1,7 @@
 """``ModelRunner``: the model, its paged KV cache and the per-step inputs (see docs/engine-internals.md).
 
-One runner per engine replica; it is driven from a single thread. Invariants:
+One runner per engine replica, driven from the engine thread; its device work runs through an
+``engine.device`` executor, in submission order. Invariants:
 
 - The KV cache is one zero-initialised tensor per layer, ``[2, num_kv_blocks, block_size, num_kv_heads,
   head_dim]`` in the model dtype (layout documented in ``engine.attention.base``). Its size is fixed at
@@ -9,19 +10,19 @@ One runner per engine replica; it is driven from a single thread. Invariants:
   of the step's activations. On a Linux CPU it is advised onto transparent huge pages.
 - On the CPU the runner raises glibc's mmap/trim thresholds for the process, so that each step's
   multi-MB activations reuse heap memory instead of page-faulting fresh mappings.
-- ``run(batch)`` computes K/V for ``token_ids[start : start + num_tokens]`` of every scheduled
-  sequence, at positions ``start ..``, into the slots its ``block_table`` maps (``block_table[p //
-  block_size] * block_size + p % block_size``), and returns float32 logits ``[num_sampled, vocab]``:
-  one row per ``ScheduledSeq`` whose chunk reaches the end of its tokens, in batch order, except
-  embedding sequences (``seq.pooling``): their chunk's final hidden states are pooled onto the sequence
-  (``seq.pooled``) and ``embedding(seq)`` finishes the vector (``engine.pooling``).
+- A step is ``forward(batch)`` then ``sample(forward, sampler)``. ``forward`` builds the inputs on the
+  host from the persistent batch (``engine.input_batch``) and submits, in device order: the batch's tier
+  copies (``batch.transfers``), then the forward pass, which computes K/V for ``token_ids[start : start +
+  num_tokens]`` of every scheduled sequence, at positions ``start ..``, into the slots its
+  ``block_table`` maps, and leaves float32 logits ``[num_sampled, vocab]`` on the device: one row per
+  ``ScheduledSeq`` whose chunk reaches the end of its tokens, in batch order, except embedding sequences
+  (``seq.pooling``), whose chunks' final hidden states are pooled instead (``engine.pooling``; the
+  finished vector comes back with the step). ``sample`` submits the draw; its ids stay on the device,
+  where the next step's pending decode inputs read them, and start one copy to the host. Nothing on
+  the host waits for the device until the engine reads a step's tokens (``Step.result``).
 - A malformed batch (a chunk past the known tokens or ``max_model_len``, too few or out-of-range
-  blocks) raises ``ValueError`` before anything is written to the cache.
-- CUDA graphs (CUDA + ``triton`` backend, unless ``enforce_eager``): decode-only steps of up to
-  ``max_num_seqs`` sequences replay a graph captured for the next padded batch size. Padding rows have
-  slot ``-1`` (nothing stored) and a 1-token context, and their outputs are dropped. The graphs' split-K
-  factor is fixed at capture for ``max_model_len``, so one graph serves every context length. If capture
-  fails the runner logs it and stays eager: slower, never wrong.
+  blocks) raises ``ValueError`` in ``forward``, before anything is submitted.
+- CUDA graphs (CUDA + ``triton`` backend, unless ``enforce_eager``): ``engine.cuda_graphs``.
 - ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``,
   capped at an enabled sliding window, since attention here is always full); the engine further caps
   it at the KV pool's capacity.
@@ -34,6 +35,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,11 +44,15 @@ import torch
 
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.device import DeviceExecutor, Work, create_executor
+from engine.input_batch import InputBatch, StepInputs
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model
 from engine.models.config import ModelArgs
-from engine.sequence import ScheduledBatch, Sequence
+from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
+from engine.sequence import ScheduledBatch
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarBackend
@@ -159,14 +165,29 @@ class ModelRunner:
                 slots = int(config.host_kv_gb * 2**30) // (self.block_size * self.kv_bytes_per_token)
             self.kv_transfer = KVTransfer(self.kv_caches, max(1, slots), disk_dir,
                                           cache_fingerprint(model_dir, self.dtype, block_shape))
-        self._graphs: _DecodeGraphs | None = None
+        self._graphs: DecodeGraphs | None = None
         use_graphs = self.device.type == "cuda" and self.attention_backend.name == "triton"
         if use_graphs and not config.enforce_eager:
-            self._graphs = _DecodeGraphs.capture(self)
+            self._graphs = DecodeGraphs.capture(self)
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, self.block_size,
+                                      self.num_kv_blocks)
+        self.executor = self._executor(config)
+        # The previous step's sampling (its ids feed pending decode inputs) and its rows by seq_id.
+        self._previous_sample: Work[Sampled] | None = None
+        self._previous_rows: dict[int, int] = {}
         logger.info("model %s (%s, %s on %s): %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
                     model_dir.name, args.architecture, config.dtype, self.device, self.num_kv_blocks,
                     self.block_size, self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
                     self.max_model_len)
+
+    def _executor(self, config: EngineConfig) -> DeviceExecutor:
+        """Where device work runs (``engine.device``): a simulated device if asked; on a GPU the calling
+        thread (CUDA runs ahead by itself); on the CPU a device thread when the step loop overlaps."""
+        if config.simulated_step_ms is not None:
+            return create_executor("simulated", config.simulated_step_ms / 1e3)
+        if self.device.type == "cuda" or not config.overlap:
+            return create_executor("inline")
+        return create_executor("thread")
 
     @staticmethod
     def _resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
@@ -217,218 +238,173 @@ class ModelRunner:
         return GrammarBackend.from_tokenizer_json(Path(self.config.model) / "tokenizer.json", self.vocab_size,
                                                   stop_ids)
 
-    def prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Validate ``batch`` and build ``(input_ids [T], positions [T], metadata, logits_indices [N])``."""
-        if not batch.seqs:
-            raise ValueError("cannot run an empty batch")
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        token_seq: list[int] = []  # [T] index of each token's sequence in the batch
-        logits_indices: list[int] = []
-        for s in batch.seqs:
-            seq, start, n = s.seq, s.start, s.num_tokens
-            end = start + n
-            if n < 1 or end > len(seq.token_ids):
-                raise ValueError(f"sequence {seq.request_id}: chunk [{start}, {end}) is outside its "
-                                 f"{len(seq.token_ids)} tokens")
-            if end > self.max_model_len:
-                raise ValueError(
-                    f"sequence {seq.request_id}: {end} tokens exceed max_model_len {self.max_model_len}"
-                )
-            num_blocks = -(-end // bs)
-            if len(seq.block_table) < num_blocks:
-                raise ValueError(f"sequence {seq.request_id}: {end} tokens need {num_blocks} blocks, "
-                                 f"its block table has {len(seq.block_table)}")
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            token_seq.extend([len(tables)] * n)
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(seq.block_table[:num_blocks])
-            if s.samples and s.seq.pooling is None:
-                logits_indices.append(len(input_ids) - 1)
-        table_rows = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for row, table in zip(table_rows, tables, strict=True):
-            row[: len(table)] = table
-        block_tables = torch.from_numpy(table_rows)
-        lo, hi = int(block_tables.min()), int(block_tables.max())
-        if lo < 0 or hi >= self.num_kv_blocks:
-            raise ValueError(f"block ids must be in [0, {self.num_kv_blocks}), got {lo if lo < 0 else hi}")
+    # ---- the step, in device order -----------------------------------------------------------------
+    def forward(self, batch: ScheduledBatch) -> Forward:
+        """Build the batch's inputs (host, now: raises ``ValueError`` for a malformed batch before
+        anything reaches the device) and submit its tier copies and forward pass. Decode inputs still
+        pending on the host are read from the previous step's sampled ids on the device."""
+        inputs = self.input_batch.build(batch, self._previous_rows)
+        previous = self._previous_sample if inputs.pending_rows.size else None
+        work = self.executor.submit(self._forward, batch.transfers, inputs, previous, step=True)
+        self._previous_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled)}
+        self._previous_sample = None
+        return Forward(inputs, work)
 
-        pos = torch.tensor(positions, dtype=torch.int64)
-        lens = torch.tensor(query_lens, dtype=torch.int32)
-        slot_mapping = block_tables[torch.tensor(token_seq), pos // bs].to(torch.int64) * bs + pos % bs
-        query_start_loc = torch.zeros(len(tables) + 1, dtype=torch.int32)
-        torch.cumsum(lens, 0, out=query_start_loc[1:])
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            if self.device.type == "cpu":
-                return t
-            return t.pin_memory().to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=dev(slot_mapping),
-            query_start_loc=dev(query_start_loc),
-            seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=dev(block_tables),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
-        meta.plan = self.attention_backend.plan(meta, self.dtype)
-        return (dev(torch.tensor(input_ids, dtype=torch.int64)), dev(pos), meta,
-                dev(torch.tensor(logits_indices, dtype=torch.int64)))
+    def sample(self, forward: Forward, sampler: Sampler) -> Step:
+        """Submit the sampling of a submitted forward pass (its ``inputs.sampling`` complete: grammar
+        masks filled); the ids stay on the device for the next step, and start their copy to the host."""
+        work = None
+        if forward.inputs.sampling is not None:
+            work = self.executor.submit(self._sample, forward.work, forward.inputs.sampling, sampler)
+            self._previous_sample = work
+        return Step(forward.inputs, forward.work, work)
 
     def transfer(self, plan: TransferPlan | None) -> None:
-        """Make the copies between KV tiers a plan asks for, in device order, and land those that are done."""
-        if self.kv_transfer is None:
-            return
-        if plan is not None:
-            self.kv_transfer.execute(plan)
-        self.kv_transfer.poll()
+        """Submit the copies between KV tiers a plan asks for, after everything submitted so far (and
+        land those that are done: their disk writes, pins and reads are queued then)."""
+        if self.kv_transfer is not None and plan is not None:
+            self.executor.submit(self._transfer, self.kv_transfer, plan)
+
+    @staticmethod
+    def _transfer(transfer: KVTransfer, plan: TransferPlan) -> None:
+        transfer.execute(plan)
+        transfer.poll()
 
     def flush_transfers(self) -> None:
         """Land every copy and finish every queued disk job (tests, shutdown)."""
         if self.kv_transfer is not None:
-            self.kv_transfer.flush()
+            self.executor.submit(self.kv_transfer.flush).result()
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes (a restart finds every block demoted so far)."""
+        """Finish the device's work and the disk tier's queued writes (a restart finds every block
+        demoted so far)."""
         if self.kv_transfer is not None:
-            self.kv_transfer.flush()
-            self.kv_transfer.close()
+            self.executor.submit(self.kv_transfer.flush).result()
+            self.executor.submit(self.kv_transfer.close).result()
+        self.executor.close()
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Make the batch's tier copies, then compute its chunks into the KV cache; float32 logits
-        ``[num_sampled, vocab]``."""
-        if batch.transfers is not None and self.kv_transfer is not None:
-            self.kv_transfer.execute(batch.transfers)  # before the forward pass overwrites an evicted block
-        input_ids, positions, meta, logits_indices = self.prepare(batch)
+        """Forward ``batch`` and wait: its float32 logits ``[num_sampled, vocab]`` (tests, benchmarks)."""
+        return self.forward(batch).work.result().logits
+
+    # ---- device side --------------------------------------------------------------------------------
+    def _forward(self, transfers: TransferPlan | None, inputs: StepInputs,
+                 previous: Work[Sampled] | None) -> Forwarded:
+        if transfers is not None and self.kv_transfer is not None:
+            self.kv_transfer.execute(transfers)  # before the forward pass overwrites an evicted block
+        input_ids, positions, meta, logits_indices = self._device_inputs(inputs)
+        if previous is not None:  # decode inputs sampled by the previous step, never seen by the host
+            rows, sources = self._index(inputs.pending_rows), self._index(inputs.pending_sources)
+            input_ids[rows] = previous.result().token_ids[sources]
         if self._graphs is not None and self._graphs.covers(meta):
             hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-        self._pool(batch, hidden)
+        embeddings = self._pool(inputs, hidden) if inputs.pooled else {}
         if logits_indices.numel() == 0:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden[logits_indices]).float()  # [N, vocab]
-
-
-    @staticmethod
-    def _pool(batch: ScheduledBatch, hidden: torch.Tensor) -> None:
-        """Fold each embedding sequence's chunk of final hidden states into its pooled state."""
-        offset = 0
-        for s in batch.seqs:
-            pooling, n = s.seq.pooling, s.num_tokens
-            if pooling is not None:
-                rows = hidden[offset:offset + n]
-                if pooling.mode == "mean":
-                    chunk = rows.float().sum(0)
-                    s.seq.pooled = chunk if s.seq.pooled is None else s.seq.pooled + chunk
-                elif pooling.mode == "first" and s.start == 0:
-                    s.seq.pooled = rows[0].float()
-                elif pooling.mode == "last" and s.samples:
-                    s.seq.pooled = rows[-1].float()
-            offset += n
+            logits = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        else:
+            logits = self.model.compute_logits(hidden[logits_indices]).float()  # [N, vocab]
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()  # land the copies the forward pass hid
+        return Forwarded(logits, embeddings)
 
     @staticmethod
-    def embedding(seq: Sequence) -> list[float]:
-        """The finished embedding of a sequence whose whole prompt has run; clears its pooled state."""
-        pooling, pooled = seq.pooling, seq.pooled
-        if pooling is None or pooled is None:
-            raise ValueError(f"sequence {seq.request_id} has no pooled state")
-        seq.pooled = None
-        vector = pooled / seq.num_prompt_tokens if pooling.mode == "mean" else pooled
-        if pooling.normalize:
-            vector = torch.nn.functional.normalize(vector, dim=0)
-        return vector.cpu().tolist()
+    def _sample(forward: Work, sampling: SamplingInputs, sampler: Sampler) -> Sampled:
+        sampled = sampler.draw(forward.result().logits, sampling)
+        sampled.to_host()
+        return sampled
 
+    def _index(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.pin_memory().to(self.device, non_blocking=True)
 
-class _DecodeGraphs:
-    """CUDA graphs of decode-only forwards, one per padded batch size, over static input buffers."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        n, dev = runner.config.max_num_seqs, runner.device
-        self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        self.sizes = sorted({s for s in (1, 2, 4, 8, *range(16, n + 1, 16)) if s <= n} | {n})
-        # Static buffers: graphs read their inputs from here; replay() fills the first rows.
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-
-    @classmethod
-    def capture(cls, runner: ModelRunner) -> _DecodeGraphs | None:
-        from kernels import default_num_splits
-
-        graphs = cls(runner)
-        backend = runner.attention_backend
-        pool = None
-        try:
-            with torch.inference_mode():
-                for size in reversed(graphs.sizes):  # largest first: smaller ones reuse its memory pool
-                    backend.decode_num_splits = default_num_splits(
-                        size, runner.args.num_kv_heads, runner.max_model_len, runner.device
-                    )
-                    meta = graphs._meta(size, runner)
-                    args = (graphs.input_ids[:size], graphs.positions[:size], runner.kv_caches, meta)
-                    runner.model(*args)  # warm-up: compiles the kernels outside the capture
-                    torch.cuda.synchronize(runner.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        hidden = runner.model(*args)
-                    pool = graph.pool()
-                    graphs.graphs[size] = (graph, hidden)
-        except Exception:
-            logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
-            return None
-        finally:
-            backend.decode_num_splits = None
-        torch.cuda.synchronize(runner.device)
-        return graphs
-
-    def _meta(self, size: int, runner: ModelRunner) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            max_query_len=1,
-            max_seq_len=runner.max_model_len,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[runner.max_model_len] * size,
-            block_size=runner.block_size,
+    def _device_inputs(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """``(input_ids [T], positions [T], metadata, logits_indices [N])`` on the device: views of the
+        host arrays on the CPU; on a GPU one pinned buffer and one asynchronous copy."""
+        arrays = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
+                  inputs.query_start_loc, inputs.seq_lens, inputs.block_tables.reshape(-1))
+        if self.device.type == "cpu":
+            ids, pos, slots, logits_indices = (torch.from_numpy(a) for a in arrays[:4])
+            query_start_loc, seq_lens = torch.from_numpy(arrays[4]), torch.from_numpy(arrays[5])
+            block_tables = torch.from_numpy(inputs.block_tables)
+        else:
+            staged = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in arrays]))
+            packed = staged.pin_memory().to(self.device, non_blocking=True)
+            parts = list(torch.split(packed, [a.shape[0] for a in arrays]))
+            ids, pos, slots, logits_indices = parts[:4]
+            query_start_loc, seq_lens = parts[4].to(torch.int32), parts[5].to(torch.int32)
+            block_tables = parts[6].to(torch.int32).view(inputs.block_tables.shape)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            max_query_len=max(inputs.query_lens),
+            max_seq_len=max(inputs.context_lens),
+            query_lens_cpu=inputs.query_lens,
+            seq_lens_cpu=inputs.context_lens,
+            block_size=self.block_size,
         )
+        meta.plan = self.attention_backend.plan(meta, self.dtype)
+        return ids, pos, meta, logits_indices
 
-    def covers(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode_only and meta.num_seqs <= self.sizes[-1]
+    @staticmethod
+    def _pool(inputs: StepInputs, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Fold each embedding sequence's chunk of final hidden states into its pooled state (a chunk
+        from position 0 starts it afresh: a preempted sequence's recompute); returns the finished
+        embeddings by ``seq_id``."""
+        finished: dict[int, torch.Tensor] = {}
+        for chunk, first, n in inputs.pooled:
+            seq, pooling = chunk.seq, chunk.seq.pooling
+            assert pooling is not None
+            rows = hidden[first:first + n]
+            if chunk.start == 0:
+                seq.pooled = None
+            if pooling.mode == "mean":
+                total = rows.float().sum(0)
+                seq.pooled = total if seq.pooled is None else seq.pooled + total
+            elif pooling.mode == "first" and chunk.start == 0:
+                seq.pooled = rows[0].float()
+            elif pooling.mode == "last" and chunk.samples:
+                seq.pooled = rows[-1].float()
+            if chunk.samples:
+                vector = seq.pooled / seq.num_prompt_tokens if pooling.mode == "mean" else seq.pooled
+                if pooling.normalize:
+                    vector = torch.nn.functional.normalize(vector, dim=0)
+                finished[seq.seq_id] = vector
+                seq.pooled = None
+        return finished
 
-    def replay(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        n = meta.num_seqs
-        size = next(s for s in self.sizes if s >= n)
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:size].fill_(1)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.block_tables[n:size].zero_()
-        graph, hidden = self.graphs[size]
-        graph.replay()
-        return hidden[:n]
+
+@dataclass(slots=True)
+class Forwarded:
+    """What a forward pass left on the device: logits of the sampled rows, finished embeddings."""
+
+    logits: torch.Tensor
+    embeddings: dict[int, torch.Tensor]
+
+
+@dataclass(slots=True)
+class Forward:
+    """A submitted forward pass: its host inputs and its device work."""
+
+    inputs: StepInputs
+    work: Work[Forwarded]
+
+
+@dataclass(slots=True)
+class Step:
+    """A submitted step (forward pass and sampling); ``result()`` waits for its tokens on the host."""
+
+    inputs: StepInputs
+    forward: Work[Forwarded]
+    sampling: Work[Sampled] | None
+
+    def result(self) -> tuple[HostSampled | None, dict[int, list[float]]]:
+        """(the sampled ids and logprobs, the finished embeddings by ``seq_id``), on the host."""
+        embeddings = {seq_id: v.cpu().tolist() for seq_id, v in self.forward.result().embeddings.items()}
+        host = self.sampling.result().host() if self.sampling is not None else None
+        return host, embeddings

@@ -7,6 +7,7 @@ Conventions:
 
 - ``temperature == 0`` means greedy decoding (argmax); ``top_p``/``top_k``/``seed`` are then ignored.
 - ``top_k`` of ``-1`` or ``0`` disables top-k (vLLM uses -1, some clients send 0); otherwise >= 1.
+  ``min_p`` (vLLM's, 0..1, 0 = off) drops the tokens less likely than ``min_p`` times the most likely.
 - ``presence_penalty``/``frequency_penalty`` (OpenAI, -2..2) apply to the tokens generated so far;
   ``repetition_penalty`` (vLLM/HF, > 0, 1 = off) applies to prompt and generated tokens.
 - ``logprobs``: ``None`` = none; ``k`` in 0..20 = the sampled token's logprob plus the ``k`` most likely
@@ -38,6 +39,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Drop tokens whose probability is below min_p times the most likely one's (0: off).
+    min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -61,6 +64,7 @@ class SamplingParams:
         self.top_k = _int("top_k", self.top_k, -1, None)
         if self.top_k == 0:
             self.top_k = -1
+        self.min_p = _float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             self.seed = _int("seed", self.seed, -(2**63), 2**63 - 1)
         self.presence_penalty = _float("presence_penalty", self.presence_penalty, -2.0, 2.0)

@@ -163,13 +163,17 @@ class Scheduler:
         return ScheduledBatch(list(step.scheduled.values()), step.preempted, self.kv.take_plan())
 
     def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Advance ``num_computed_tokens`` by each chunk and publish newly full blocks to the prefix cache.
+        """The step is launched: advance ``num_computed_tokens`` by each chunk, give every sequence that
+        samples a pending token (its id is known once the step ran: ``token_known``), and publish newly
+        full blocks of known tokens to the prefix cache.
 
         Returns the sequences whose chunk reached their last token, in batch order: one per row of the
         runner's logits, i.e. the sequences to sample. Sequences finished since ``schedule()`` (aborted)
-        are still returned, to keep rows aligned, but not advanced.
+        are still returned, to keep rows aligned, but not advanced. The copies committing asked for (blocks
+        retained on disk) are ``batch.transfers_after``.
         """
         sampled: list[Sequence] = []
+        block_manager = self.block_manager
         for item in batch.seqs:
             seq = item.seq
             samples = item.samples
@@ -177,20 +181,34 @@ class Scheduler:
                 sampled.append(seq)
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            start = seq.num_computed_tokens
+            start = item.start
             end = start + item.num_tokens
-            if end > len(seq.token_ids):
-                raise RuntimeError(
-                    f"sequence {seq.seq_id} scheduled past its tokens ({end} > {len(seq.token_ids)})"
-                )
-            prompt_part = max(0, min(end, seq.num_prompt_tokens) - start)
-            self.computed_prefill_tokens += prompt_part
+            if start != seq.num_computed_tokens or end > seq.num_tokens:
+                raise RuntimeError(f"sequence {seq.seq_id} scheduled for tokens [{start}, {end}) but it has "
+                                   f"{seq.num_computed_tokens} computed of {seq.num_tokens}")
+            if start < seq.num_prompt_tokens:
+                self.computed_prefill_tokens += min(end, seq.num_prompt_tokens) - start
             if not samples:
                 self.num_partial_prefill_chunks += 1
+            elif seq.pooling is None:
+                seq.num_pending_tokens += 1
             seq.num_computed_tokens = end
-            self.block_manager.commit_computed(seq)
+            block_manager.commit_computed(seq)
         batch.transfers_after = self.kv.take_plan()
         return sampled
+
+    def token_known(self, seq: Sequence, token_id: int) -> None:
+        """A pending token of ``seq`` came back from the device: append it."""
+        if seq.num_pending_tokens < 1:
+            raise RuntimeError(f"sequence {seq.seq_id} has no pending token")
+        seq.num_pending_tokens -= 1
+        seq.token_ids.append(token_id)
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the blocks of ``seq`` that known tokens filled and launched steps computed (a token
+        learned after the step that computes it was launched: the overlapped loop)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.commit_computed(seq)
 
     # ---- internals: scheduling ------------------------------------------------------------------
     def _admit_level(self, level: int, step: _Step) -> bool:
@@ -294,7 +312,6 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.pooled = None  # an embedding's pooled state restarts with its recompute
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -3,13 +3,18 @@
 A ``Sequence`` is one generation stream (a request with ``n > 1`` owns ``n`` sequences that share the
 prompt's blocks). Invariants:
 
-- ``token_ids`` is the prompt followed by every generated token; ``num_prompt_tokens`` never changes.
-- ``num_computed_tokens`` tokens have their K/V in the cache (blocks in ``block_table``); it only
-  grows, except on preemption by recompute, which resets it (and ``block_table``) to zero.
+- ``token_ids`` is the prompt followed by every generated token the host knows; ``num_prompt_tokens``
+  never changes. ``num_pending_tokens`` more were sampled on the device and are not known yet
+  (placeholders after ``token_ids``: the overlapped step loop learns a step's tokens one step later);
+  ``num_tokens`` counts both. A pending token is known before anything reads its id on the host:
+  stop checks, streaming, billing, block hashes.
+- ``num_computed_tokens`` tokens have their K/V in the cache (blocks in ``block_table``), or will have
+  once the steps launched so far have run (the device runs them in order); it only grows, except on
+  preemption by recompute, which resets it (and ``block_table``) to zero.
 - ``num_cached_tokens`` is the prompt tokens served from the prefix cache the first time the sequence
   started; set once, never changed by a preemption (recompute is the platform's cost, never billed).
 - The scheduler hands the runner a ``ScheduledBatch``: for each sequence, how many of its tokens after
-  ``num_computed_tokens`` to compute this step. A sequence whose chunk reaches ``len(token_ids)``
+  ``num_computed_tokens`` to compute this step. A sequence whose chunk reaches ``num_tokens``
   produces logits for its last token and is sampled; a partial prefill chunk is not. An embedding
   sequence (``pooling``) produces no logits: its chunk's hidden states are pooled instead.
 
@@ -59,6 +64,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
+    # Tokens sampled on the device whose ids the host does not know yet (they follow ``token_ids``).
+    num_pending_tokens: int = 0
     num_cached_tokens: int | None = None
     # Of those, the ones loaded from the host tier and read from disk (the rest were on the device).
     num_cached_host_tokens: int = 0
@@ -106,11 +113,17 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens known on the host (pending ones are not counted until they are)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        """Known tokens plus those still pending on the device."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -122,18 +135,23 @@ class Sequence:
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """One sequence's chunk of a step: tokens ``start .. start + num_tokens`` are computed, ``start`` being
+    its ``num_computed_tokens`` when the step was scheduled. ``samples``: the chunk reaches the end of
+    its tokens (pending ones included), so the step yields a new token."""
+
     seq: Sequence
-    # Tokens token_ids[start : start + num_tokens] are computed this step, start = num_computed_tokens.
     num_tokens: int
+    start: int = field(init=False)
+    samples: bool = field(init=False)
 
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so the step yields a new token."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+    def extend(self, extra: int) -> None:
+        """Compute ``extra`` more tokens of the sequence in this chunk."""
+        self.num_tokens += extra
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass(slots=True)

@@ -252,6 +252,8 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         num_full = min(num_full, len(seq.block_table))
         committed = self._seq_committed.get(seq.seq_id, 0)
+        if num_full <= committed and (seq.cache_lifetimes_applied or not self.enable_prefix_caching):
+            return  # nothing new (every decode step but one in block_size)
         if not self.enable_prefix_caching:
             self._seq_committed[seq.seq_id] = max(num_full, committed)
             return

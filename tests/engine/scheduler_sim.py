@@ -58,7 +58,9 @@ def step(sched, served=None, check=None):
         if served is not None:
             served[item.seq.tenant] += item.num_tokens
     for seq in sched.update_after_step(batch):
-        seq.append_token(1)
+        if seq.is_finished:
+            continue
+        sched.token_known(seq, 1)
         if seq.num_output_tokens >= seq.params.max_tokens:
             sched.finish(seq, FinishReason.LENGTH)
     return batch

@@ -85,17 +85,17 @@ async def test_a_failed_step_fails_in_flight_requests_and_the_loop_goes_on(
     async_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = async_engine.engine.runner
-    original = runner.run
+    original = runner._forward  # the device's side of a step: the failure surfaces when its tokens are read
     calls = 0
 
-    def fails_once(batch):
+    def fails_once(*args):
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("device lost")
-        return original(batch)
+        return original(*args)
 
-    monkeypatch.setattr(runner, "run", fails_once)
+    monkeypatch.setattr(runner, "_forward", fails_once)
     with pytest.raises(EngineError):
         await _collect(async_engine, "doomed", [5, 6, 7], SamplingParams(max_tokens=5))
     survivor = await _collect(async_engine, "survivor", [5, 6, 7], SamplingParams(max_tokens=2,

@@ -2,7 +2,7 @@
 kernel runs. Only what needs a device is faked (free device memory, the SM count, a captured graph);
 the rest is the engine's own code on CPU tensors.
 
-- CUDA-graph batch sizes: the buckets ``_DecodeGraphs`` captures for ``max_num_seqs``, the bucket a
+- CUDA-graph batch sizes: the buckets ``DecodeGraphs`` captures for ``max_num_seqs``, the bucket a
   decode batch replays, the padding rows (slot -1, one-token context, zero block table) and the
   metadata the graphs were captured with.
 - Device and dtype selection: the attention backend and CUDA graphs follow the device; a CUDA device
@@ -26,7 +26,8 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, _DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs
+from engine.model_runner import ModelRunner
 from engine.models.config import ModelArgs
 from kernels import default_num_splits
 from kernels.extend_attention import extend_tile_config
@@ -37,10 +38,10 @@ BLOCK = 16
 paged_decode_module = importlib.import_module("kernels.paged_decode_attention")
 
 
-def _graphs(max_num_seqs: int, max_model_len: int = 256) -> _DecodeGraphs:
+def _graphs(max_num_seqs: int, max_model_len: int = 256) -> DecodeGraphs:
     runner = SimpleNamespace(config=SimpleNamespace(max_num_seqs=max_num_seqs), device=torch.device("cpu"),
                              max_model_len=max_model_len, block_size=BLOCK)
-    return _DecodeGraphs(runner)  # type: ignore[arg-type]
+    return DecodeGraphs(runner)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("max_num_seqs", "sizes"), [
@@ -80,7 +81,7 @@ class _RecordingGraph:
     """Stands in for a captured ``torch.cuda.CUDAGraph``: a replay snapshots the static buffers it
     would read."""
 
-    def __init__(self, graphs: _DecodeGraphs, size: int) -> None:
+    def __init__(self, graphs: DecodeGraphs, size: int) -> None:
         self.graphs, self.size, self.replays = graphs, size, []
 
     def replay(self) -> None:
@@ -89,7 +90,7 @@ class _RecordingGraph:
                              ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")})
 
 
-def _with_recording_graphs(graphs: _DecodeGraphs, hidden_size: int = 4) -> dict[int, _RecordingGraph]:
+def _with_recording_graphs(graphs: DecodeGraphs, hidden_size: int = 4) -> dict[int, _RecordingGraph]:
     recorders = {size: _RecordingGraph(graphs, size) for size in graphs.sizes}
     for size, recorder in recorders.items():
         hidden = torch.arange(size * hidden_size, dtype=torch.float32).reshape(size, hidden_size)

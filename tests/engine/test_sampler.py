@@ -104,7 +104,7 @@ def test_repetition_penalty_covers_prompt_and_output():
     s = seq(prompt=(1,), output=(2,), temperature=0.0, repetition_penalty=2.0)
     sampler = Sampler(V)
     processed = x.clone()
-    sampler._apply_penalties(processed, [s])
+    sampler._apply_penalties(processed, sampler.inputs([s]))
     assert processed[0, 1] == 1.0 and processed[0, 2] == -2.0 and processed[0, 5] == pytest.approx(1.9)
     assert sampler.sample(x, [s])[0].token_id == 5
 

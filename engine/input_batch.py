@@ -1,0 +1,230 @@
+"""The persistent batch: per-slot state of the running sequences, and one step's inputs gathered from it.
+
+Each sequence the model runner sees takes a *slot* (``max_num_seqs`` of them) and keeps it while it
+runs. A slot's row holds what does not change from token to token, in preallocated numpy arrays:
+
+- its block table, copied when the sequence takes the slot and then only *grown*: the block manager
+  appends blocks to ``seq.block_table`` in place, and the row copies the new entries (a table replaced
+  after a preemption is copied again);
+- its sampling parameters as numbers (``engine.sampler.param_row``), written once.
+
+``build(batch)`` turns a ``ScheduledBatch`` into ``StepInputs``: per sequence it reads a few integers
+(its slot, chunk start and length, the input ids of a prefill chunk or the one known id of a decode),
+and everything else (positions, slot mapping, context lengths, query offsets, block tables, the
+sampled rows' parameters) comes from vectorised numpy over the slots, not from Python lists per token.
+
+A decode whose input token is still *pending* (sampled by the previous step, not known on the host:
+the overlapped loop) gets a placeholder id, and ``pending_rows`` / ``pending_sources`` say which row of
+the previous step's sampled ids to put there, on the device, before the forward pass.
+
+Slots are never released explicitly: a slot whose sequence finished or went back to waiting
+(preempted) is reclaimed when a new sequence needs one and none is free. A sequence that kept its slot
+while waiting finds it again, its block table copied anew; one that lost it gets a new slot, and its
+penalty counts are rebuilt from its known tokens (``SamplingInputs.init``).
+
+Invariants checked here (``ValueError``, before anything touches the device): a chunk is at least one
+token and lies within the sequence's tokens and ``max_model_len``; the block table covers it; every block
+id is in ``[0, num_kv_blocks)``.
+
+Pure numpy (the runner turns the arrays into tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.sampler import PARAM_COLUMNS, Sampler, SamplingInputs, param_row, penalised
+from engine.sequence import ScheduledBatch, ScheduledSeq, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs (host arrays) and what the runner must know of its sequences."""
+
+    input_ids: np.ndarray  # [T] int64 (0 where pending)
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32, padded with 0
+    logits_indices: np.ndarray  # [N] int64: the token row of each sampled sequence
+    pending_rows: np.ndarray  # [P] int64: token rows whose id is the previous step's sample ...
+    pending_sources: np.ndarray  # [P] int64: ... at these rows of its sampled ids
+    query_lens: list[int]
+    context_lens: list[int]
+    sampled: list[Sequence]  # one per logits row, in batch order
+    sampling: SamplingInputs | None
+    pooled: list[tuple[ScheduledSeq, int, int]] = field(default_factory=list)  # (chunk, first row, rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, num_kv_blocks: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        max_blocks = -(-max_model_len // block_size)
+        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self.params = np.zeros((max_num_seqs, len(PARAM_COLUMNS)), dtype=np.float64)
+        self.seeded = np.zeros(max_num_seqs, dtype=bool)
+        self.penalised = np.zeros(max_num_seqs, dtype=bool)
+        self.structured = np.zeros(max_num_seqs, dtype=bool)
+        self._slot_of: dict[int, int] = {}
+        self._seq_in: list[Sequence | None] = [None] * max_num_seqs
+        self._table_in: list[list[int] | None] = [None] * max_num_seqs  # the list object copied
+        self._table_len = [0] * max_num_seqs  # entries of it copied
+        self._free = list(range(max_num_seqs - 1, -1, -1))
+
+    @property
+    def num_slots_used(self) -> int:
+        return len(self._slot_of)
+
+    # ---- slots ------------------------------------------------------------------------------------
+    def _slot(self, seq: Sequence, init: list[tuple[int, list[int], list[int]]], busy: np.ndarray) -> int:
+        slot = self._slot_of.get(seq.seq_id)
+        if slot is not None:
+            return slot
+        if not self._free:
+            self._reclaim(set(busy.tolist()))
+        if not self._free:
+            raise RuntimeError(f"no slot left for sequence {seq.seq_id}: more than "
+                               f"{self.max_num_seqs} sequences running")
+        slot = self._free.pop()
+        self._slot_of[seq.seq_id] = slot
+        self._seq_in[slot] = seq
+        self._table_in[slot] = None
+        params = seq.params
+        self.params[slot] = param_row(params)
+        self.seeded[slot] = params.seed is not None and not params.greedy
+        self.penalised[slot] = penalised(params) and seq.pooling is None
+        self.structured[slot] = params.structured
+        if self.penalised[slot]:
+            init.append((slot, seq.output_token_ids, list(seq.token_ids)))
+        return slot
+
+    def _reclaim(self, busy: set[int]) -> None:
+        """Free the slots of sequences that finished or went back to waiting (but those of ``busy``, the
+        slots of the batch being built)."""
+        for slot, seq in enumerate(self._seq_in):
+            if seq is not None and seq.status is not SequenceStatus.RUNNING and slot not in busy:
+                del self._slot_of[seq.seq_id]
+                self._seq_in[slot] = None
+                self._table_in[slot] = None
+                self._free.append(slot)
+
+    def _sync_table(self, slot: int, table: list[int]) -> None:
+        if self._table_in[slot] is not table:
+            self._table_in[slot] = table
+            self._table_len[slot] = 0
+        done = self._table_len[slot]
+        if len(table) > done:
+            if len(table) > self.block_table.shape[1]:
+                raise ValueError(f"a block table of {len(table)} blocks exceeds max_model_len")
+            self.block_table[slot, done:len(table)] = table[done:]
+            self._table_len[slot] = len(table)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def build(self, batch: ScheduledBatch, previous: dict[int, int] | None = None) -> StepInputs:
+        """The inputs of ``batch``; ``previous`` maps the sequences sampled by the previous step to their
+        row of its sampled ids (for pending input tokens)."""
+        if not batch.seqs:
+            raise ValueError("cannot run an empty batch")
+        num = len(batch.seqs)
+        slots = np.empty(num, dtype=np.int64)
+        starts = np.empty(num, dtype=np.int64)
+        lens = np.empty(num, dtype=np.int64)
+        ids: list[int] = []
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        sampled_at: list[int] = []  # their batch indices
+        pooled: list[tuple[ScheduledSeq, int, int]] = []
+        init: list[tuple[int, list[int], list[int]]] = []
+        row = 0
+        for b, item in enumerate(batch.seqs):
+            seq, start, n = item.seq, item.start, item.num_tokens
+            end = start + n
+            known = len(seq.token_ids)
+            if n < 1 or end > known + seq.num_pending_tokens:
+                raise ValueError(f"sequence {seq.request_id}: chunk [{start}, {end}) is outside its "
+                                 f"{known + seq.num_pending_tokens} tokens")
+            if end > self.max_model_len:
+                raise ValueError(f"sequence {seq.request_id}: {end} tokens exceed max_model_len "
+                                 f"{self.max_model_len}")
+            table = seq.block_table
+            if len(table) * self.block_size < end:
+                raise ValueError(f"sequence {seq.request_id}: {end} tokens need "
+                                 f"{-(-end // self.block_size)} blocks, its block table has {len(table)}")
+            slot = self._slot(seq, init, slots[:b])
+            self._sync_table(slot, table)
+            slots[b], starts[b], lens[b] = slot, start, n
+            if end <= known:
+                if n == 1:
+                    ids.append(seq.token_ids[start])
+                else:
+                    ids.extend(seq.token_ids[start:end])
+            else:  # the last token is pending: the previous step sampled it on the device
+                source = None if previous is None else previous.get(seq.seq_id)
+                if source is None or end != known + 1:
+                    raise RuntimeError(f"sequence {seq.seq_id}: token {known} is pending but the previous "
+                                       "step did not sample it")
+                ids.extend(seq.token_ids[start:known])
+                ids.append(0)
+                pending_rows.append(row + n - 1)
+                pending_sources.append(source)
+            row += n
+            if item.samples:
+                if seq.pooling is None:
+                    logits_indices.append(row - 1)
+                    sampled.append(seq)
+                    sampled_at.append(b)
+            if seq.pooling is not None:
+                pooled.append((item, row - n, n))
+
+        seq_lens = starts + lens
+        positions = np.arange(row, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens - starts, lens)
+        width = -(-int(seq_lens.max()) // self.block_size)
+        tables = self.block_table[slots, :width]
+        lo, hi = int(tables.min()), int(tables.max())
+        if lo < 0 or hi >= self.num_kv_blocks:
+            raise ValueError(f"block ids must be in [0, {self.num_kv_blocks}), got {lo if lo < 0 else hi}")
+        token_seq = np.repeat(np.arange(num), lens)
+        bs = self.block_size
+        slot_mapping = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        query_start_loc = np.zeros(num + 1, dtype=np.int32)
+        np.cumsum(lens, out=query_start_loc[1:])
+        sampling = None
+        if sampled:
+            rows = slots[np.asarray(sampled_at, dtype=np.int64)]
+            sampling = SamplingInputs(sampled, self.params[rows], rows, self._noise_seeds(sampled, rows),
+                                      init, np.flatnonzero(self.structured[rows]).tolist())
+        return StepInputs(
+            input_ids=np.asarray(ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=tables,
+            logits_indices=np.asarray(logits_indices, dtype=np.int64),
+            pending_rows=np.asarray(pending_rows, dtype=np.int64),
+            pending_sources=np.asarray(pending_sources, dtype=np.int64),
+            query_lens=lens.tolist(),
+            context_lens=seq_lens.tolist(),
+            sampled=sampled,
+            sampling=sampling,
+            pooled=pooled,
+        )
+
+    def _noise_seeds(self, sampled: list[Sequence], slots: np.ndarray) -> list[int | None]:
+        keys: list[int | None] = [None] * len(sampled)
+        for i in np.flatnonzero(self.seeded[slots]).tolist():
+            seq = sampled[i]
+            keys[i] = Sampler.noise_seed(seq, seq.num_tokens)
+        return keys
