@@ -49,8 +49,11 @@ class EngineConfig:
     kv_retention_quota_blocks: int | None = None
     # The overlapped step loop (``engine.llm_engine``): the host schedules and prepares step N+1 while
     # the device runs step N, and learns a step's tokens one step later. False: every step's tokens are
-    # known before the next step is scheduled (the synchronous loop; same outputs).
-    overlap: bool = True
+    # known before the next step is scheduled (the synchronous loop; same outputs). None: on for CUDA;
+    # off on the CPU, where the "device" would be a Python thread contending for the GIL with the engine
+    # thread (at 256 sequences of the tiny model the overlapped loop ran at 0.88-0.90x the synchronous
+    # one on a 2-core box: benchmarks/host_overhead.py).
+    overlap: bool | None = None
     # Tests and benchmarks: run the device work on a simulated device whose steps take at least this
     # many milliseconds (``engine.device.SimulatedDevice``). None: the real device.
     simulated_step_ms: float | None = None
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.overlap is None:
+            self.overlap = self.device.startswith("cuda")
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -40,11 +40,13 @@ T = TypeVar("T")
 class Work(Generic[T]):
     """A function submitted to a device; ``result()`` waits for it and returns its value (or raises)."""
 
-    __slots__ = ("_future", "_value")
+    __slots__ = ("_future", "_value", "_error")
 
-    def __init__(self, future: Future[T] | None = None, value: T | None = None) -> None:
+    def __init__(self, future: Future[T] | None = None, value: T | None = None,
+                 error: BaseException | None = None) -> None:
         self._future = future
         self._value = value
+        self._error = error
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
@@ -52,17 +54,39 @@ class Work(Generic[T]):
     def result(self) -> T:
         if self._future is not None:
             return self._future.result()
+        if self._error is not None:
+            raise self._error
         return self._value  # type: ignore[return-value]
 
 
 class DeviceExecutor:
-    """Runs device work on the calling thread (CUDA: asynchronous by the stream; CPU: synchronous)."""
+    """Runs device work on the calling thread (CUDA: asynchronous by the stream; CPU: synchronous).
+
+    ``busy_s`` / ``step_busy_s``: seconds spent running submitted work (all of it / the steps'), on the
+    host's clock: on the CPU the device's own time; under CUDA only the launches'."""
 
     overlaps = False  # True: submit returns before the work is done, also on the CPU
 
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.step_busy_s = 0.0
+
     def submit(self, fn: Callable[..., T], *args: Any, step: bool = False) -> Work[T]:
-        with torch.inference_mode():
-            return Work(value=fn(*args))
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                value = fn(*args)
+        except Exception as exc:  # reported by result(), like the device thread's
+            return Work(error=exc)
+        finally:
+            self._account(started, step)
+        return Work(value=value)
+
+    def _account(self, started: float, step: bool) -> None:
+        elapsed = time.perf_counter() - started
+        self.busy_s += elapsed
+        if step:
+            self.step_busy_s += elapsed
 
     def close(self) -> None:
         pass
@@ -74,6 +98,7 @@ class ThreadExecutor(DeviceExecutor):
     overlaps = True
 
     def __init__(self, name: str = "engine-device") -> None:
+        super().__init__()
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple, bool, Future] | None] = (
             queue.SimpleQueue()
         )
@@ -100,10 +125,12 @@ class ThreadExecutor(DeviceExecutor):
                 try:
                     value = fn(*args)
                 except BaseException as exc:  # reported by result(); the thread serves on
+                    self._account(started, step)
                     future.set_exception(exc)
                     continue
                 if step:
                     self._stretch(started)
+                self._account(started, step)
                 future.set_result(value)
 
     def _stretch(self, started: float) -> None:
@@ -123,6 +150,16 @@ class SimulatedDevice(ThreadExecutor):
         left = self.step_time_s - (time.perf_counter() - started)
         if left > 0:
             time.sleep(left)
+
+
+def upload(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host numbers (a list or numpy array) as a tensor on ``device``, without making the host wait: on a
+    GPU through pinned memory and an asynchronous copy. (A plain ``.to(device)`` from pageable memory
+    waits for the stream to drain: one such call per step and the host never runs ahead.)"""
+    tensor = torch.as_tensor(data, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def create_executor(kind: str, step_time_s: float = 0.0) -> DeviceExecutor:

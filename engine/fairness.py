@@ -108,6 +108,9 @@ class TenantFairness:
         Iterates over snapshots, so callers may admit or preempt while iterating.
         """
         queues = {tenant: list(seqs) for tenant, seqs in by_tenant.items() if seqs}
+        if len(queues) == 1:  # one tenant: its own order, no heap
+            yield from next(iter(queues.values()))
+            return
         rank = self._rank
         heap = [(self.served_tokens(t), rank[q[0].seq_id], t) for t, q in queues.items()]
         heapq.heapify(heap)

@@ -86,12 +86,21 @@ class InputBatch:
         return len(self._slot_of)
 
     # ---- slots ------------------------------------------------------------------------------------
-    def _slot(self, seq: Sequence, init: list[tuple[int, list[int], list[int]]], busy: np.ndarray) -> int:
-        slot = self._slot_of.get(seq.seq_id)
-        if slot is not None:
-            return slot
+    def _refuse(self, seq: Sequence, start: int, end: int) -> None:
+        """Raise the ``ValueError`` of a chunk that cannot run."""
+        if end - start < 1 or end > len(seq.token_ids) + seq.num_pending_tokens:
+            raise ValueError(f"sequence {seq.request_id}: chunk [{start}, {end}) is outside its "
+                             f"{len(seq.token_ids) + seq.num_pending_tokens} tokens")
+        if end > self.max_model_len:
+            raise ValueError(f"sequence {seq.request_id}: {end} tokens exceed max_model_len "
+                             f"{self.max_model_len}")
+        raise ValueError(f"sequence {seq.request_id}: {end} tokens need {-(-end // self.block_size)} blocks, "
+                         f"its block table has {len(seq.block_table)}")
+
+    def _slot(self, seq: Sequence, init: list[tuple[int, list[int], list[int]]], busy: list[int]) -> int:
+        """A slot for a sequence that has none (``busy``: the slots of the batch being built)."""
         if not self._free:
-            self._reclaim(set(busy.tolist()))
+            self._reclaim(set(busy))
         if not self._free:
             raise RuntimeError(f"no slot left for sequence {seq.seq_id}: more than "
                                f"{self.max_num_seqs} sequences running")
@@ -136,9 +145,9 @@ class InputBatch:
         if not batch.seqs:
             raise ValueError("cannot run an empty batch")
         num = len(batch.seqs)
-        slots = np.empty(num, dtype=np.int64)
-        starts = np.empty(num, dtype=np.int64)
-        lens = np.empty(num, dtype=np.int64)
+        slot_list: list[int] = []
+        start_list: list[int] = []
+        len_list: list[int] = []
         ids: list[int] = []
         pending_rows: list[int] = []
         pending_sources: list[int] = []
@@ -147,47 +156,49 @@ class InputBatch:
         sampled_at: list[int] = []  # their batch indices
         pooled: list[tuple[ScheduledSeq, int, int]] = []
         init: list[tuple[int, list[int], list[int]]] = []
+        slot_of, table_in, table_len = self._slot_of, self._table_in, self._table_len
+        bs, max_len = self.block_size, self.max_model_len
         row = 0
         for b, item in enumerate(batch.seqs):
             seq, start, n = item.seq, item.start, item.num_tokens
             end = start + n
-            known = len(seq.token_ids)
-            if n < 1 or end > known + seq.num_pending_tokens:
-                raise ValueError(f"sequence {seq.request_id}: chunk [{start}, {end}) is outside its "
-                                 f"{known + seq.num_pending_tokens} tokens")
-            if end > self.max_model_len:
-                raise ValueError(f"sequence {seq.request_id}: {end} tokens exceed max_model_len "
-                                 f"{self.max_model_len}")
-            table = seq.block_table
-            if len(table) * self.block_size < end:
-                raise ValueError(f"sequence {seq.request_id}: {end} tokens need "
-                                 f"{-(-end // self.block_size)} blocks, its block table has {len(table)}")
-            slot = self._slot(seq, init, slots[:b])
-            self._sync_table(slot, table)
-            slots[b], starts[b], lens[b] = slot, start, n
+            token_ids, table = seq.token_ids, seq.block_table
+            known = len(token_ids)
+            if n < 1 or end > known + seq.num_pending_tokens or end > max_len or len(table) * bs < end:
+                self._refuse(seq, start, end)
+            slot = slot_of.get(seq.seq_id)
+            if slot is None:
+                slot = self._slot(seq, init, slot_list)
+            if table_in[slot] is not table or table_len[slot] != len(table):
+                self._sync_table(slot, table)
+            slot_list.append(slot)
+            start_list.append(start)
+            len_list.append(n)
             if end <= known:
                 if n == 1:
-                    ids.append(seq.token_ids[start])
+                    ids.append(token_ids[start])
                 else:
-                    ids.extend(seq.token_ids[start:end])
+                    ids.extend(token_ids[start:end])
             else:  # the last token is pending: the previous step sampled it on the device
                 source = None if previous is None else previous.get(seq.seq_id)
                 if source is None or end != known + 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: token {known} is pending but the previous "
                                        "step did not sample it")
-                ids.extend(seq.token_ids[start:known])
+                ids.extend(token_ids[start:known])
                 ids.append(0)
                 pending_rows.append(row + n - 1)
                 pending_sources.append(source)
             row += n
-            if item.samples:
-                if seq.pooling is None:
-                    logits_indices.append(row - 1)
-                    sampled.append(seq)
-                    sampled_at.append(b)
-            if seq.pooling is not None:
+            if item.samples and seq.pooling is None:
+                logits_indices.append(row - 1)
+                sampled.append(seq)
+                sampled_at.append(b)
+            elif seq.pooling is not None:
                 pooled.append((item, row - n, n))
 
+        slots = np.array(slot_list, dtype=np.int64)
+        starts = np.array(start_list, dtype=np.int64)
+        lens = np.array(len_list, dtype=np.int64)
         seq_lens = starts + lens
         positions = np.arange(row, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens - starts, lens)
         width = -(-int(seq_lens.max()) // self.block_size)
@@ -196,7 +207,6 @@ class InputBatch:
         if lo < 0 or hi >= self.num_kv_blocks:
             raise ValueError(f"block ids must be in [0, {self.num_kv_blocks}), got {lo if lo < 0 else hi}")
         token_seq = np.repeat(np.arange(num), lens)
-        bs = self.block_size
         slot_mapping = tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         query_start_loc = np.zeros(num + 1, dtype=np.int32)
         np.cumsum(lens, out=query_start_loc[1:])

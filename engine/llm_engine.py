@@ -64,7 +64,7 @@ from engine.pooling import PoolingParams
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, ScheduledBatch, Sequence
+from engine.sequence import FinishReason, ScheduledBatch, Sequence, SequenceStatus
 from engine.step_profile import StepProfile
 from engine.tokenizer import Tokenizer
 
@@ -298,28 +298,28 @@ class LLMEngine:
         waited = time.perf_counter()
         profile.wait_s += waited - started
         scheduler, outputs = self.scheduler, self.outputs
-        touched: dict[str, object] = {}
         for chunk, _, _ in step.inputs.pooled:
             seq = chunk.seq
             if chunk.samples and not seq.is_finished:
                 outputs.embedding(seq, embeddings[seq.seq_id])
                 seq.first_token_time = seq.finished_time = now
                 scheduler.finish(seq, FinishReason.STOP)
-                touched[seq.request_id] = None
-        if host is not None:
+        sampling = step.inputs.sampling
+        if host is not None and sampling is not None:
             seqs = step.inputs.sampled
-            for seq, result in zip(seqs, self.sampler.results(host, seqs), strict=True):
-                if seq.is_finished:
+            logprobs, terminated = self.sampler.extras(host, seqs, sampling.structured)
+            token_known, token, finished = scheduler.token_known, outputs.token, SequenceStatus.FINISHED
+            for i, (seq, token_id) in enumerate(zip(seqs, host.token_ids, strict=True)):
+                if seq.status is finished:
                     continue  # the extra token of a stream that stopped (or was aborted) meanwhile
-                scheduler.token_known(seq, result.token_id)
-                reason = outputs.token(seq, result, now)
+                token_known(seq, token_id)
+                reason = token(seq, token_id, logprobs.get(i) if logprobs else None, i in terminated, now)
                 if reason is not None:
                     seq.finished_time = now
                     scheduler.finish(seq, reason)
                 elif seq.num_computed_tokens >= len(seq.token_ids):
                     scheduler.commit(seq)  # the block this token completes is computed already
-                touched[seq.request_id] = None
-        deltas = [outputs.collect(outputs.requests[request_id]) for request_id in touched]
+        deltas = outputs.deltas()
         profile.postprocess_s += time.perf_counter() - waited
         return deltas
 

@@ -45,7 +45,7 @@ import torch
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.device import DeviceExecutor, Work, create_executor
+from engine.device import DeviceExecutor, Work, create_executor, upload
 from engine.input_batch import InputBatch, StepInputs
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
@@ -175,6 +175,7 @@ class ModelRunner:
         # The previous step's sampling (its ids feed pending decode inputs) and its rows by seq_id.
         self._previous_sample: Work[Sampled] | None = None
         self._previous_rows: dict[int, int] = {}
+        self._transfers: list[Work[None]] = []  # tier copies submitted, not checked yet
         logger.info("model %s (%s, %s on %s): %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
                     model_dir.name, args.architecture, config.dtype, self.device, self.num_kv_blocks,
                     self.block_size, self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
@@ -243,6 +244,7 @@ class ModelRunner:
         """Build the batch's inputs (host, now: raises ``ValueError`` for a malformed batch before
         anything reaches the device) and submit its tier copies and forward pass. Decode inputs still
         pending on the host are read from the previous step's sampled ids on the device."""
+        self._check_transfers()
         inputs = self.input_batch.build(batch, self._previous_rows)
         previous = self._previous_sample if inputs.pending_rows.size else None
         work = self.executor.submit(self._forward, batch.transfers, inputs, previous, step=True)
@@ -263,7 +265,12 @@ class ModelRunner:
         """Submit the copies between KV tiers a plan asks for, after everything submitted so far (and
         land those that are done: their disk writes, pins and reads are queued then)."""
         if self.kv_transfer is not None and plan is not None:
-            self.executor.submit(self._transfer, self.kv_transfer, plan)
+            self._transfers.append(self.executor.submit(self._transfer, self.kv_transfer, plan))
+
+    def _check_transfers(self) -> None:
+        """Raise the error of a tier copy that failed (the step after it fails, not silently)."""
+        while self._transfers and self._transfers[0].done():
+            self._transfers.pop(0).result()
 
     @staticmethod
     def _transfer(transfer: KVTransfer, plan: TransferPlan) -> None:
@@ -294,7 +301,8 @@ class ModelRunner:
             self.kv_transfer.execute(transfers)  # before the forward pass overwrites an evicted block
         input_ids, positions, meta, logits_indices = self._device_inputs(inputs)
         if previous is not None:  # decode inputs sampled by the previous step, never seen by the host
-            rows, sources = self._index(inputs.pending_rows), self._index(inputs.pending_sources)
+            rows = upload(inputs.pending_rows, self.device)
+            sources = upload(inputs.pending_sources, self.device)
             input_ids[rows] = previous.result().token_ids[sources]
         if self._graphs is not None and self._graphs.covers(meta):
             hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
@@ -315,10 +323,6 @@ class ModelRunner:
         sampled.to_host()
         return sampled
 
-    def _index(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor if self.device.type == "cpu" else tensor.pin_memory().to(self.device, non_blocking=True)
-
     def _device_inputs(
         self, inputs: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -331,8 +335,7 @@ class ModelRunner:
             query_start_loc, seq_lens = torch.from_numpy(arrays[4]), torch.from_numpy(arrays[5])
             block_tables = torch.from_numpy(inputs.block_tables)
         else:
-            staged = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in arrays]))
-            packed = staged.pin_memory().to(self.device, non_blocking=True)
+            packed = upload(np.concatenate([a.astype(np.int64, copy=False) for a in arrays]), self.device)
             parts = list(torch.split(packed, [a.shape[0] for a in arrays]))
             ids, pos, slots, logits_indices = parts[:4]
             query_start_loc, seq_lens = parts[4].to(torch.int32), parts[5].to(torch.int32)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, Timings, Usage
-from engine.sampler import SampleResult
+from engine.sampler import Logprob
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -40,6 +40,7 @@ class Completion:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher | None
+    request: Request | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: list[str] = field(default_factory=list)
     new_logprobs: list | None = None
@@ -57,7 +58,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(c.seq.is_finished for c in self.completions)
+        for c in self.completions:
+            if c.seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -69,6 +73,7 @@ class OutputProcessor:
         self.stats = stats
         self.requests: dict[str, Request] = {}
         self._completion_of: dict[int, Completion] = {}  # by seq_id
+        self._touched: dict[str, Request] = {}  # requests with something for their next delta
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, seqs: list[Sequence],
             arrival_time: float) -> None:
@@ -80,48 +85,58 @@ class OutputProcessor:
             completion = Completion(seq, detok, matcher)
             completions.append(completion)
             self._completion_of[seq.seq_id] = completion
-        self.requests[request_id] = Request(request_id, prompt, params, arrival_time, completions)
+        request = Request(request_id, prompt, params, arrival_time, completions)
+        for completion in completions:
+            completion.request = request
+        self.requests[request_id] = request
 
     def request_of(self, seq: Sequence) -> Request:
         return self.requests[seq.request_id]
 
     # ---- tokens -----------------------------------------------------------------------------------
-    def token(self, seq: Sequence, result: SampleResult, now: float) -> FinishReason | None:
-        """The stream's newest token (already in ``seq.token_ids``): queue its text and logprob for the
-        next delta; returns why the stream stops here, if it does."""
+    def token(self, seq: Sequence, token_id: int, logprob: Logprob | None, terminated: bool,
+              now: float) -> FinishReason | None:
+        """The stream's newest token (already in ``seq.token_ids``): detokenize it, queue its text and
+        logprob for the next delta, and decide whether the stream stops here (``terminated``: its grammar
+        is complete). Called once per token of every stream: kept flat."""
         completion = self._completion_of[seq.seq_id]
-        token_id = result.token_id
+        self._touched[seq.request_id] = completion.request  # type: ignore[assignment]
         if seq.first_token_time is None:
             seq.first_token_time = now
         completion.new_token_ids.append(token_id)
-        if result.logprob is not None and seq.params.logprobs is not None:
+        params = seq.params
+        if logprob is not None and params.logprobs is not None:
             if completion.new_logprobs is None:
                 completion.new_logprobs = []
-            completion.new_logprobs.append(result.logprob)
+            completion.new_logprobs.append(logprob)
         self.stats.generation_tokens += 1
-        return self._stop_check(completion, token_id, result.terminated)
-
-    def embedding(self, seq: Sequence, vector: list[float]) -> None:
-        self._completion_of[seq.seq_id].embedding = vector
-
-    def _stop_check(self, completion: Completion, token_id: int, terminated: bool) -> FinishReason | None:
-        """Detokenize the new token, emit its text and decide whether the stream stops here."""
-        seq, params = completion.seq, completion.seq.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or (
+            params.stop_token_ids and token_id in params.stop_token_ids
+        ):
             # The stop token's own text is never emitted; release what was held back before it.
             self._emit(completion, completion.detokenizer.flush(), final=True)
             return FinishReason.STOP
-        if self._emit(completion, completion.detokenizer.add(token_id)):
+        text = completion.detokenizer.add(token_id)
+        if completion.stop_matcher is None:
+            if text:
+                completion.new_text.append(text)
+        elif self._emit(completion, text):
             return FinishReason.STOP
+        num_tokens = len(seq.token_ids)
         if terminated:
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         else:
             return None
         if self._emit(completion, completion.detokenizer.flush(), final=True):
             return FinishReason.STOP
         return reason
+
+    def embedding(self, seq: Sequence, vector: list[float]) -> None:
+        completion = self._completion_of[seq.seq_id]
+        completion.embedding = vector
+        self._touched[seq.request_id] = completion.request  # type: ignore[assignment]
 
     @staticmethod
     def _emit(completion: Completion, text: str, final: bool = False) -> bool:
@@ -155,8 +170,21 @@ class OutputProcessor:
                 seq.finished_time = now
         return self.finish(request)
 
+    def deltas(self) -> list[RequestDelta]:
+        """The delta of every request that gained something since the last call."""
+        touched, self._touched = self._touched, {}
+        return [self.collect(request) for request in touched.values()]
+
     def collect(self, request: Request) -> RequestDelta:
         """What the request's streams gained since its last delta (its final delta once all finished)."""
+        completions = request.completions
+        if len(completions) == 1:  # most requests: n = 1
+            c = completions[0]
+            if c.seq.status is SequenceStatus.FINISHED:
+                return self.finish(request)
+            delta = CompletionDelta(c.seq.index, c.new_token_ids, "".join(c.new_text), c.new_logprobs, None)
+            c.new_token_ids, c.new_text, c.new_logprobs = [], [], None
+            return RequestDelta(request.request_id, [delta] if delta.token_ids else [])
         if request.finished:
             return self.finish(request)
         return RequestDelta(request.request_id, self._drain(request))
@@ -181,6 +209,7 @@ class OutputProcessor:
         """The final delta of a finished request (usage, timings, reasons); forgets the request."""
         completions = self._drain(request)
         del self.requests[request.request_id]
+        self._touched.pop(request.request_id, None)
         seqs = [c.seq for c in request.completions]
         for seq in seqs:
             self._completion_of.pop(seq.seq_id, None)

@@ -10,8 +10,8 @@ A step's sampling has three parts, so the engine can overlap them with other wor
 2. ``draw(logits, inputs)`` (device): ``Sampled``: the chosen ids and, for the rows that asked, logprobs,
    still on the device (the next step reads the ids there); ``Sampled.to_host()`` starts their one copy
    to the host without waiting.
-3. ``results(host, seqs)`` (host, once the step ran): ``SampleResult`` per row, advancing grammar matchers
-   (``accept``).
+3. ``extras(host, seqs, structured)`` (host, once the step ran): logprob records, and the constrained rows
+   whose grammar completed, advancing their matchers (``accept``); ``results`` makes ``SampleResult``s.
 
 ``sample(logits, seqs)`` does all three in a row (tests, simple callers).
 
@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
+from engine.device import upload
 from engine.grammar import GrammarBackend, GrammarState
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -235,7 +236,7 @@ class Sampler:
         logprob_rows = np.flatnonzero(want >= 0).tolist()
         raw_logprobs = None
         if logprob_rows:  # from the raw distribution, before anything below changes x
-            rows = x if len(logprob_rows) == n else x[torch.tensor(logprob_rows, device=device)]
+            rows = x if len(logprob_rows) == n else x[upload(logprob_rows, device)]
             raw_logprobs = torch.log_softmax(rows, dim=-1)
         penalised = self._apply_penalties(x, inputs)
         if inputs.bitmask is not None and self.grammar is not None:
@@ -248,7 +249,7 @@ class Sampler:
             tokens = self._draw(x, inputs, np.arange(n))
         else:
             tokens = _argmax(x)
-            index = torch.from_numpy(drawn_rows).to(device)
+            index = upload(drawn_rows, device)
             tokens[index] = self._draw(x[index], inputs, drawn_rows)
         if penalised is not None:
             self._count(penalised, tokens)
@@ -256,7 +257,7 @@ class Sampler:
         if raw_logprobs is not None:
             lp_tokens = tokens
             if len(logprob_rows) < n:
-                lp_tokens = tokens[torch.tensor(logprob_rows, device=device)]
+                lp_tokens = tokens[upload(logprob_rows, device)]
             sampled.logprob_rows = logprob_rows
             sampled.chosen = raw_logprobs.gather(1, lp_tokens[:, None]).squeeze(1)
             k = int(want.max())
@@ -276,14 +277,14 @@ class Sampler:
         for slot, output_ids, all_ids in inputs.init:
             counts[slot] = _token_counts([output_ids], self.vocab_size, device)[0]
             seen[slot] = _token_counts([all_ids], self.vocab_size, device)[0] > 0
-        rows = torch.from_numpy(penalised).to(device)
-        slots = torch.from_numpy(inputs.slots[penalised]).to(device)
+        rows = upload(penalised, device)
+        slots = upload(inputs.slots[penalised], device)
         sub = x[rows]
         row_counts = counts[slots]
-        freq = torch.from_numpy(frequency[penalised]).to(device, torch.float32)
-        pres = torch.from_numpy(presence[penalised]).to(device, torch.float32)
+        freq = upload(frequency[penalised], device, torch.float32)
+        pres = upload(presence[penalised], device, torch.float32)
         sub -= freq[:, None] * row_counts + pres[:, None] * (row_counts > 0).float()
-        rep = torch.from_numpy(repetition[penalised]).to(device, torch.float32)[:, None]
+        rep = upload(repetition[penalised], device, torch.float32)[:, None]
         scaled = torch.where(sub > 0, sub / rep, sub * rep)
         x[rows] = torch.where(seen[slots] & (rep != 1.0), scaled, sub)
         return rows, slots
@@ -312,17 +313,17 @@ class Sampler:
         if (temperature == temperature[0]).all():
             x.div_(float(temperature[0]))  # x is the caller's working copy
         else:
-            x.div_(torch.from_numpy(temperature).to(device, torch.float32)[:, None])
+            x.div_(upload(temperature, device, torch.float32)[:, None])
         top_k, top_p = inputs.column("top_k")[rows], inputs.column("top_p")[rows]
         min_p = inputs.column("min_p")[rows]
         filtered = np.flatnonzero((top_k > 0) | (top_p < 1.0) | (min_p > 0))
         if filtered.size:
-            index = torch.from_numpy(filtered).to(device)
+            index = upload(filtered, device)
             vocab = x.shape[1]
             k = np.where(top_k[filtered] > 0, top_k[filtered], vocab)
-            k = torch.from_numpy(k).to(device, torch.int64)
-            p = torch.from_numpy(top_p[filtered]).to(device, torch.float32)
-            m = torch.from_numpy(min_p[filtered]).to(device, torch.float32)
+            k = upload(k, device, torch.int64)
+            p = upload(top_p[filtered], device, torch.float32)
+            m = upload(min_p[filtered], device, torch.float32)
             x[index] = _filter(x[index], k, p, m)
         keys = [inputs.noise_seeds[r] for r in rows]
         seeded = [i for i, key in enumerate(keys) if key is not None]
@@ -336,27 +337,36 @@ class Sampler:
             return _draw_by_inversion(probs, self._generator(device))
         tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         if len(seeded) < len(rows):
-            unseeded = torch.tensor([i for i, key in enumerate(keys) if key is None], device=device)
+            unseeded = upload([i for i, key in enumerate(keys) if key is None], device)
             tokens[unseeded] = _draw_by_inversion(probs[unseeded], self._generator(device))
-        index = torch.tensor(seeded, device=device)
-        noise_keys = torch.tensor([keys[i] for i in seeded], dtype=torch.int64, device=device)
+        index = upload(seeded, device)
+        noise_keys = upload([keys[i] for i in seeded], device, torch.int64)
         tokens[index] = (probs[index] / _exponential_noise(noise_keys, x.shape[1])).argmax(dim=-1)
         return tokens
 
     # ---- 3. host: results ---------------------------------------------------------------------------
     def results(self, host: HostSampled, seqs: list[Sequence]) -> list[SampleResult]:
-        """Per row: the token, its logprob record if asked, and whether its grammar is complete (the
-        constrained rows' matchers accept the token here, except finished streams': an extra token)."""
-        results = [SampleResult(t) for t in host.token_ids]
+        """Per row: the token, its logprob record if asked, and whether its grammar is complete."""
+        logprobs, terminated = self.extras(host, seqs, [i for i, s in enumerate(seqs) if s.params.structured])
+        return [SampleResult(t, logprobs.get(i), i in terminated) for i, t in enumerate(host.token_ids)]
+
+    def extras(self, host: HostSampled, seqs: list[Sequence],
+               structured: list[int]) -> tuple[dict[int, Logprob], set[int]]:
+        """What rows carry beyond their token: the logprob records of the rows that asked, and the
+        ``structured`` rows whose grammar is complete (their matchers accept the token here, but finished
+        streams': that is an extra token)."""
+        logprobs = {}
         for j, i in enumerate(host.logprob_rows):
             n = seqs[i].params.logprobs or 0
             top = list(zip(host.top_ids[j][:n], host.top_values[j][:n], strict=True)) if n else []
-            results[i].logprob = Logprob(host.token_ids[i], host.chosen[j], top)
+            logprobs[i] = Logprob(host.token_ids[i], host.chosen[j], top)
+        terminated = set()
         if self.grammar is not None:
-            for i, seq in enumerate(seqs):
-                if seq.params.structured and not seq.is_finished:
-                    results[i].terminated = self.accept(seq, host.token_ids[i])
-        return results
+            for i in structured:
+                seq = seqs[i]
+                if not seq.is_finished and self.accept(seq, host.token_ids[i]):
+                    terminated.add(i)
+        return logprobs, terminated
 
     def accept(self, seq: Sequence, token_id: int) -> bool:
         """Advance a constrained sequence's matcher with its sampled token; True once its grammar is
@@ -446,7 +456,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         keep = (ids >= 0) & (ids < vocab)
         rows, ids = rows[keep], ids[keep]
-    flat = (rows * vocab + ids).to(device)
+    flat = upload(rows * vocab + ids, device)
     counts.view(-1).index_add_(0, flat, torch.ones(flat.shape[0], device=device))
     return counts
 

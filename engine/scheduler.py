@@ -139,6 +139,7 @@ class Scheduler:
         self.kv.begin_step()
         self.fairness.advance_vtime()
         step = _Step(self.max_num_batched_tokens)
+        block_size = self.block_manager.block_size
         running_by_level: dict[int, dict[str, list[Sequence]]] = {}
         for seq in self.running:
             running_by_level.setdefault(seq.priority, {}).setdefault(seq.tenant, []).append(seq)
@@ -147,12 +148,17 @@ class Scheduler:
             if step.fair_level is not None:
                 break  # a fairness admission step carries no lower-priority work
             for seq in self.fairness.fair_order(running_by_level.get(level, {})):
-                if step.budget <= 0:
+                budget = step.budget
+                if budget <= 0:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled:
                     continue
-                num = min(seq.num_uncomputed_tokens, step.budget)
-                if num > 0 and self._reserve_slots(seq, num, step):
+                num = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
+                if num <= 0:
+                    continue
+                # Most decodes fit the blocks they hold; only a new block needs the block manager.
+                fits = seq.num_computed_tokens + num <= len(seq.block_table) * block_size
+                if fits or self._reserve_slots(seq, num, step):
                     self._grant(seq, num, step)
             if admitting and level in self._waiting:
                 admitting = self._admit_level(level, step)
@@ -173,17 +179,19 @@ class Scheduler:
         retained on disk) are ``batch.transfers_after``.
         """
         sampled: list[Sequence] = []
-        block_manager = self.block_manager
+        commit = self.block_manager.commit_computed
+        block_size = self.block_manager.block_size
+        running = SequenceStatus.RUNNING
         for item in batch.seqs:
             seq = item.seq
             samples = item.samples
             if samples:
                 sampled.append(seq)
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
             start = item.start
             end = start + item.num_tokens
-            if start != seq.num_computed_tokens or end > seq.num_tokens:
+            if start != seq.num_computed_tokens or end > len(seq.token_ids) + seq.num_pending_tokens:
                 raise RuntimeError(f"sequence {seq.seq_id} scheduled for tokens [{start}, {end}) but it has "
                                    f"{seq.num_computed_tokens} computed of {seq.num_tokens}")
             if start < seq.num_prompt_tokens:
@@ -193,7 +201,8 @@ class Scheduler:
             elif seq.pooling is None:
                 seq.num_pending_tokens += 1
             seq.num_computed_tokens = end
-            block_manager.commit_computed(seq)
+            if end // block_size != start // block_size or not seq.cache_lifetimes_applied:
+                commit(seq)  # (a chunk within one block fills none: every decode step but one in 16)
         batch.transfers_after = self.kv.take_plan()
         return sampled
 

@@ -145,8 +145,9 @@ class ScheduledSeq:
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_tokens == self.seq.num_tokens
+        seq = self.seq
+        self.start = start = seq.num_computed_tokens
+        self.samples = start + self.num_tokens == len(seq.token_ids) + seq.num_pending_tokens
 
     def extend(self, extra: int) -> None:
         """Compute ``extra`` more tokens of the sequence in this chunk."""

@@ -35,6 +35,7 @@ from typing import cast
 
 import torch
 
+from engine.device import upload
 from engine.kv.tiers import TransferPlan
 
 logger = logging.getLogger(__name__)
@@ -97,14 +98,14 @@ class KVTransfer:
         landing: list[Callable[[], None]] = []
         keep: list[torch.Tensor] = []
         if plan.offload:
-            blocks = torch.tensor([b for b, _ in plan.offload], device=self.device)
+            blocks = upload([b for b, _ in plan.offload], self.device)
             slots = torch.tensor([s for _, s in plan.offload])
             staged = self._to_host([kv[:, blocks] for kv in self.kv_caches], keep)
             landing.append(lambda: self._scatter(slots, staged))
         for slot, digest, salt in plan.persist:
             landing.append(partial(self._write_slot, slot, self.path(digest, salt)))
         if plan.save:
-            blocks = torch.tensor([b for b, _, _ in plan.save], device=self.device)
+            blocks = upload([b for b, _, _ in plan.save], self.device)
             saved = self._to_host([kv[:, blocks] for kv in self.kv_caches], keep)  # per layer [2, n, ...]
             landing.append(lambda: self._write_saved(saved, plan.save))
         for digest, salt, until in plan.pin:
@@ -178,7 +179,7 @@ class KVTransfer:
         after what the current stream has queued (offload gathers of the same blocks), and the current
         stream waits for them (the forward pass reads them), not for the offloads' copies to the host."""
         slots = torch.tensor([s for s, _ in load])
-        blocks = torch.tensor([b for _, b in load], device=self.device)
+        blocks = upload([b for _, b in load], self.device)
         if self.stream is None:
             for kv, host in zip(self.kv_caches, self.host, strict=True):
                 kv[:, blocks] = host[:, slots].to(self.device)

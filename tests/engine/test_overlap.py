@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.device import ThreadExecutor
@@ -262,3 +263,29 @@ def test_the_host_prepares_the_next_step_while_the_device_runs_one(tiny_llama_di
     while engine.has_unfinished():
         engine.step()
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_overlapped_loop_on_the_gpu_changes_no_output(tiny_llama_dir: Path, dtype: str) -> None:
+    """CUDA graphs, the triton kernels, sampled ids fed to the next step on the device, one copy of them
+    to the host per step: the same tokens as the synchronous loop."""
+    prompts = [_prompt(i * 37, 9 + 11 * i) for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=60, stop=[" the", "e"]),
+              SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=3, top_k=20, min_p=0.05, logprobs=2, max_tokens=30),
+              SamplingParams(temperature=0.8, seed=8, presence_penalty=1.5, repetition_penalty=1.3,
+                             max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1),
+              SamplingParams(temperature=1.2, seed=99, n=2, stop_token_ids=[17, 23], max_tokens=50)]
+
+    def run(overlap: bool) -> list:
+        with LLM(str(tiny_llama_dir), device="cuda", dtype=dtype, overlap=overlap, num_kv_blocks=40,
+                 max_num_seqs=12, max_num_batched_tokens=96) as llm:
+            return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
+                    for o in llm.generate(prompts, params)]
+
+    assert run(True) == run(False)

@@ -151,3 +151,38 @@ def test_seeded_generation_is_reproducible_over_many_steps_in_changing_batches()
         return target.output_token_ids
 
     assert run(0) == run(2) == run(5)
+
+
+def test_min_p_drops_tokens_less_likely_than_a_share_of_the_best() -> None:
+    x = torch.full((1, V), -30.0)
+    x[0, :4] = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.15]))
+    drawn = {r.token_id for r in Sampler(V).sample(x.expand(600, V), [seq(min_p=0.5) for _ in range(600)])}
+    assert drawn == {0, 1}  # 0.15 < 0.5 * 0.4
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    """The exponential race over hashed noise is an exact sample: 3000 streams, each its own seed."""
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    x = torch.full((1, V), float("-inf"))
+    x[0, :5] = probs.log()
+    rows = [seq(temperature=1.0, seed=s) for s in range(3000)]
+    tokens = torch.tensor([r.token_id for r in Sampler(V).sample(x.expand(len(rows), V), rows)])
+    freq = torch.bincount(tokens, minlength=V)[:5].float() / len(rows)
+    assert torch.allclose(freq, probs, atol=0.03), freq
+    assert int(tokens.max()) < 5  # a token of probability 0 is never drawn
+
+
+def test_penalty_counts_live_on_the_device_and_include_tokens_the_host_has_not_seen() -> None:
+    """The overlapped loop samples step N+1 before the host knows step N's token: the counts are kept
+    per slot on the device, initialised once from the known tokens, and every draw is added there."""
+    sampler = Sampler(V, num_slots=2)
+    x = torch.zeros(1, V)
+    x[0, 7], x[0, 8] = 2.0, 1.5
+    s = seq(output=(3,), temperature=0.0, frequency_penalty=1.0)
+    first = sampler.inputs([s])
+    assert [slot for slot, _, _ in first.init] == [0]
+    assert sampler.draw(x.clone(), first).host().token_ids == [7]
+    # The host has not appended 7 yet, and does not initialise the slot again: the device counted it.
+    later = sampler.inputs([s])
+    later.init = []
+    assert sampler.draw(x.clone(), later).host().token_ids == [8]  # 2.0 - 1.0 < 1.5

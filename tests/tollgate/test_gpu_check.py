@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("tests", "kernels", "throughput", "throughput-eager", "decode", "kv-tiers")
+STEPS = ("tests", "kernels", "throughput", "throughput-eager", "decode", "kv-tiers", "gpu-busy")
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_report  # noqa: E402
@@ -83,6 +83,10 @@ def _write_run(out: Path, *, long_context_fraction: float, step_fraction: float,
                                                       "fraction_of_floor": step_fraction}))  # fmt: skip
     (out / "throughput.json").write_text(json.dumps({"machine": "NVIDIA H100 80GB HBM3",
                                                      "tollgate": {"tokens_per_s": 12489.0}}))  # fmt: skip
+    (out / "gpu_busy.json").write_text(json.dumps({"results": {
+        "overlapped": {"busy_fraction": 0.91, "step_ms": 14.2, "host_ms": 3.1, "output_tok_s": None},
+        "synchronous": {"busy_fraction": 0.55, "step_ms": 23.0, "host_ms": 9.8, "output_tok_s": None},
+    }}))  # fmt: skip
     (out / "steps.txt").write_text("tests 0 120\nkernels 0 60\n")
 
 
@@ -99,6 +103,9 @@ def test_report_checks_each_figure_against_its_target(tmp_path):
     assert report["nano_vllm_scaled_tok_s"] == pytest.approx(1434 * 3.35e12 / 256e9)
     assert ok is False and "12489 tok/s" in value
     assert report["steps"][0] == {"step": "tests", "rc": "0", "seconds": "120"}
+    # The overlapped loop keeps the GPU busy 85% of the time or more; the synchronous one is reported.
+    assert checks["GPU busy during the throughput workload, overlapped loop"][2] is True
+    assert checks["GPU busy during the throughput workload, synchronous loop"][1:] == ("-", None)
     text = gpu_report.markdown(report)
     assert "| paged decode attention B=1 ctx=32768 | 68% of copy bandwidth | >= 85% | missed |" in text
 

@@ -69,6 +69,8 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
               help="Blocks one tenant may keep on disk for prompt_cache_retention=24h "
                    "(default: a quarter of the disk tier).")
 @click.option("--enforce-eager", is_flag=True, help="Never capture CUDA graphs.")
+@click.option("--overlap/--no-overlap", default=None,
+              help="Schedule step N+1 while the device runs step N (default: on for CUDA, off on the CPU).")
 def engine(
     model_path: str,
     model_name: str | None,
@@ -91,6 +93,7 @@ def engine(
     kv_pin_quota_blocks: int | None,
     kv_retention_quota_blocks: int | None,
     enforce_eager: bool,
+    overlap: bool | None,
 ) -> None:
     """Run one engine replica: the internal HTTP server over the paged-KV engine."""
     from engine.server import serve
@@ -123,6 +126,7 @@ def engine(
             kv_pin_quota_blocks=kv_pin_quota_blocks,
             kv_retention_quota_blocks=kv_retention_quota_blocks,
             enforce_eager=enforce_eager,
+            overlap=overlap,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
