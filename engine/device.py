@@ -162,6 +162,28 @@ def upload(data: Any, device: torch.device, dtype: torch.dtype | None = None) ->
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+class HostCopy:
+    """Device tensors on their way to the host: on a GPU copied into pinned memory without waiting, an
+    event recorded after the copies; ``get()`` waits for that event (not for the stream) and returns them
+    (``None`` entries stay ``None``). On the CPU the tensors themselves."""
+
+    __slots__ = ("_tensors", "_event")
+
+    def __init__(self, tensors: list[torch.Tensor | None]) -> None:
+        self._event: torch.cuda.Event | None = None
+        if not any(t is not None and t.device.type == "cuda" for t in tensors):
+            self._tensors = tensors
+            return
+        self._tensors = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def get(self) -> list[torch.Tensor | None]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tensors
+
+
 def create_executor(kind: str, step_time_s: float = 0.0) -> DeviceExecutor:
     """``inline`` (``DeviceExecutor``), ``thread`` (``ThreadExecutor``) or ``simulated``
     (``SimulatedDevice``)."""

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xgrammar as xgr
 
+from engine.device import upload
 from engine.grammar_check import SEPARATORS
 
 if TYPE_CHECKING:
@@ -343,7 +344,8 @@ class GrammarBackend:
         return state
 
     def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
-        """A CPU int32 bitmask ``[len(states), ceil(V/32)]`` and the rows that need masking, or None."""
+        """A CPU int32 bitmask ``[len(states), ceil(V/32)]`` (rows not filled allow every token) and the
+        rows that need masking, or None."""
         rows = [i for i, s in enumerate(states) if s is not None and not s.matcher.is_terminated()]
         if not rows:
             return None
@@ -365,10 +367,14 @@ class GrammarBackend:
         return bitmask, rows
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Set the logits of disallowed tokens to -inf in place (only ``rows`` are touched)."""
-        xgr.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=rows
-        )
+        """Set the logits of disallowed tokens to -inf in place (only ``rows`` are touched). On a GPU the
+        whole bitmask is applied (unmasked rows allow every token) and uploaded without waiting: xgrammar
+        turns ``indices`` into a device tensor with a synchronous copy, which would wait for the step
+        queued behind this one."""
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+            return
+        xgr.apply_token_bitmask_inplace(logits, upload(bitmask, logits.device), vocab_size=self.vocab_size)
 
     def accept(self, state: GrammarState, token_id: int) -> bool:
         """Advance the matcher with a sampled token; False if the grammar rejects it."""

@@ -19,8 +19,9 @@ the previous step's sampled ids to put there, on the device, before the forward 
 
 Slots are never released explicitly: a slot whose sequence finished or went back to waiting
 (preempted) is reclaimed when a new sequence needs one and none is free. A sequence that kept its slot
-while waiting finds it again, its block table copied anew; one that lost it gets a new slot, and its
-penalty counts are rebuilt from its known tokens (``SamplingInputs.init``).
+while waiting finds it again, its block table copied anew; one that lost it gets a new slot. A
+penalised sequence's token counts (kept on the device per slot) are rebuilt from its known tokens with
+the first row it samples in a new slot (``SamplingInputs.init``), whatever ran there before.
 
 Invariants checked here (``ValueError``, before anything touches the device): a chunk is at least one
 token and lies within the sequence's tokens and ``max_model_len``; the block table covers it; every block
@@ -80,6 +81,9 @@ class InputBatch:
         self._table_in: list[list[int] | None] = [None] * max_num_seqs  # the list object copied
         self._table_len = [0] * max_num_seqs  # entries of it copied
         self._free = list(range(max_num_seqs - 1, -1, -1))
+        # Penalised slots whose token counts on the device are another sequence's (or none yet): reset from
+        # the sequence's known tokens with its first sampled row.
+        self._counts_stale: set[int] = set()
 
     @property
     def num_slots_used(self) -> int:
@@ -97,7 +101,7 @@ class InputBatch:
         raise ValueError(f"sequence {seq.request_id}: {end} tokens need {-(-end // self.block_size)} blocks, "
                          f"its block table has {len(seq.block_table)}")
 
-    def _slot(self, seq: Sequence, init: list[tuple[int, list[int], list[int]]], busy: list[int]) -> int:
+    def _slot(self, seq: Sequence, busy: list[int]) -> int:
         """A slot for a sequence that has none (``busy``: the slots of the batch being built)."""
         if not self._free:
             self._reclaim(set(busy))
@@ -114,7 +118,7 @@ class InputBatch:
         self.penalised[slot] = penalised(params) and seq.pooling is None
         self.structured[slot] = params.structured
         if self.penalised[slot]:
-            init.append((slot, seq.output_token_ids, list(seq.token_ids)))
+            self._counts_stale.add(slot)
         return slot
 
     def _reclaim(self, busy: set[int]) -> None:
@@ -168,7 +172,7 @@ class InputBatch:
                 self._refuse(seq, start, end)
             slot = slot_of.get(seq.seq_id)
             if slot is None:
-                slot = self._slot(seq, init, slot_list)
+                slot = self._slot(seq, slot_list)
             if table_in[slot] is not table or table_len[slot] != len(table):
                 self._sync_table(slot, table)
             slot_list.append(slot)
@@ -213,6 +217,13 @@ class InputBatch:
         sampling = None
         if sampled:
             rows = slots[np.asarray(sampled_at, dtype=np.int64)]
+            if self._counts_stale:
+                for i in np.flatnonzero(self.penalised[rows]).tolist():
+                    slot = int(rows[i])
+                    if slot in self._counts_stale:
+                        self._counts_stale.discard(slot)
+                        seq = sampled[i]
+                        init.append((slot, seq.output_token_ids, list(seq.token_ids)))
             sampling = SamplingInputs(sampled, self.params[rows], rows, self._noise_seeds(sampled, rows),
                                       init, np.flatnonzero(self.structured[rows]).tolist())
         return StepInputs(

@@ -13,13 +13,15 @@ run → postprocess:
 
 This is the overlapped loop (``config.overlap``, default): the host schedules, prepares and
 postprocesses while the device computes, and a step costs about max(host, device) instead of their
-sum. With ``overlap=False`` step 3 processes the step just launched (the synchronous loop). Both give
-identical outputs:
+sum. With ``overlap=False`` step 3 processes the step just launched (the synchronous loop). Greedy and
+seeded sampling give identical outputs either way (unseeded draws share the engine's generator, so they
+depend on what else is in each step's batch, as they always did):
 
-- A stream that stops at step N (eos, a stop string, ``max_tokens``, an abort) was already scheduled for
-  step N+1: that step computes one extra token for it, which is dropped when it comes back (never
-  appended, emitted, billed, hashed into the prefix cache or written to a tier) and its blocks are freed
-  at the stop (the device runs N+1 before any later step reuses them).
+- A stream that stops at step N on something only its token shows (eos, a stop token or string, its
+  grammar, an abort) was already scheduled for step N+1: that step computes one extra token for it, which
+  is dropped when it comes back (never appended, emitted, billed, hashed into the prefix cache or written
+  to a tier), and its blocks are freed at the stop (the device runs N+1 before any later step reuses
+  them). One whose pending token is its ``max_tokens``-th is not scheduled again.
 - Structured output needs the previous token on the host: a grammar matcher must accept it before the
   next token's mask is computed. A step with a constrained row whose previous token is still pending
   first processes the previous step (after submitting its own forward pass, which therefore still
@@ -181,8 +183,9 @@ class LLMEngine:
             if params.n != 1:
                 raise RequestValidationError("an embedding request has exactly one completion (n = 1)", "n")
             if not pooling.uses_prefix_cache:
-                # Every prompt token's hidden state is needed: a salt of its own, so nothing is a hit.
-                cache_salt = f"{cache_salt or ''}:pooling:{request_id}"
+                # Every prompt token's hidden state is needed: nothing is looked up in the prefix cache,
+                # nothing registered (a preempted one then recomputes from its first token).
+                cache_policy = CachePolicy(prefix_tokens=0)
         prompt = [int(t) for t in prompt_token_ids]
         try:
             self.sampler.prepare(params)

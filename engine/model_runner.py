@@ -45,7 +45,7 @@ import torch
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.device import DeviceExecutor, Work, create_executor, upload
+from engine.device import DeviceExecutor, HostCopy, Work, create_executor, upload
 from engine.input_batch import InputBatch, StepInputs
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
@@ -210,12 +210,13 @@ class ModelRunner:
 
     def _activation_bytes(self) -> int:
         """Upper estimate of one step's activation memory: the largest live tensors of a forward over
-        ``max_num_batched_tokens`` tokens, plus float32 logits for ``max_num_seqs`` rows (twice: the
-        sampler's working copy)."""
+        ``max_num_batched_tokens`` tokens; per sampled row and vocabulary entry, float32 logits twice
+        (the sampler's working copy), the penalty state kept per slot (float32 counts, bool seen: 5
+        bytes) and the seeded rows' int64 noise temporaries (three alive at once: 24 bytes)."""
         a, c = self.args, self.config
         per_token = a.hidden_size * 4 + a.q_size + 2 * a.kv_size + 3 * a.intermediate_size
         return (c.max_num_batched_tokens * per_token * self.dtype.itemsize
-                + 2 * c.max_num_seqs * a.vocab_size * 4)
+                + c.max_num_seqs * a.vocab_size * (2 * 4 + 5 + 24))
 
     def _num_blocks_from_memory(self) -> int:
         bytes_per_block = self.block_size * self.kv_bytes_per_token
@@ -245,9 +246,10 @@ class ModelRunner:
         anything reaches the device) and submit its tier copies and forward pass. Decode inputs still
         pending on the host are read from the previous step's sampled ids on the device."""
         self._check_transfers()
+        self.transfer(batch.transfers)  # before the forward pass overwrites an evicted block
         inputs = self.input_batch.build(batch, self._previous_rows)
         previous = self._previous_sample if inputs.pending_rows.size else None
-        work = self.executor.submit(self._forward, batch.transfers, inputs, previous, step=True)
+        work = self.executor.submit(self._forward, inputs, previous, step=True)
         self._previous_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled)}
         self._previous_sample = None
         return Forward(inputs, work)
@@ -262,9 +264,10 @@ class ModelRunner:
         return Step(forward.inputs, forward.work, work)
 
     def transfer(self, plan: TransferPlan | None) -> None:
-        """Submit the copies between KV tiers a plan asks for, after everything submitted so far (and
-        land those that are done: their disk writes, pins and reads are queued then)."""
-        if self.kv_transfer is not None and plan is not None:
+        """Submit the copies between KV tiers a plan asks for (None: none), after everything submitted so
+        far, and land those that are done (their disk writes, pins and reads are queued then: an idle
+        engine waiting for a disk read calls this with None until it lands)."""
+        if self.kv_transfer is not None:
             self._transfers.append(self.executor.submit(self._transfer, self.kv_transfer, plan))
 
     def _check_transfers(self) -> None:
@@ -273,8 +276,9 @@ class ModelRunner:
             self._transfers.pop(0).result()
 
     @staticmethod
-    def _transfer(transfer: KVTransfer, plan: TransferPlan) -> None:
-        transfer.execute(plan)
+    def _transfer(transfer: KVTransfer, plan: TransferPlan | None) -> None:
+        if plan is not None:
+            transfer.execute(plan)
         transfer.poll()
 
     def flush_transfers(self) -> None:
@@ -295,10 +299,7 @@ class ModelRunner:
         return self.forward(batch).work.result().logits
 
     # ---- device side --------------------------------------------------------------------------------
-    def _forward(self, transfers: TransferPlan | None, inputs: StepInputs,
-                 previous: Work[Sampled] | None) -> Forwarded:
-        if transfers is not None and self.kv_transfer is not None:
-            self.kv_transfer.execute(transfers)  # before the forward pass overwrites an evicted block
+    def _forward(self, inputs: StepInputs, previous: Work[Sampled] | None) -> Forwarded:
         input_ids, positions, meta, logits_indices = self._device_inputs(inputs)
         if previous is not None:  # decode inputs sampled by the previous step, never seen by the host
             rows = upload(inputs.pending_rows, self.device)
@@ -309,13 +310,14 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         embeddings = self._pool(inputs, hidden) if inputs.pooled else {}
+        finished = HostCopy(list(embeddings.values())) if embeddings else None
         if logits_indices.numel() == 0:
             logits = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         else:
             logits = self.model.compute_logits(hidden[logits_indices]).float()  # [N, vocab]
         if self.kv_transfer is not None:
             self.kv_transfer.poll()  # land the copies the forward pass hid
-        return Forwarded(logits, embeddings)
+        return Forwarded(logits, list(embeddings), finished)
 
     @staticmethod
     def _sample(forward: Work, sampling: SamplingInputs, sampler: Sampler) -> Sampled:
@@ -370,9 +372,9 @@ class ModelRunner:
                 total = rows.float().sum(0)
                 seq.pooled = total if seq.pooled is None else seq.pooled + total
             elif pooling.mode == "first" and chunk.start == 0:
-                seq.pooled = rows[0].float()
+                seq.pooled = rows[0].float().clone()  # hidden may be a CUDA graph's buffer, reused
             elif pooling.mode == "last" and chunk.samples:
-                seq.pooled = rows[-1].float()
+                seq.pooled = rows[-1].float().clone()
             if chunk.samples:
                 vector = seq.pooled / seq.num_prompt_tokens if pooling.mode == "mean" else seq.pooled
                 if pooling.normalize:
@@ -384,10 +386,12 @@ class ModelRunner:
 
 @dataclass(slots=True)
 class Forwarded:
-    """What a forward pass left on the device: logits of the sampled rows, finished embeddings."""
+    """What a forward pass left on the device: logits of the sampled rows; the ``seq_id``s of the finished
+    embeddings and their vectors on their way to the host."""
 
     logits: torch.Tensor
-    embeddings: dict[int, torch.Tensor]
+    embedded: list[int]
+    embeddings: HostCopy | None
 
 
 @dataclass(slots=True)
@@ -408,6 +412,11 @@ class Step:
 
     def result(self) -> tuple[HostSampled | None, dict[int, list[float]]]:
         """(the sampled ids and logprobs, the finished embeddings by ``seq_id``), on the host."""
-        embeddings = {seq_id: v.cpu().tolist() for seq_id, v in self.forward.result().embeddings.items()}
+        forwarded = self.forward.result()
+        embeddings = {}
+        if forwarded.embeddings is not None:
+            vectors = forwarded.embeddings.get()
+            embeddings = {seq_id: v.tolist() for seq_id, v in zip(forwarded.embedded, vectors, strict=True)
+                          if v is not None}
         host = self.sampling.result().host() if self.sampling is not None else None
         return host, embeddings

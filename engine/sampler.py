@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
-from engine.device import upload
+from engine.device import HostCopy, upload
 from engine.grammar import GrammarBackend, GrammarState
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -123,31 +123,26 @@ class Sampled:
     chosen: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
-    _host: tuple[torch.Tensor, ...] | None = None
-    _event: torch.cuda.Event | None = None
+    _host: HostCopy | None = None
 
     def to_host(self) -> None:
         """Start copying the results to the host (pinned memory, without waiting, on a GPU)."""
-        tensors = [t for t in (self.token_ids, self.chosen, self.top_ids, self.top_values) if t is not None]
-        if self.token_ids.device.type != "cuda":
-            self._host = tuple(tensors)
-            return
-        self._host = tuple(t.to("cpu", non_blocking=True) for t in tensors)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        self._host = HostCopy([self.token_ids, self.chosen, self.top_ids, self.top_values])
 
     def host(self) -> HostSampled:
         """The copied results (waits for the device to get there)."""
         if self._host is None:
             self.to_host()
         assert self._host is not None
-        if self._event is not None:
-            self._event.synchronize()
-        ids = self._host[0].numpy()
-        if not self.logprob_rows:
+        ids, chosen, top_ids, top_values = self._host.get()
+        assert ids is not None
+        if not self.logprob_rows or chosen is None:
             return HostSampled(ids.tolist())
-        chosen, top_ids, top_values = (t.tolist() for t in self._host[1:4])
-        return HostSampled(ids.tolist(), self.logprob_rows, chosen, top_ids, top_values)
+        if top_ids is None or top_values is None:  # logprobs without alternatives (top_logprobs 0)
+            return HostSampled(ids.tolist(), self.logprob_rows, chosen.tolist(),
+                               [[] for _ in self.logprob_rows], [[] for _ in self.logprob_rows])
+        return HostSampled(ids.tolist(), self.logprob_rows, chosen.tolist(), top_ids.tolist(),
+                           top_values.tolist())
 
 
 @dataclass(slots=True)
@@ -270,13 +265,15 @@ class Sampler:
         presence, frequency = inputs.column("presence"), inputs.column("frequency")
         repetition = inputs.column("repetition")
         penalised = np.flatnonzero((presence != 0) | (frequency != 0) | (repetition != 1.0))
+        device = x.device
+        if inputs.init:  # rows whose sequence just took its slot: their counts start from its tokens
+            counts, seen = self._penalty_state(int(inputs.slots.max()) + 1, device)
+            for slot, output_ids, all_ids in inputs.init:
+                counts[slot] = _token_counts([output_ids], self.vocab_size, device)[0]
+                seen[slot] = _token_counts([all_ids], self.vocab_size, device)[0] > 0
         if penalised.size == 0:
             return None
-        device = x.device
         counts, seen = self._penalty_state(int(inputs.slots.max()) + 1, device)
-        for slot, output_ids, all_ids in inputs.init:
-            counts[slot] = _token_counts([output_ids], self.vocab_size, device)[0]
-            seen[slot] = _token_counts([all_ids], self.vocab_size, device)[0] > 0
         rows = upload(penalised, device)
         slots = upload(inputs.slots[penalised], device)
         sub = x[rows]
@@ -430,14 +427,15 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[len(keys), vocab]`` float32 Exp(1) noise, a pure function of (key, token id): splitmix64 of
-    ``key + (id + 1) * golden``, its top 24 bits a uniform in (0, 1), then ``-log``. The same on every
+    ``key + (id + 1) * golden``, its top 23 bits a uniform in (0, 1) (24 would round the largest to 1.0
+    in float32: noise 0, and ``p / 0`` wins even for a masked token), then ``-log``. The same on every
     device and in every batch."""
     ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
     z = keys[:, None] + ids[None, :] * _GOLDEN  # int64 arithmetic wraps around, as splitmix64 wants
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
     z = z ^ _shift_right(z, 31)
-    uniform = (_shift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    uniform = (_shift_right(z, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # in (0, 1): never 0 or 1
     return -torch.log(uniform)
 
 

@@ -23,6 +23,10 @@ step. Invariants and policies:
 - **Tenant fairness.** Within a priority, tenants take turns by served tokens and hold a fair share of
   running slots, taken back by preemption when needed: see ``engine.fairness`` (``TenantFairness``)
   and, for the choice of victims, ``engine.preemption`` (``VictimPolicy``).
+- **Pending tokens** (the overlapped loop): a sequence's tokens include those sampled by a launched step
+  and not yet known on the host (``seq.num_tokens``); its next decode reads that token on the device. A
+  sequence whose pending token is its ``max_tokens``-th is not scheduled again (it ends when the token
+  is known), so a length stop costs no extra computed token.
 - **n > 1.** Siblings (same ``request_id``) are admitted once the first stream has computed its prompt,
   so they reuse its full prompt blocks: through the prefix cache, or through ``BlockManager.fork`` when
   prefix caching is disabled.
@@ -153,7 +157,10 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled:
                     continue
-                num = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
+                pending = seq.num_pending_tokens
+                if pending and len(seq.token_ids) + pending - seq.num_prompt_tokens >= seq.params.max_tokens:
+                    continue  # its pending token is its last (max_tokens): nothing more to compute
+                num = min(len(seq.token_ids) + pending - seq.num_computed_tokens, budget)
                 if num <= 0:
                     continue
                 # Most decodes fit the blocks they hold; only a new block needs the block manager.

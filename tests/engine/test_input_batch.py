@@ -100,3 +100,18 @@ def test_a_malformed_batch_is_refused(tokens: list[int], blocks: list[int], comp
     with pytest.raises(ValueError, match=match):
         inputs.build(batch((running(tokens, blocks, computed), n)))
     assert not np.any(inputs.block_table[1])  # nothing half-built for a second slot
+
+
+def test_a_penalised_sequence_resets_its_slots_counts_with_its_first_sampled_row() -> None:
+    """Whatever ran in the slot before, and even when its first steps there are prefill chunks."""
+    inputs = InputBatch(max_num_seqs=1, max_model_len=64, block_size=BS, num_kv_blocks=32)
+    first = running([1, 2, 3], [0], computed=2, frequency_penalty=1.0)
+    assert inputs.build(batch((first, 1))).sampling.init == [(0, [], [1, 2, 3])]  # type: ignore[union-attr]
+    first.status = SequenceStatus.FINISHED
+    second = running(list(range(10)), [1, 2, 3], computed=0, presence_penalty=0.5)
+    assert inputs.build(batch((second, 4))).sampling is None  # a prefill chunk: nothing sampled yet
+    second.num_computed_tokens = 4
+    step = inputs.build(batch((second, 6)))
+    assert step.sampling is not None and step.sampling.init == [(0, [], list(range(10)))]
+    second.num_computed_tokens, second.token_ids = 10, list(range(11))
+    assert inputs.build(batch((second, 1))).sampling.init == []  # type: ignore[union-attr]

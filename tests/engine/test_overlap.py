@@ -186,8 +186,12 @@ def test_an_abort_in_flight_changes_nothing_else_and_bills_what_was_sent(tiny_ll
 
 
 def test_the_extra_token_of_a_stopped_stream_is_never_emitted_billed_or_cached(tiny_llama_dir: Path) -> None:
-    # 12 prompt tokens and 3 generated: the extra token would sit at position 15, completing block 0.
-    prompt = _prompt(5, 12)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    reference = LLM(str(tiny_llama_dir), overlap=False)
+    # 12 prompt tokens and 3 generated, the third a stop token: the extra token would sit at position 15,
+    # completing block 0.
+    prompt, expected = next((p, out) for p in (_prompt(start, 12) for start in range(40))
+                            if (out := reference.generate([p], greedy)[0].token_ids)[2] not in out[:2])
     with LLM(str(tiny_llama_dir), overlap=True, num_host_kv_blocks=16) as llm:
         engine = llm.engine
         sampled_rows: list[int] = []
@@ -198,19 +202,22 @@ def test_the_extra_token_of_a_stopped_stream_is_never_emitted_billed_or_cached(t
             return forward(batch)
 
         engine.runner.forward = spy  # type: ignore[method-assign]
-        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
-        reference = LLM(str(tiny_llama_dir), overlap=False).generate(
-            [prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
-        extra = reference.token_ids[3]
-        assert sum(sampled_rows) == 4  # three tokens, and the one computed after the third
-        assert out.token_ids == reference.token_ids[:3]
+        stop = SamplingParams(temperature=0.0, max_tokens=50, stop_token_ids=[expected[2]], ignore_eos=True)
+        out = llm.generate([prompt], stop)[0]
+        assert sum(sampled_rows) == 4  # three tokens, and the one computed after the stop it had not seen
+        assert out.token_ids == expected[:3] and out.finish_reason == "stop"
         assert out.usage is not None and out.usage.completion_tokens == 3
-        with_extra = prefix_block_hashes(prompt + out.token_ids + [extra], 16)
+        with_extra = prefix_block_hashes(prompt + out.token_ids + [expected[3]], 16)
         assert len(with_extra) == 1
         seen = set(engine.kv_events.holdings())
         events = engine.kv_events.since(0, engine.kv_events.epoch)
         seen |= {digest for _, _, _, digest in events.events} | set(events.snapshot or {})
         assert with_extra[0] not in seen  # never registered, never offloaded, never written
+        # A stream whose pending token is its last (max_tokens) is not scheduled again: no extra token.
+        sampled_rows.clear()
+        length = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        assert llm.generate([prompt], length)[0].token_ids == expected[:3]
+        assert sum(sampled_rows) == 3
 
 
 class _HeldDevice(ThreadExecutor):

@@ -186,3 +186,23 @@ def test_penalty_counts_live_on_the_device_and_include_tokens_the_host_has_not_s
     later = sampler.inputs([s])
     later.init = []
     assert sampler.draw(x.clone(), later).host().token_ids == [8]  # 2.0 - 1.0 < 1.5
+
+
+def test_logprobs_without_alternatives_for_every_row() -> None:
+    """OpenAI's ``logprobs: true`` with the default ``top_logprobs`` 0, alone in a batch."""
+    x = logits(2, seed=9)
+    results = Sampler(V).sample(x, [seq(logprobs=0, temperature=0.0), seq(logprobs=0)])
+    ref = torch.log_softmax(x, -1)
+    for i, r in enumerate(results):
+        assert r.logprob is not None and r.logprob.top_logprobs == []
+        assert math.isclose(r.logprob.logprob, ref[i, r.token_id].item(), rel_tol=1e-5)
+
+
+def test_seeded_draws_never_leave_the_support_of_a_large_vocabulary() -> None:
+    """The hashed noise is never 0 (a uniform of 1.0 would give p / 0 and pick a masked token)."""
+    vocab = 152_000
+    x = torch.full((400, vocab), float("-inf"))
+    x[:, 10:20] = 0.0
+    rows = [Sequence("r", [1], SamplingParams(temperature=1.0, seed=s)) for s in range(400)]
+    tokens = {r.token_id for r in Sampler(vocab).sample(x, rows)}
+    assert tokens <= set(range(10, 20))
