@@ -131,6 +131,7 @@ class _Add:
     arrival_time: float
     pooling: PoolingParams | None = None
     cache_policy: CachePolicy = DEFAULT_POLICY
+    prediction: list[int] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -213,6 +214,7 @@ class AsyncEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         cache_policy: CachePolicy = DEFAULT_POLICY,
+        prediction: list[int] | None = None,
     ) -> RequestStream:
         """Validate and queue a request; iterate the returned stream for its deltas (with ``pooling``:
         one final delta carrying the embedding).
@@ -223,6 +225,7 @@ class AsyncEngine:
         received = time.monotonic()
         prompt = list(prompt_token_ids)
         self.engine.validate_request(request_id, prompt, params)
+        prediction = self.engine.validate_prediction(prediction)
         grammar = self._grammar if params.structured else None
         if params.structured and grammar is None:
             raise RequestValidationError(
@@ -230,7 +233,7 @@ class AsyncEngine:
             )
         stream = RequestStream(request_id, self.abort)
         add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received, pooling,
-                   cache_policy)
+                   cache_policy, prediction)
         with self._cond:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
@@ -381,7 +384,7 @@ class AsyncEngine:
                     engine.add_request(add.request_id, add.prompt_token_ids, add.params, tenant=add.tenant,
                                        cache_salt=add.cache_salt, priority=add.priority,
                                        arrival_time=add.arrival_time, pooling=add.pooling,
-                                       cache_policy=add.cache_policy)
+                                       cache_policy=add.cache_policy, prediction=add.prediction)
                 except Exception as exc:  # validated already; a late failure ends that request only
                     self._fail(add.request_id, exc)
             try:

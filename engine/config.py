@@ -54,6 +54,13 @@ class EngineConfig:
     # thread (at 256 sequences of the tiny model the overlapped loop ran at 0.88-0.90x the synchronous
     # one on a 2-core box: benchmarks/host_overhead.py).
     overlap: bool | None = None
+    # Speculative decoding (``engine.speculative``): ``auto`` (requests' predictions, and prompt lookup
+    # for every request), ``prediction`` (predictions only) or ``off``; how many draft tokens a sequence
+    # carries into a step (prompt lookup / a prediction); no speculation above this many sequences.
+    speculation: str = "auto"
+    num_speculative_tokens: int = 4
+    num_prediction_tokens: int = 8
+    speculative_max_batch: int = 16
     # Tests and benchmarks: run the device work on a simulated device whose steps take at least this
     # many milliseconds (``engine.device.SimulatedDevice``). None: the real device.
     simulated_step_ms: float | None = None
@@ -88,6 +95,11 @@ class EngineConfig:
             raise ValueError("num_host_kv_blocks and num_disk_kv_blocks must be >= 0")
         if (self.kv_pin_quota_blocks or 0) < 0 or (self.kv_retention_quota_blocks or 0) < 0:
             raise ValueError("kv_pin_quota_blocks and kv_retention_quota_blocks must be >= 0")
+        if self.speculation not in ("auto", "prediction", "off"):
+            raise ValueError(f"speculation must be auto, prediction or off, got {self.speculation!r}")
+        if min(self.num_speculative_tokens, self.num_prediction_tokens, self.speculative_max_batch) < 0:
+            raise ValueError("num_speculative_tokens, num_prediction_tokens and speculative_max_batch "
+                             "must be >= 0")
         if self.simulated_step_ms is not None and not self.simulated_step_ms >= 0:
             raise ValueError(f"simulated_step_ms must be >= 0, got {self.simulated_step_ms}")
         if self.disk_tier and (not self.host_tier or not self.kv_disk_dir):

@@ -17,6 +17,10 @@ A decode whose input token is still *pending* (sampled by the previous step, not
 the overlapped loop) gets a placeholder id, and ``pending_rows`` / ``pending_sources`` say which row of
 the previous step's sampled ids to put there, on the device, before the forward pass.
 
+A sequence with ``k`` draft tokens (speculative decoding: ``engine.speculative``) brings its last known
+token and the drafts, and gets ``k + 1`` logits rows: one per position that yields a token, each sampled
+like an ordinary decode at that position (``drafts`` says which rows verify which drafts).
+
 Slots are never released explicitly: a slot whose sequence finished or went back to waiting
 (preempted) is reclaimed when a new sequence needs one and none is free. A sequence that kept its slot
 while waiting finds it again, its block table copied anew; one that lost it gets a new slot. A
@@ -55,8 +59,9 @@ class StepInputs:
     pending_sources: np.ndarray  # [P] int64: ... at these rows of its sampled ids
     query_lens: list[int]
     context_lens: list[int]
-    sampled: list[Sequence]  # one per logits row, in batch order
+    sampled: list[Sequence]  # one per logits row, in batch order (a sequence with k drafts: k + 1 rows)
     sampling: SamplingInputs | None
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # first row of a group -> its drafts
     pooled: list[tuple[ScheduledSeq, int, int]] = field(default_factory=list)  # (chunk, first row, rows)
 
     @property
@@ -90,8 +95,13 @@ class InputBatch:
         return len(self._slot_of)
 
     # ---- slots ------------------------------------------------------------------------------------
-    def _refuse(self, seq: Sequence, start: int, end: int) -> None:
+    def _refuse(self, seq: Sequence, start: int, end: int, num_draft: int = 0) -> None:
         """Raise the ``ValueError`` of a chunk that cannot run."""
+        if num_draft and (seq.num_pending_tokens or end - num_draft != len(seq.token_ids)
+                          or len(seq.draft_token_ids) < num_draft):
+            raise ValueError(f"sequence {seq.request_id}: {num_draft} drafts need a decode of its last known "
+                             f"token ({len(seq.draft_token_ids)} drafts, {seq.num_pending_tokens} pending)")
+        end -= num_draft
         if end - start < 1 or end > len(seq.token_ids) + seq.num_pending_tokens:
             raise ValueError(f"sequence {seq.request_id}: chunk [{start}, {end}) is outside its "
                              f"{len(seq.token_ids) + seq.num_pending_tokens} tokens")
@@ -158,18 +168,21 @@ class InputBatch:
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
         sampled_at: list[int] = []  # their batch indices
+        offsets: list[int] = []  # a row's position past the sequence's tokens (drafts: 0 .. k)
+        drafts: dict[int, list[int]] = {}  # first sampled row -> the drafts its rows verify
         pooled: list[tuple[ScheduledSeq, int, int]] = []
         init: list[tuple[int, list[int], list[int]]] = []
         slot_of, table_in, table_len = self._slot_of, self._table_in, self._table_len
         bs, max_len = self.block_size, self.max_model_len
         row = 0
         for b, item in enumerate(batch.seqs):
-            seq, start, n = item.seq, item.start, item.num_tokens
+            seq, start, n, k = item.seq, item.start, item.num_tokens, item.num_draft
             end = start + n
             token_ids, table = seq.token_ids, seq.block_table
             known = len(token_ids)
-            if n < 1 or end > known + seq.num_pending_tokens or end > max_len or len(table) * bs < end:
-                self._refuse(seq, start, end)
+            if (n < 1 or end - k > known + seq.num_pending_tokens or end > max_len or len(table) * bs < end
+                    or (k and (seq.num_pending_tokens or end - k != known or len(seq.draft_token_ids) < k))):
+                self._refuse(seq, start, end, k)
             slot = slot_of.get(seq.seq_id)
             if slot is None:
                 slot = self._slot(seq, slot_list)
@@ -178,7 +191,10 @@ class InputBatch:
             slot_list.append(slot)
             start_list.append(start)
             len_list.append(n)
-            if end <= known:
+            if k:  # the last known token, then the drafts to verify
+                ids.extend(token_ids[start:known])
+                ids.extend(seq.draft_token_ids[:k])
+            elif end <= known:
                 if n == 1:
                     ids.append(token_ids[start])
                 else:
@@ -194,9 +210,13 @@ class InputBatch:
                 pending_sources.append(source)
             row += n
             if item.samples and seq.pooling is None:
-                logits_indices.append(row - 1)
-                sampled.append(seq)
-                sampled_at.append(b)
+                if k:
+                    drafts[len(sampled)] = seq.draft_token_ids[:k]
+                for j in range(k + 1):  # one row per position that yields a token
+                    logits_indices.append(row - 1 - k + j)
+                    sampled.append(seq)
+                    sampled_at.append(b)
+                    offsets.append(j)
             elif seq.pooling is not None:
                 pooled.append((item, row - n, n))
 
@@ -224,8 +244,9 @@ class InputBatch:
                         self._counts_stale.discard(slot)
                         seq = sampled[i]
                         init.append((slot, seq.output_token_ids, list(seq.token_ids)))
-            sampling = SamplingInputs(sampled, self.params[rows], rows, self._noise_seeds(sampled, rows),
-                                      init, np.flatnonzero(self.structured[rows]).tolist())
+            sampling = SamplingInputs(sampled, self.params[rows], rows,
+                                      self._noise_seeds(sampled, rows, offsets), init,
+                                      np.flatnonzero(self.structured[rows]).tolist())
         return StepInputs(
             input_ids=np.asarray(ids, dtype=np.int64),
             positions=positions,
@@ -241,11 +262,13 @@ class InputBatch:
             sampled=sampled,
             sampling=sampling,
             pooled=pooled,
+            drafts=drafts,
         )
 
-    def _noise_seeds(self, sampled: list[Sequence], slots: np.ndarray) -> list[int | None]:
+    def _noise_seeds(self, sampled: list[Sequence], slots: np.ndarray,
+                     offsets: list[int]) -> list[int | None]:
         keys: list[int | None] = [None] * len(sampled)
         for i in np.flatnonzero(self.seeded[slots]).tolist():
             seq = sampled[i]
-            keys[i] = Sampler.noise_seed(seq, seq.num_tokens)
+            keys[i] = Sampler.noise_seed(seq, seq.num_tokens + offsets[i])
         return keys

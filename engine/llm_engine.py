@@ -63,10 +63,11 @@ from engine.model_runner import ModelRunner, Step
 from engine.output_processor import OutputProcessor, ewma
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError
 from engine.pooling import PoolingParams
-from engine.sampler import Sampler
+from engine.sampler import HostSampled, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, ScheduledBatch, Sequence, SequenceStatus
+from engine.speculative import SpeculationPolicy, accepted_prefix, speculates
 from engine.step_profile import StepProfile
 from engine.tokenizer import Tokenizer
 
@@ -98,6 +99,7 @@ class LLMEngine:
         # The step launched last whose tokens are not processed yet (the overlapped loop).
         self._in_flight: Step | None = None
         self.profile = StepProfile()
+        self.speculation = SpeculationPolicy.from_config(config)
 
     def purge_cache(self, cache_salt: str | None) -> int:
         """Drop every cached block of ``cache_salt`` from the device, host and disk tiers (between steps);
@@ -173,12 +175,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         pooling: PoolingParams | None = None,
         cache_policy: CachePolicy = DEFAULT_POLICY,
+        prediction: SequenceLike[int] | None = None,
     ) -> None:
         """Queue a request (``params.n`` streams; with ``pooling``, one embedding and no tokens; its
-        prompt-cache lifetimes in ``cache_policy``). Raises ``RequestValidationError``, changing nothing."""
+        prompt-cache lifetimes in ``cache_policy``; ``prediction``: the output it is expected to be,
+        mostly, as token ids: drafts for speculative decoding). Raises ``RequestValidationError``,
+        changing nothing."""
         if request_id in self.outputs.requests:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
         self.validate_request(request_id, prompt_token_ids, params)
+        predicted = self.validate_prediction(prediction)
         if pooling is not None:
             if params.n != 1:
                 raise RequestValidationError("an embedding request has exactly one completion (n = 1)", "n")
@@ -198,10 +204,30 @@ class LLMEngine:
                      cache_policy=cache_policy)
             for index in range(params.n)
         ]
+        if self.speculation is not None and pooling is None and speculates(params):
+            for seq in seqs:
+                seq.speculation = self.speculation.state(predicted)
         self.outputs.add(request_id, prompt, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
         self._stats.prompt_tokens += len(prompt)
+
+    def validate_prediction(self, prediction: SequenceLike[int] | None) -> list[int] | None:
+        """The prediction as token ids; ``RequestValidationError`` (param ``prediction``) if it cannot be
+        one. Thread-safe."""
+        if prediction is None:
+            return None
+        tokens = list(prediction)
+        bad = next((t for t in tokens if not (_is_int(t) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise RequestValidationError(
+                f"prediction token id {bad!r} is not an integer in the vocabulary [0, {self.vocab_size})",
+                "prediction")
+        if len(tokens) > self.max_model_len:
+            raise RequestValidationError(
+                f"the prediction has {len(tokens)} tokens, more than this model's context "
+                f"({self.max_model_len})", "prediction")
+        return [int(t) for t in tokens]
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Its final delta (``abort``) comes with the next
@@ -242,10 +268,13 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         profile = self.profile
         started = time.perf_counter()
+        drafting = self._propose(outputs) if self.speculation is not None else []
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
         profile.schedule_s += scheduled - started
         if not batch:
+            for seq in drafting:
+                seq.draft_token_ids = []
             self.runner.transfer(batch.transfers)
             if self._in_flight is not None:
                 outputs.extend(self._process(self._take_in_flight()))
@@ -257,13 +286,19 @@ class LLMEngine:
             return outputs
         now = time.monotonic()
         prefill_tokens = 0
+        verifying = False
         for item in batch.seqs:
             seq = item.seq
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             if item.start < seq.num_prompt_tokens:
                 prefill_tokens += item.num_tokens
-        forward = self.runner.forward(batch)
+            verifying = verifying or item.num_draft > 0
+        try:
+            forward = self.runner.forward(batch)
+        finally:
+            for seq in drafting:  # drafts are drawn anew each step
+                seq.draft_token_ids = []
         self.scheduler.update_after_step(batch)
         self.runner.transfer(batch.transfers_after)  # retained blocks, once the forward pass wrote them
         sampling = forward.inputs.sampling
@@ -280,10 +315,88 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             outputs.extend(self._process(previous))
-        if not self.config.overlap:
+        if not self.config.overlap or verifying:
+            # (A step that verifies drafts yields an unknown number of tokens: the next step needs them.)
             outputs.extend(self._process(self._take_in_flight()))
         self._account_step(batch, prefill_tokens, time.perf_counter() - started)
         return outputs
+
+    # ---- speculative decoding -------------------------------------------------------------------
+    def _propose(self, outputs: list[RequestDelta]) -> list[Sequence]:
+        """Give the decoding sequences that speculate this step their drafts (``engine.speculative``).
+        Drafts continue the known tokens: a step in flight is processed first."""
+        policy = self.speculation
+        assert policy is not None
+        running = self.scheduler.running
+        if not policy.active(len(running)):
+            return []
+        planned = [(seq, k) for seq in running if seq.speculation is not None
+                   and (k := policy.draft_length(seq.speculation)) > 0]
+        if not planned:
+            return []
+        if self._in_flight is not None:
+            outputs.extend(self._process(self._take_in_flight()))
+        drafting = []
+        for seq, k in planned:
+            known = len(seq.token_ids)
+            if seq.is_finished or seq.num_pending_tokens or seq.num_computed_tokens != known - 1:
+                continue  # not a plain decode this step (finished, preempted, prefilling)
+            room = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len) - known - 1
+            k = min(k, room)  # the drafts and the token after them fit max_tokens and the context
+            drafts = seq.speculation.proposer.propose(seq.token_ids, k) if k > 0 else []
+            if drafts:
+                seq.draft_token_ids = drafts
+                drafting.append(seq)
+        return drafting
+
+    def _verify(self, step: Step, host: HostSampled, now: float) -> None:
+        """Tokens of a step with drafts: per sequence, its drafts up to the first that differs from the
+        token drawn at its position, then that drawn token; each through the usual stop checks."""
+        inputs, scheduler, outputs = step.inputs, self.scheduler, self.outputs
+        assert inputs.sampling is not None
+        seqs, ids, groups = inputs.sampled, host.token_ids, inputs.drafts
+        logprobs, terminated = self.sampler.extras(host, seqs, inputs.sampling.structured)
+        counters = self._stats.speculation
+        row = 0
+        while row < len(seqs):
+            seq = seqs[row]
+            drafts = groups.get(row, [])
+            rows = len(drafts) + 1
+            if seq.is_finished:
+                row += rows
+                continue
+            accepted = accepted_prefix(drafts, ids[row:row + rows])
+            emitted = 0
+            for j in range(accepted + 1):
+                token_id = ids[row + j]
+                if j < accepted:
+                    scheduler.draft_accepted(seq, token_id)
+                else:
+                    scheduler.token_known(seq, token_id)
+                emitted += 1
+                reason = outputs.token(seq, token_id, logprobs.get(row + j), row + j in terminated, now)
+                if reason is not None:
+                    seq.finished_time = now
+                    scheduler.finish(seq, reason)
+                    break
+            else:
+                scheduler.commit(seq)
+            speculation = seq.speculation
+            if drafts and speculation is not None:
+                kept = min(accepted, emitted)  # drafts that made it into the output
+                speculation.record(len(drafts), accepted)
+                counters["drafted_tokens"] = counters.get("drafted_tokens", 0) + len(drafts)
+                counters["accepted_tokens"] = counters.get("accepted_tokens", 0) + accepted
+                if speculation.from_prediction:
+                    # Billed as output: at most once per prediction token (what the prediction held and
+                    # the output did not take), however often a re-anchored draft is tried again.
+                    seq.num_accepted_prediction_tokens += kept
+                    unbilled = (len(speculation.proposer.prediction) - seq.num_accepted_prediction_tokens
+                                - seq.num_rejected_prediction_tokens)
+                    seq.num_rejected_prediction_tokens += min(len(drafts) - kept, max(unbilled, 0))
+            if speculation is not None and speculation.from_prediction:
+                speculation.proposer.observe(seq.output_token_ids, emitted)
+            row += rows
 
     def _take_in_flight(self) -> Step:
         step, self._in_flight = self._in_flight, None
@@ -308,7 +421,9 @@ class LLMEngine:
                 seq.first_token_time = seq.finished_time = now
                 scheduler.finish(seq, FinishReason.STOP)
         sampling = step.inputs.sampling
-        if host is not None and sampling is not None:
+        if host is not None and sampling is not None and step.inputs.drafts:
+            self._verify(step, host, now)
+        elif host is not None and sampling is not None:
             seqs = step.inputs.sampled
             logprobs, terminated = self.sampler.extras(host, seqs, sampling.structured)
             token_known, token, finished = scheduler.token_known, outputs.token, SequenceStatus.FINISHED
@@ -322,6 +437,9 @@ class LLMEngine:
                     scheduler.finish(seq, reason)
                 elif seq.num_computed_tokens >= len(seq.token_ids):
                     scheduler.commit(seq)  # the block this token completes is computed already
+                speculation = seq.speculation
+                if speculation is not None and speculation.from_prediction:
+                    speculation.proposer.observe(seq.output_token_ids, 1)
         deltas = outputs.deltas()
         profile.postprocess_s += time.perf_counter() - waited
         return deltas
@@ -370,6 +488,7 @@ class LLMEngine:
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             num_requests_finished=dict(s.num_requests_finished),
+            speculation=dict(s.speculation),
             step_time_s=s.step_time_s,
             tokens_per_s=s.tokens_per_s,
             ttft_s=s.ttft_s,

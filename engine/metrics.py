@@ -86,6 +86,10 @@ class _StatsCollector(Collector):
         yield counter("tollgate_engine_computed_prefill_tokens", "Prompt tokens computed (incl. recompute).",
                       s.computed_prefill_tokens)
         yield counter("tollgate_engine_steps", "Engine steps run.", s.num_steps)
+        yield counter("tollgate_engine_spec_draft_tokens", "Draft tokens verified (speculative decoding).",
+                      s.speculation.get("drafted_tokens", 0))
+        yield counter("tollgate_engine_spec_accepted_tokens", "Draft tokens accepted (speculative decoding).",
+                      s.speculation.get("accepted_tokens", 0))
         finished = CounterMetricFamily("tollgate_engine_sequences_finished",
                                        "Finished sequences by finish reason.", labels=[*names, "reason"])
         for reason, count in sorted(s.num_requests_finished.items()):

@@ -223,6 +223,8 @@ class OutputProcessor:
             cache_retained_tokens=first.num_cache_retained_tokens,
             cached_host_tokens=first.num_cached_host_tokens,
             cached_disk_tokens=first.num_cached_disk_tokens,
+            accepted_prediction_tokens=sum(s.num_accepted_prediction_tokens for s in seqs),
+            rejected_prediction_tokens=sum(s.num_rejected_prediction_tokens for s in seqs),
         )
         timings = _timings(request, seqs)
         counts = self.stats.num_requests_finished

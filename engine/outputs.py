@@ -41,6 +41,10 @@ class Usage:
     # Of ``cached_tokens``, those loaded back from the host tier and read from the disk tier.
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
+    # Predicted Outputs (``engine.speculative``): tokens of the request's prediction the engine drafted
+    # that made it into the output, and those it drafted, computed and threw away.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -184,6 +188,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_requests_finished: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: draft tokens verified, and accepted (``drafted_tokens``, ``accepted_tokens``).
+    speculation: dict[str, int] = field(default_factory=dict)
     # Moving averages over recent steps / requests.
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0

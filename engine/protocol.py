@@ -115,6 +115,9 @@ class GenerateRequest(_Strict):
     pooling: PoolingSpec | None = None
     # Prompt-cache lifetimes; None: the cache's defaults (implicit, no pins).
     cache: CacheSpec | None = None
+    # Predicted Outputs: the output expected, mostly (an edited file), as token ids: drafts for
+    # speculative decoding; the final usage says how many were accepted and rejected.
+    prediction_token_ids: list[int] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -190,6 +193,9 @@ class Usage(BaseModel):
     # Of ``cached_tokens``, those served from the host and disk tiers (the rest from the device pool).
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
+    # Predicted Outputs: drafted prediction tokens that made it into the output, and those thrown away.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -163,10 +163,12 @@ class Scheduler:
                 num = min(len(seq.token_ids) + pending - seq.num_computed_tokens, budget)
                 if num <= 0:
                     continue
+                drafts = self._drafts(seq, num, budget) if seq.draft_token_ids else 0
+                num += drafts
                 # Most decodes fit the blocks they hold; only a new block needs the block manager.
                 fits = seq.num_computed_tokens + num <= len(seq.block_table) * block_size
                 if fits or self._reserve_slots(seq, num, step):
-                    self._grant(seq, num, step)
+                    self._grant(seq, num, step, drafts)
             if admitting and level in self._waiting:
                 admitting = self._admit_level(level, step)
         if step.fair_level is not None:
@@ -197,7 +199,7 @@ class Scheduler:
             if seq.status is not running:
                 continue
             start = item.start
-            end = start + item.num_tokens
+            end = start + item.num_tokens - item.num_draft  # drafts are computed once accepted
             if start != seq.num_computed_tokens or end > len(seq.token_ids) + seq.num_pending_tokens:
                 raise RuntimeError(f"sequence {seq.seq_id} scheduled for tokens [{start}, {end}) but it has "
                                    f"{seq.num_computed_tokens} computed of {seq.num_tokens}")
@@ -219,6 +221,12 @@ class Scheduler:
             raise RuntimeError(f"sequence {seq.seq_id} has no pending token")
         seq.num_pending_tokens -= 1
         seq.token_ids.append(token_id)
+
+    def draft_accepted(self, seq: Sequence, token_id: int) -> None:
+        """A draft token of ``seq`` matched the token drawn at its position: append it; its K/V, computed
+        by the step that verified it, is valid."""
+        seq.token_ids.append(token_id)
+        seq.num_computed_tokens += 1
 
     def commit(self, seq: Sequence) -> None:
         """Publish the blocks of ``seq`` that known tokens filled and launched steps computed (a token
@@ -312,6 +320,16 @@ class Scheduler:
                     return bm.fork(sibling, seq)
         return bm.allocate_for_prefill(seq)
 
+    def _drafts(self, seq: Sequence, num: int, budget: int) -> int:
+        """How many of a decoding sequence's draft tokens ride along this step: within the budget, and
+        only in blocks that are free (a draft never preempts anyone); 0 unless it is a plain decode."""
+        if num != 1 or seq.num_pending_tokens:
+            return 0
+        drafts = min(len(seq.draft_token_ids), budget - 1)
+        if drafts > 0 and not self.block_manager.can_append_slots(seq, 1 + drafts):
+            return 0
+        return max(drafts, 0)
+
     def _reserve_slots(self, seq: Sequence, num: int, step: _Step) -> bool:
         """Blocks for ``num`` more tokens of a running sequence, preempting if needed; False if it was."""
         while not self.block_manager.ensure_slots(seq, num):
@@ -344,8 +362,8 @@ class Scheduler:
             step.budget += item.num_tokens
             self.fairness.refund(seq.tenant, item.num_tokens)
 
-    def _grant(self, seq: Sequence, num: int, step: _Step) -> None:
-        step.scheduled[seq.seq_id] = ScheduledSeq(seq, num)
+    def _grant(self, seq: Sequence, num: int, step: _Step, drafts: int = 0) -> None:
+        step.scheduled[seq.seq_id] = ScheduledSeq(seq, num, drafts)
         step.budget -= num
         self.fairness.charge(seq.tenant, num)
 

@@ -87,6 +87,13 @@ class Sequence:
     logprobs: list[Any] = field(default_factory=list)
     # Sampler-owned state (e.g. a grammar matcher); opaque to everyone else.
     sampler_state: Any = None
+    # Speculative decoding (``engine.speculative``): its proposer and acceptance (None: never drafts),
+    # the draft tokens of the step being scheduled, and the prediction tokens drafted so far that made
+    # it into the output (accepted) or did not (rejected: computed and thrown away).
+    speculation: Any = None
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     # An embedding request (``engine.pooling``): prefilled, never sampled. ``pooled`` is the runner's
     # running state of it (a device tensor); cleared on preemption.
     pooling: PoolingParams | None = None
@@ -136,23 +143,26 @@ class Sequence:
 @dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's chunk of a step: tokens ``start .. start + num_tokens`` are computed, ``start`` being
-    its ``num_computed_tokens`` when the step was scheduled. ``samples``: the chunk reaches the end of
-    its tokens (pending ones included), so the step yields a new token."""
+    its ``num_computed_tokens`` when the step was scheduled (with ``num_draft`` draft tokens, the last
+    known token and the drafts). ``samples``: the chunk reaches the end of its tokens (pending ones
+    included), so the step yields a new token (with drafts, 1 to ``num_draft + 1`` of them)."""
 
     seq: Sequence
     num_tokens: int
+    # Of ``num_tokens``, the last ``num_draft`` are draft tokens (``seq.draft_token_ids``), verified here.
+    num_draft: int = 0
     start: int = field(init=False)
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
         seq = self.seq
         self.start = start = seq.num_computed_tokens
-        self.samples = start + self.num_tokens == len(seq.token_ids) + seq.num_pending_tokens
+        self.samples = start + self.num_tokens - self.num_draft == len(seq.token_ids) + seq.num_pending_tokens
 
     def extend(self, extra: int) -> None:
         """Compute ``extra`` more tokens of the sequence in this chunk."""
         self.num_tokens += extra
-        self.samples = self.start + self.num_tokens == self.seq.num_tokens
+        self.samples = self.start + self.num_tokens - self.num_draft == self.seq.num_tokens
 
 
 @dataclass(slots=True)

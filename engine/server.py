@@ -80,7 +80,8 @@ class ServingEngine(Protocol):
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           tenant: str = "", cache_salt: str | None = None, priority: int = 0,
                           pooling: PoolingParams | None = None,
-                          cache_policy: CachePolicy = DEFAULT_POLICY) -> RequestStream: ...
+                          cache_policy: CachePolicy = DEFAULT_POLICY,
+                          prediction: list[int] | None = None) -> RequestStream: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -187,7 +188,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
             stream = await engine.add_request(body.request_id, body.prompt_token_ids, params,
                                               tenant=body.tenant, cache_salt=body.cache_salt,
                                               priority=body.priority, pooling=pooling,
-                                              cache_policy=cache_policy)
+                                              cache_policy=cache_policy, prediction=body.prediction_token_ids)
         except RequestValidationError as exc:
             return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:

@@ -112,8 +112,10 @@ class SyntheticEngine:
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           tenant: str = "", cache_salt: str | None = None,
                           priority: int = 0, pooling: PoolingParams | None = None,
-                          cache_policy: CachePolicy = DEFAULT_POLICY) -> RequestStream:
+                          cache_policy: CachePolicy = DEFAULT_POLICY,
+                          prediction: list[int] | None = None) -> RequestStream:
         # ``cache_policy``: the stand-in has no tiers to pin in; it reports no pinned or retained tokens.
+        # ``prediction``: it does not speculate; it reports no accepted or rejected prediction tokens.
         prompt = list(prompt_token_ids)
         if not prompt:
             raise RequestValidationError("the prompt is empty: at least one token is required", "prompt")

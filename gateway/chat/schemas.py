@@ -194,6 +194,19 @@ class NamedToolChoice(RequestModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class PredictionContent(RequestModel):
+    """Predicted Outputs: text the answer is expected to repeat, mostly (a file regenerated with small
+    edits). It only makes the answer faster (speculative decoding); the answer is what it would be
+    without it. ``rejected_prediction_tokens`` are billed as output, as OpenAI bills them."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return _text_of(self.content)
+
+
 class ChatCompletionRequest(SamplingFields, PromptCacheFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -210,6 +223,7 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
     function_call: Any = None
     # A routing hint: one tenant's requests with the same key are served by the same replica.
     prompt_cache_key: str | None = None
+    prediction: PredictionContent | None = None
 
     @field_validator("modalities")
     @classmethod
@@ -247,6 +261,23 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
         elif self.tool_choice == "required" and not self.tools:
             raise InvalidRequestError("Invalid 'tool_choice': 'required' needs at least one tool.",
                                       param="tool_choice", code="invalid_value")
+        if self.prediction is not None:
+            self._check_prediction()
+
+    def _check_prediction(self) -> None:
+        """What OpenAI documents Predicted Outputs cannot be combined with: n > 1, logprobs, positive
+        presence or frequency penalties, tools."""
+        conflicts = (
+            ("n", (self.n or 1) > 1, "n greater than 1"),
+            ("logprobs", bool(self.logprobs), "logprobs"),
+            ("presence_penalty", (self.presence_penalty or 0) > 0, "presence_penalty greater than 0"),
+            ("frequency_penalty", (self.frequency_penalty or 0) > 0, "frequency_penalty greater than 0"),
+            ("tools", bool(self.tools), "tools"),
+        )
+        for param, conflict, what in conflicts:
+            if conflict:
+                raise InvalidRequestError(f"Predicted outputs ('prediction') are not supported with {what}.",
+                                          param=param, code="unsupported_parameter")
 
     @property
     def completion_limit(self) -> int | None:

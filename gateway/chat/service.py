@@ -3,6 +3,11 @@
 Rendering uses the model's own chat template (``engine.tokenizer``, loaded once per model) with the
 request's tools, so the tokens admitted, routed and billed are exactly the tokens the engine runs.
 
+Predicted Outputs: ``prediction``'s text, tokenized as plain text (no template), goes to the engine as
+drafts for speculative decoding; the usage reports ``accepted_prediction_tokens`` and
+``rejected_prediction_tokens``, and counts the rejected ones in ``completion_tokens`` (billed as output,
+as OpenAI does).
+
 Structured output: ``response_format`` ``json_object``/``json_schema`` and forced tool calls
 (``tool_choice`` ``required`` or a named function) become the engine's constrained decoding, so the
 output is valid even from a random-weight model. Forced calls win over ``response_format``. A forced
@@ -38,6 +43,7 @@ from gateway.errors import InvalidRequestError
 from gateway.generation.requests import (
     breakpoint_tokens,
     check_context_length,
+    encode_text,
     lookup_model,
     render_chat,
     resolve_tier,
@@ -86,10 +92,11 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
 
     n = body.n or 1
     tier = resolve_tier(runtime, principal, body.service_tier)
+    prediction = (await encode_text(tokenizer, body.prediction.text)) if body.prediction is not None else None
     try:
         generation = await run_generation(runtime, principal, route, request_id, [prompt], sampling, n=n,
                                           max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key,
-                                          cache=body.cache_spec(breakpoint))
+                                          cache=body.cache_spec(breakpoint), prediction=prediction)
     except InvalidRequestError as exc:
         if exc.param in ("json_schema", "response_format"):  # the engine names its own field
             exc.param = "tools" if tool_use.forced else "response_format"

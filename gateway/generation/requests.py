@@ -60,6 +60,13 @@ async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], tool
     return await _through_template(tokenizer.encode_chat, messages, tools, param)
 
 
+async def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Plain text's tokens (no chat template, no special tokens); a long text off the event loop."""
+    if len(text) > OFFLOAD_CHARS:
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 # On a chat-template message: the characters of its content that end at its last prompt-cache breakpoint
 # (``gateway.openai.caching``).
 BREAKPOINT_KEY = "_cache_breakpoint"

@@ -100,6 +100,8 @@ class Generation:
     routing_key: str | None = None
     # Prompt-cache lifetimes for the engine (``gateway.openai.caching``); None: the defaults.
     cache: CacheSpec | None = None
+    # Predicted Outputs: the tokens the answer is expected to repeat (drafts for the engine).
+    prediction: list[int] | None = None
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     status: str = STATUS_COMPLETED
@@ -153,6 +155,8 @@ class Generation:
         if per_completion is None:
             per_completion = settings.default_max_tokens_reservation
         completion_budget = per_completion * self.n * len(self.prompts)
+        if self.prediction:  # rejected prediction tokens are billed as output: at most the prediction's
+            completion_budget += len(self.prediction) * self.n * len(self.prompts)
         salt = cache_salt(settings.key_hash_secret.get_secret_value(), self.principal.tenant_id)
         self._router_key = tenant_routing_key(salt, self.routing_key)
         info = self.route.info()
@@ -186,7 +190,7 @@ class Generation:
                 request = GenerateRequest(
                     request_id=engine_id, prompt_token_ids=prompt, n=self.n, max_tokens=self.max_tokens,
                     tenant=str(self.principal.tenant_id), cache_salt=salt, priority=priority,
-                    cache=self.cache, **self.sampling,
+                    cache=self.cache, prediction_token_ids=self.prediction or None, **self.sampling,
                 )
                 self._streams.append(await self._open(request, prompt_hashes))
         except BaseException as exc:
@@ -301,7 +305,11 @@ class Generation:
         self.usage.cache_retained_tokens += record.usage.cache_retained_tokens
         self.usage.cached_host_tokens += record.usage.cached_host_tokens
         self.usage.cached_disk_tokens += record.usage.cached_disk_tokens
-        self.usage.completion_tokens += record.usage.completion_tokens
+        # Rejected prediction tokens count as completion tokens (billed as output), as OpenAI counts them.
+        rejected = record.usage.rejected_prediction_tokens
+        self.usage.completion_tokens += record.usage.completion_tokens + rejected
+        self.usage.accepted_prediction_tokens += record.usage.accepted_prediction_tokens
+        self.usage.rejected_prediction_tokens += rejected
         for i, reason in enumerate(record.finish_reasons):
             self.finish_reasons[offset + i] = reason
         if record.embedding is not None:
@@ -415,11 +423,11 @@ class Generation:
 async def run_generation(runtime: GatewayRuntime, principal: Principal, route: ModelRoute, request_id: str,
                          prompts: list[list[int]], sampling: dict[str, Any], *, n: int,
                          max_tokens: int | None, tier: str, routing_key: str | None = None,
-                         cache: CacheSpec | None = None) -> Generation:
+                         cache: CacheSpec | None = None, prediction: list[int] | None = None) -> Generation:
     """A started generation (see the module invariants): the engine has accepted every prompt, or this
     raised the error to answer with, and nothing is left to settle."""
     generation = Generation(runtime=runtime, principal=principal, route=route, request_id=request_id,
                             prompts=prompts, sampling=sampling, n=n, max_tokens=max_tokens, tier=tier,
-                            routing_key=routing_key, cache=cache)
+                            routing_key=routing_key, cache=cache, prediction=prediction)
     await generation.start()
     return generation

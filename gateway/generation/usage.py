@@ -20,6 +20,10 @@ class Usage:
     # the device pool): where a tenant's cache hits come from.
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
+    # Predicted Outputs: drafted prediction tokens that made it into the output, and those thrown away
+    # (which ``completion_tokens`` includes: they are billed as output, as OpenAI bills them).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

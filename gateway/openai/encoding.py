@@ -53,7 +53,8 @@ def completion_usage(usage: Usage, lifetimes: bool = False) -> dict[str, Any]:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"audio_tokens": 0, **_cache_details(usage, lifetimes)},
         "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
-                                      "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
+                                      "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+                                      "rejected_prediction_tokens": usage.rejected_prediction_tokens},
     }
 
 

@@ -211,6 +211,39 @@ def test_repeated_long_prompt_is_billed_at_the_cached_price(client: openai.OpenA
                     + completion_tokens * output_price)
 
 
+def test_a_prediction_through_the_sdk_is_reported_and_billed_as_the_client_was_told(
+        client: openai.OpenAI, platform: Platform) -> None:
+    """Predicted Outputs with the SDK's own ``prediction`` parameter, plain and streamed: the same answer,
+    accepted and rejected prediction tokens in the usage, and the ledger bills the completion tokens the
+    client was told (rejected prediction tokens included) at the output price."""
+    messages = [{"role": "user", "content": "Rewrite the file"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    text = plain.choices[0].message.content or ""
+    edited = text[:5] + "#" + text[6:]  # a small edit: a few drafts rejected, most accepted
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0,
+        prediction={"type": "content", "content": edited})
+    answer = raw.parse()
+    assert answer.choices[0].message.content == text
+    details = answer.usage.completion_tokens_details
+    assert details is not None and details.accepted_prediction_tokens > 0
+    rejected = details.rejected_prediction_tokens or 0
+    assert answer.usage.completion_tokens == plain.usage.completion_tokens + rejected
+    status, prompt_tokens, cached, completion_tokens, cost, created_at = _ledger_row(
+        platform, raw.headers["x-request-id"])
+    assert (status, completion_tokens) == ("completed", answer.usage.completion_tokens)
+    input_price, cached_price, output_price = _price_at(platform, created_at)
+    assert cost == ((prompt_tokens - cached) * input_price + cached * cached_price
+                    + completion_tokens * output_price)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}, prediction={"type": "content", "content": text}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    final = chunks[-1].usage
+    assert final is not None and final.completion_tokens_details is not None
+    assert final.completion_tokens_details.accepted_prediction_tokens > 0
+
+
 def test_rate_limited_tenant_gets_rate_limit_error_with_headers(platform: Platform) -> None:
     platform.cli("tenants", "create", "one-rpm", "--rpm", "1")
     key = platform.cli("keys", "create", "one-rpm").strip().splitlines()[-1]

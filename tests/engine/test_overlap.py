@@ -54,9 +54,11 @@ def _summary(out: Any) -> list[tuple]:
 
 
 def _both(model_dir: Path, run: Any, **config: Any) -> tuple[Any, Any]:
+    """``run(llm)`` with the overlap off, then on (speculation off: a step that verifies drafts is
+    processed at once; tests/engine/test_speculative.py covers the two together)."""
     results = []
     for overlap in (False, True):
-        with LLM(str(model_dir), overlap=overlap, **config) as llm:
+        with LLM(str(model_dir), overlap=overlap, speculation="off", **config) as llm:
             assert isinstance(llm.engine.runner.executor, ThreadExecutor) is overlap
             results.append(run(llm))
     return results[0], results[1]
@@ -122,9 +124,9 @@ def test_prefix_hits_from_the_device_host_and_disk_tiers_are_identical(tiny_llam
         return {"num_kv_blocks": 8, "max_num_seqs": 2, "num_host_kv_blocks": 6, "num_disk_kv_blocks": 64,
                 "kv_disk_dir": str(tmp_path / name)}
 
-    with LLM(str(tiny_llama_dir), overlap=False, **tiers("sync")) as llm:
+    with LLM(str(tiny_llama_dir), overlap=False, speculation="off", **tiers("sync")) as llm:
         sync, sync_hits = run(llm)
-    with LLM(str(tiny_llama_dir), overlap=True, **tiers("overlap")) as llm:
+    with LLM(str(tiny_llama_dir), overlap=True, speculation="off", **tiers("overlap")) as llm:
         overlapped, hits = run(llm)
     assert overlapped == sync and hits == sync_hits
     assert all(hits[tier] > 0 for tier in ("device", "host", "disk")), hits
@@ -192,7 +194,7 @@ def test_the_extra_token_of_a_stopped_stream_is_never_emitted_billed_or_cached(t
     # completing block 0.
     prompt, expected = next((p, out) for p in (_prompt(start, 12) for start in range(40))
                             if (out := reference.generate([p], greedy)[0].token_ids)[2] not in out[:2])
-    with LLM(str(tiny_llama_dir), overlap=True, num_host_kv_blocks=16) as llm:
+    with LLM(str(tiny_llama_dir), overlap=True, speculation="off", num_host_kv_blocks=16) as llm:
         engine = llm.engine
         sampled_rows: list[int] = []
         forward = engine.runner.forward
@@ -247,7 +249,7 @@ class _HeldDevice(ThreadExecutor):
 
 
 def test_the_host_prepares_the_next_step_while_the_device_runs_one(tiny_llama_dir: Path) -> None:
-    engine = LLM(str(tiny_llama_dir), overlap=True).engine
+    engine = LLM(str(tiny_llama_dir), overlap=True, speculation="off").engine
     device = _HeldDevice()
     engine.runner.executor.close()
     engine.runner.executor = device
@@ -290,8 +292,8 @@ def test_the_overlapped_loop_on_the_gpu_changes_no_output(tiny_llama_dir: Path, 
               SamplingParams(temperature=1.2, seed=99, n=2, stop_token_ids=[17, 23], max_tokens=50)]
 
     def run(overlap: bool) -> list:
-        with LLM(str(tiny_llama_dir), device="cuda", dtype=dtype, overlap=overlap, num_kv_blocks=40,
-                 max_num_seqs=12, max_num_batched_tokens=96) as llm:
+        with LLM(str(tiny_llama_dir), device="cuda", dtype=dtype, overlap=overlap, speculation="off",
+                 num_kv_blocks=40, max_num_seqs=12, max_num_batched_tokens=96) as llm:
             return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs]
                     for o in llm.generate(prompts, params)]
 

@@ -147,6 +147,29 @@ def test_generate_streams_the_offline_engines_tokens(model_server) -> None:
         assert "tollgate_engine_time_per_output_token_seconds_count" in metrics
 
 
+def test_a_prediction_is_drafted_and_its_tokens_counted(model_server) -> None:
+    """Predicted Outputs through the wire: the same tokens as without, the accepted and rejected
+    prediction tokens in the final usage; a prediction outside the vocabulary is a 400."""
+    server, _ = model_server
+    body = {"request_id": "p0", "prompt_token_ids": list(range(50, 80)), "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/generate", json=body) as r:
+            plain = _records(r)
+        tokens = [t for d in plain[:-1] for t in d.token_ids]
+        assert plain[-1].usage.accepted_prediction_tokens == plain[-1].usage.rejected_prediction_tokens == 0
+        predicted = tokens[:12] + [(tokens[12] + 1) % 1000] + tokens[13:]
+        with client.stream("POST", "/generate",
+                           json={**body, "request_id": "p1", "prediction_token_ids": predicted}) as r:
+            speculated = _records(r)
+        assert [t for d in speculated[:-1] for t in d.token_ids] == tokens
+        usage = speculated[-1].usage
+        assert usage.completion_tokens == 20 and usage.accepted_prediction_tokens >= 10
+        assert usage.rejected_prediction_tokens >= 1
+        bad = client.post("/generate", json={**body, "request_id": "p2", "prediction_token_ids": [10**9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prediction"
+
+
 def test_an_embedding_request_ends_with_its_vector_and_no_tokens(model_server, tiny_llama_dir: Path) -> None:
     from engine import LLM
     from engine.pooling import PoolingParams

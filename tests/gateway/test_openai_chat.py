@@ -332,3 +332,51 @@ async def test_concurrent_mixed_requests_all_succeed(client: httpx.AsyncClient) 
 
     responses = await asyncio.gather(*(one(i) for i in range(24)))
     assert [r.status_code for r in responses] == [200] * 24
+
+
+async def test_a_prediction_changes_no_answer_and_reports_its_tokens(client: httpx.AsyncClient,
+                                                                      gateway: GatewayUnderTest) -> None:
+    """Predicted Outputs: the same answer as without (greedy), the accepted and rejected prediction
+    tokens in the usage, the rejected ones counted (and billed) as completion tokens."""
+    req = {"model": MODEL, "messages": HELLO, "max_tokens": 24, "temperature": 0}
+    plain = (await client.post("/chat/completions", json=req)).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert plain["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+    for prediction in (text, [{"type": "text", "text": text[: len(text) // 2]},
+                              {"type": "text", "text": "~" + text[len(text) // 2 + 1:]}]):
+        r = await client.post("/chat/completions", json={**req, "prediction": {"type": "content",
+                                                                              "content": prediction}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert_conforms(body, "CreateChatCompletionResponse")
+        assert body["choices"][0]["message"]["content"] == text
+        usage, details = body["usage"], body["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0
+        generated = plain["usage"]["completion_tokens"]
+        assert usage["completion_tokens"] == generated + details["rejected_prediction_tokens"]
+        records = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
+        assert records[0]["completion_tokens"] == usage["completion_tokens"]
+    stream = await client.post("/chat/completions", json={**req, "stream": True,
+                                                          "stream_options": {"include_usage": True},
+                                                          "prediction": {"type": "content", "content": text}})
+    chunks = [json.loads(e) for e in sse_events(stream.text)[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
+    assert chunks[-1]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"prediction": {"type": "file", "content": "x"}}, "prediction"),
+    ({"prediction": {"type": "content", "content": [{"type": "image_url", "image_url": {}}]}}, "prediction"),
+])  # fmt: skip
+async def test_a_prediction_with_what_openai_refuses_is_a_400(client: httpx.AsyncClient, extra: dict,
+                                                               param: str) -> None:
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 4,
+            "prediction": {"type": "content", "content": "Hello there"}, **extra}
+    r = await client.post("/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(param)

@@ -69,6 +69,13 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
               help="Blocks one tenant may keep on disk for prompt_cache_retention=24h "
                    "(default: a quarter of the disk tier).")
 @click.option("--enforce-eager", is_flag=True, help="Never capture CUDA graphs.")
+@click.option("--speculation", type=click.Choice(["auto", "prediction", "off"]), default="auto",
+              show_default=True, help="Speculative decoding: requests' predictions and prompt lookup (auto), "
+                                      "predictions only, or none.")
+@click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Draft tokens per sequence and step from prompt lookup (a prediction: twice as many).")
+@click.option("--speculative-max-batch", type=click.IntRange(min=0), default=16, show_default=True,
+              help="No speculation while more sequences than this run.")
 @click.option("--overlap/--no-overlap", default=None,
               help="Schedule step N+1 while the device runs step N (default: on for CUDA, off on the CPU).")
 def engine(
@@ -93,6 +100,9 @@ def engine(
     kv_pin_quota_blocks: int | None,
     kv_retention_quota_blocks: int | None,
     enforce_eager: bool,
+    speculation: str,
+    num_speculative_tokens: int,
+    speculative_max_batch: int,
     overlap: bool | None,
 ) -> None:
     """Run one engine replica: the internal HTTP server over the paged-KV engine."""
@@ -127,6 +137,10 @@ def engine(
             kv_retention_quota_blocks=kv_retention_quota_blocks,
             enforce_eager=enforce_eager,
             overlap=overlap,
+            speculation=speculation,
+            num_speculative_tokens=num_speculative_tokens,
+            num_prediction_tokens=2 * num_speculative_tokens,
+            speculative_max_batch=speculative_max_batch,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e

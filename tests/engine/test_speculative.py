@@ -1,0 +1,195 @@
+"""Speculative decoding (``engine.speculative``): the proposers and the policy as pure Python; in the
+engine, outputs identical with and without drafts (greedy and seeded; predictions that match, that
+were edited, automatic prompt lookup; with stop strings, n > 1, logprobs, preemption and the overlapped
+loop); rejected drafts never reach the prefix cache or a tier; the verification is exact rejection
+sampling (a draft stands as often as the model would draw it, and a fallen one leaves the model's
+distribution without it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv.block_hash import prefix_block_hashes
+from engine.llm_engine import LLMEngine
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams as Params
+from engine.sequence import Sequence
+from engine.speculative import (
+    PredictionProposer,
+    PromptLookupProposer,
+    SpeculationPolicy,
+    SpeculationState,
+    accepted_prefix,
+    speculates,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ---- proposers and policy -------------------------------------------------------------------------
+def _follow(prediction: list[int], output: list[int]) -> PredictionProposer:
+    proposer = PredictionProposer(prediction)
+    for i in range(len(output)):
+        proposer.observe(output[: i + 1], 1)
+    return proposer
+
+
+def test_a_prediction_is_followed_and_re_anchored_after_an_edit() -> None:
+    file = list(range(100, 140))
+    assert _follow(file, file[:10]).propose([], 4) == file[10:14]
+    replaced = file[:10] + [7] + file[11:15]  # one token changed: lost, then found 3 tokens later
+    assert _follow(file, replaced[:11]).propose([], 4) == []
+    assert _follow(file, replaced[:13]).propose([], 4) == []
+    assert _follow(file, replaced[:14]).propose([], 4) == file[14:18]
+    assert _follow(file, replaced).propose([], 4) == file[15:19]
+    inserted = file[:10] + [1, 2, 3] + file[10:13]  # text inserted, then the file again
+    assert _follow(file, inserted).propose([], 4) == file[13:17]
+    deleted = file[:10] + file[20:23]  # ten tokens deleted
+    assert _follow(file, deleted).propose([], 3) == file[23:26]
+    assert _follow(file, file).propose([], 4) == []  # the prediction is used up
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_earlier_match() -> None:
+    proposer = PromptLookupProposer(min_ngram=2, max_ngram=3)
+    tokens = [1, 2, 3, 4, 5, 9, 9, 2, 3, 6, 7, 1, 2, 3]
+    # The suffix [1, 2, 3] occurred at the start (followed by 4, 5); its own occurrence never counts.
+    assert proposer.propose(tokens, 3) == [4, 5, 9]
+    tokens += [6]  # now [2, 3, 6] matches at 7..9: followed by 7, 1
+    assert proposer.propose(tokens, 2) == [7, 1]
+    assert proposer.propose([5, 6, 7, 8], 4) == []  # nothing repeats (a new request would have its own)
+
+
+def test_the_policy_speculates_only_on_small_batches_and_backs_off_on_poor_acceptance() -> None:
+    policy = SpeculationPolicy(max_draft=4, max_prediction_draft=8, max_batch=16, min_acceptance=0.2,
+                               probe_every=4)
+    assert policy.active(16) and not policy.active(17) and not policy.active(0)
+    state = SpeculationState(PromptLookupProposer(), from_prediction=False)
+    assert 1 <= policy.draft_length(state) <= 4
+    for _ in range(20):
+        state.record(4, 0)
+    assert [policy.draft_length(state) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # probes
+    state.record(1, 1)
+    state.record(4, 4)
+    assert policy.draft_length(state) > 0
+    assert policy.state([1, 2]).from_prediction and policy.state(None) is not None  # type: ignore[union-attr]
+    assert SpeculationPolicy(automatic=False).state(None) is None
+    assert speculates(Params()) and not speculates(Params(presence_penalty=0.5))
+    assert not speculates(Params(json_object=True)) and not speculates(Params(repetition_penalty=1.1))
+
+
+def test_verification_is_exact_rejection_sampling() -> None:
+    """Point-mass drafts: a draft ``d`` stands with probability p(d), and the token emitted in its place
+    when it falls is distributed as p without d, renormalised. 20,000 draws of a 5-token vocabulary."""
+    vocab, draws, draft = 5, 20_000, 1
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.2, 0.1])
+    logits = torch.log(probs).expand(draws, vocab).clone()
+    rows = [Sequence("r", [0], Params(temperature=1.0)) for _ in range(draws)]
+    drawn = [r.token_id for r in Sampler(vocab, seed=7).sample(logits, rows)]
+    stood = [accepted_prefix([draft], [t]) == 1 for t in drawn]
+    assert sum(stood) / draws == pytest.approx(probs[draft].item(), abs=0.015)
+    fallen = torch.bincount(torch.tensor([t for t, s in zip(drawn, stood, strict=True) if not s]),
+                            minlength=vocab).float()
+    residual = probs.clone()
+    residual[draft] = 0
+    assert torch.allclose(fallen / fallen.sum(), residual / residual.sum(), atol=0.015)
+    assert accepted_prefix([4, 5, 6], [4, 5, 7, 9]) == 2 and accepted_prefix([], [3]) == 0
+
+
+# ---- in the engine ---------------------------------------------------------------------------------
+def _prompt(start: int, length: int) -> list[int]:
+    return [(start + 7 * i) % 2900 + 10 for i in range(length)]
+
+
+def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams, list[int] | None]]) -> dict:
+    """Each request's tokens, text, finish reasons and usage."""
+    for i, (prompt, params, prediction) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params, prediction=prediction)
+    out: dict[str, Any] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            entry = out.setdefault(delta.request_id, {"tokens": {}, "text": {}, "logprobs": {}})
+            for c in delta.completions:
+                entry["tokens"].setdefault(c.index, []).extend(c.token_ids)
+                entry["text"][c.index] = entry["text"].get(c.index, "") + c.text
+                entry["logprobs"].setdefault(c.index, []).extend(
+                    (lp.token_id, round(lp.logprob, 4)) for lp in c.logprobs or [])
+            if delta.finished:
+                entry["finish"], entry["usage"] = delta.finish_reasons, delta.usage
+    return out
+
+
+def _visible(results: dict) -> dict:
+    return {rid: (r["tokens"], r["text"], r["logprobs"], r["finish"], r["usage"].completion_tokens)
+            for rid, r in results.items()}
+
+
+def _edit(tokens: list[int]) -> list[int]:
+    """A prediction ~90% right: a token replaced, a stretch deleted, a stretch inserted."""
+    edited = list(tokens)
+    edited[6] = (edited[6] + 1) % 2000
+    del edited[15:18]
+    edited[25:25] = [11, 12, 13]
+    return edited
+
+
+def test_outputs_are_identical_with_drafts_from_predictions_and_prompt_lookup(tiny_llama_dir: Path) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=21, max_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), speculation="off") as plain:
+        refs = plain.generate([_prompt(1, 20), _prompt(2, 25)], [greedy, seeded])
+    repetitive = _prompt(3, 16) * 3  # prompt lookup finds its own continuation
+    requests = [
+        (_prompt(1, 20), greedy, refs[0].token_ids),  # a perfect prediction
+        (_prompt(2, 25), seeded, _edit(refs[1].token_ids)),  # an edited one
+        (_prompt(1, 20), SamplingParams(temperature=0.0, max_tokens=60, stop=[" the", "e"]),
+         refs[0].token_ids),
+        (_prompt(4, 18), SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=25, ignore_eos=True), None),
+        (_prompt(1, 20), SamplingParams(temperature=0.0, max_tokens=30, logprobs=2, ignore_eos=True),
+         refs[0].token_ids[:30]),
+        (repetitive, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), None),
+        (_prompt(5, 30), SamplingParams(temperature=0.9, seed=8, max_tokens=35, presence_penalty=1.0), None),
+    ]
+    runs = {}
+    # 14 blocks for ~10 growing streams: preemption and recompute along the way.
+    for name, config in (("off", {"speculation": "off"}), ("sync", {"overlap": False}),
+                         ("overlap", {"overlap": True})):
+        with LLM(str(tiny_llama_dir), num_kv_blocks=14, max_num_seqs=10, **config) as llm:  # type: ignore[arg-type]
+            runs[name] = _run(llm.engine, requests)
+            runs[name + "-stats"] = llm.stats
+    assert _visible(runs["sync"]) == _visible(runs["off"]) == _visible(runs["overlap"])
+    assert runs["off"]["r0"]["tokens"][0] == refs[0].token_ids
+    spec = runs["sync-stats"].speculation
+    assert spec["accepted_tokens"] > 0.5 * spec["drafted_tokens"] > 0
+    assert runs["sync-stats"].num_preemptions > 0
+    # The perfect prediction is all accepted; the edited one mostly; requests without one report none.
+    usage = {rid: runs["sync"][rid]["usage"] for rid in ("r0", "r1", "r3")}
+    assert usage["r0"].accepted_prediction_tokens >= 40 and usage["r0"].rejected_prediction_tokens == 0
+    assert usage["r1"].accepted_prediction_tokens >= 20 and usage["r1"].rejected_prediction_tokens > 0
+    assert usage["r3"].accepted_prediction_tokens == usage["r3"].rejected_prediction_tokens == 0
+    assert runs["off"]["r0"]["usage"].accepted_prediction_tokens == 0  # speculation off: not drafted
+
+
+def test_rejected_drafts_never_enter_the_prefix_cache_or_a_tier(tiny_llama_dir: Path) -> None:
+    prompt = _prompt(9, 16)  # one block: the generated tokens fill blocks 1 and 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), speculation="off") as plain:
+        real = plain.generate([prompt], greedy)[0].token_ids
+    wrong = [t if i % 6 else (t + 1) % 2000 for i, t in enumerate(real)]  # every sixth draft falls
+    with LLM(str(tiny_llama_dir), num_host_kv_blocks=16) as llm:
+        out = _run(llm.engine, [(prompt, greedy, wrong)])["r0"]
+        assert out["tokens"][0] == real
+        assert out["usage"].rejected_prediction_tokens > 0
+        llm.engine.purge_cache(None)  # every cached block through the host tier's bookkeeping, then out
+        log = llm.engine.kv_events
+        page = log.since(0, log.epoch)
+        seen = {digest for _, _, _, digest in page.events} | set(page.snapshot or {})
+    real_hashes = set(prefix_block_hashes(prompt + real, 16))
+    for start in range(len(real)):  # any block that holds a rejected draft where the real token was
+        mixed = prompt + real[:start] + wrong[start:]
+        assert not (set(prefix_block_hashes(mixed, 16)) - real_hashes) & seen
+    assert set(prefix_block_hashes(prompt + real[:15], 16)) <= seen  # the real blocks were cached
