@@ -67,7 +67,7 @@ from engine.sampler import HostSampled, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, ScheduledBatch, Sequence, SequenceStatus
-from engine.speculative import SpeculationPolicy, accepted_prefix, speculates
+from engine.speculative import PredictionProposer, SpeculationPolicy, accepted_prefix, speculates
 from engine.step_profile import StepProfile
 from engine.tokenizer import Tokenizer
 
@@ -267,8 +267,8 @@ class LLMEngine:
         overlapped loop) or from this one (``overlap=False``), and the aborts since the last call."""
         outputs, self._pending = self._pending, []
         profile = self.profile
+        drafting = self._propose(outputs) if self.speculation is not None else []  # (profiled inside)
         started = time.perf_counter()
-        drafting = self._propose(outputs) if self.speculation is not None else []
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
         profile.schedule_s += scheduled - started
@@ -331,10 +331,13 @@ class LLMEngine:
         if not policy.active(len(running)):
             return []
         planned = [(seq, k) for seq in running if seq.speculation is not None
+                   and seq.num_computed_tokens + seq.num_pending_tokens >= seq.num_prompt_tokens
                    and (k := policy.draft_length(seq.speculation)) > 0]
         if not planned:
             return []
-        if self._in_flight is not None:
+        if self._in_flight is not None:  # drafts continue known tokens: this step gives up the overlap
+            counters = self._stats.speculation
+            counters["waits"] = counters.get("waits", 0) + 1
             outputs.extend(self._process(self._take_in_flight()))
         drafting = []
         for seq, k in planned:
@@ -380,22 +383,20 @@ class LLMEngine:
                     scheduler.finish(seq, reason)
                     break
             else:
-                scheduler.commit(seq)
+                scheduler.drafts_verified(seq)
             speculation = seq.speculation
             if drafts and speculation is not None:
-                kept = min(accepted, emitted)  # drafts that made it into the output
                 speculation.record(len(drafts), accepted)
                 counters["drafted_tokens"] = counters.get("drafted_tokens", 0) + len(drafts)
                 counters["accepted_tokens"] = counters.get("accepted_tokens", 0) + accepted
-                if speculation.from_prediction:
-                    # Billed as output: at most once per prediction token (what the prediction held and
-                    # the output did not take), however often a re-anchored draft is tried again.
-                    seq.num_accepted_prediction_tokens += kept
-                    unbilled = (len(speculation.proposer.prediction) - seq.num_accepted_prediction_tokens
-                                - seq.num_rejected_prediction_tokens)
-                    seq.num_rejected_prediction_tokens += min(len(drafts) - kept, max(unbilled, 0))
             if speculation is not None and speculation.from_prediction:
-                speculation.proposer.observe(seq.output_token_ids, emitted)
+                proposer = speculation.proposer
+                assert isinstance(proposer, PredictionProposer)
+                if drafts:  # by prediction position: each counted once, as accepted or as rejected
+                    proposer.verified(len(drafts), min(accepted, emitted))
+                    seq.num_accepted_prediction_tokens = proposer.num_accepted
+                    seq.num_rejected_prediction_tokens = proposer.num_rejected
+                proposer.observe(seq.output_token_ids, emitted)
             row += rows
 
     def _take_in_flight(self) -> Step:

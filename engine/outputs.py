@@ -188,7 +188,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_requests_finished: dict[str, int] = field(default_factory=dict)
-    # Speculative decoding: draft tokens verified, and accepted (``drafted_tokens``, ``accepted_tokens``).
+    # Speculative decoding: draft tokens verified, and accepted (``drafted_tokens``, ``accepted_tokens``);
+    # steps that processed the step in flight first to draft (``waits``: the overlap given up).
     speculation: dict[str, int] = field(default_factory=dict)
     # Moving averages over recent steps / requests.
     step_time_s: float = 0.0

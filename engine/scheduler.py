@@ -163,18 +163,18 @@ class Scheduler:
                 num = min(len(seq.token_ids) + pending - seq.num_computed_tokens, budget)
                 if num <= 0:
                     continue
-                drafts = self._drafts(seq, num, budget) if seq.draft_token_ids else 0
-                num += drafts
                 # Most decodes fit the blocks they hold; only a new block needs the block manager.
                 fits = seq.num_computed_tokens + num <= len(seq.block_table) * block_size
                 if fits or self._reserve_slots(seq, num, step):
-                    self._grant(seq, num, step, drafts)
+                    self._grant(seq, num, step)
             if admitting and level in self._waiting:
                 admitting = self._admit_level(level, step)
         if step.fair_level is not None:
             step.budget = self.fairness.isolate_admissions(
                 step.scheduled, step.fair_admitted, step.fair_level, step.budget
             )
+        elif step.budget > 0:
+            self._add_drafts(step)
         return ScheduledBatch(list(step.scheduled.values()), step.preempted, self.kv.take_plan())
 
     def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -227,6 +227,13 @@ class Scheduler:
         by the step that verified it, is valid."""
         seq.token_ids.append(token_id)
         seq.num_computed_tokens += 1
+
+    def drafts_verified(self, seq: Sequence) -> None:
+        """The step that verified ``seq``'s drafts was processed: give back the blocks taken for the
+        rejected ones, and publish the blocks the accepted ones filled."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.trim(seq, len(seq.token_ids))
+            self.block_manager.commit_computed(seq)
 
     def commit(self, seq: Sequence) -> None:
         """Publish the blocks of ``seq`` that known tokens filled and launched steps computed (a token
@@ -320,15 +327,28 @@ class Scheduler:
                     return bm.fork(sibling, seq)
         return bm.allocate_for_prefill(seq)
 
-    def _drafts(self, seq: Sequence, num: int, budget: int) -> int:
-        """How many of a decoding sequence's draft tokens ride along this step: within the budget, and
-        only in blocks that are free (a draft never preempts anyone); 0 unless it is a plain decode."""
-        if num != 1 or seq.num_pending_tokens:
-            return 0
-        drafts = min(len(seq.draft_token_ids), budget - 1)
-        if drafts > 0 and not self.block_manager.can_append_slots(seq, 1 + drafts):
-            return 0
-        return max(drafts, 0)
+    def _add_drafts(self, step: _Step) -> None:
+        """Once everything else of the step is scheduled, let the decodes that carry draft tokens take
+        them along: within what is left of the budget, in blocks nobody holds or caches (a draft never
+        preempts a sequence, delays an admission or evicts a cached block). Drafts are the platform's
+        bet, not the tenant's work: no served tokens are charged for them."""
+        bm = self.block_manager
+        for item in step.scheduled.values():
+            seq = item.seq
+            if not seq.draft_token_ids or item.num_tokens != 1 or seq.num_pending_tokens:
+                continue
+            drafts = min(len(seq.draft_token_ids), step.budget)
+            if drafts <= 0:
+                break
+            missing = bm.blocks_needed(seq.num_computed_tokens + 1 + drafts) - len(seq.block_table)
+            if missing > bm.num_unused_blocks:  # as many as the unused blocks hold
+                room = (len(seq.block_table) + bm.num_unused_blocks) * bm.block_size
+                drafts = room - seq.num_computed_tokens - 1
+                if drafts <= 0:
+                    continue
+            bm.ensure_slots(seq, 1 + drafts)
+            item.add_drafts(drafts)
+            step.budget -= drafts
 
     def _reserve_slots(self, seq: Sequence, num: int, step: _Step) -> bool:
         """Blocks for ``num`` more tokens of a running sequence, preempting if needed; False if it was."""

@@ -159,6 +159,11 @@ class ScheduledSeq:
         self.start = start = seq.num_computed_tokens
         self.samples = start + self.num_tokens - self.num_draft == len(seq.token_ids) + seq.num_pending_tokens
 
+    def add_drafts(self, num_draft: int) -> None:
+        """Verify the first ``num_draft`` of the sequence's draft tokens in this (decode) chunk."""
+        self.num_tokens += num_draft
+        self.num_draft += num_draft
+
     def extend(self, extra: int) -> None:
         """Compute ``extra`` more tokens of the sequence in this chunk."""
         self.num_tokens += extra

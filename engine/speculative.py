@@ -29,6 +29,7 @@ Torch-free: unit-tested on any machine.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,13 +45,31 @@ class PredictionProposer:
     """Drafts from a predicted output. The cursor follows the output along the prediction; after a
     mismatch it is lost until the output's last ``anchor`` tokens appear in the prediction again, at or
     after the cursor (an edit replaced, inserted or deleted text, and the rest of the file still
-    matches); the drafts then continue from there."""
+    matches); the drafts then continue from there. It counts the prediction's tokens by position: those
+    drafted that made it into the output (``num_accepted``) and those drafted that did not
+    (``num_rejected``), each position at most once, however often a re-anchored draft is tried again."""
 
     def __init__(self, prediction: list[int], anchor: int = 3) -> None:
         self.prediction = list(prediction)
         self.anchor = anchor
         self.cursor = 0  # the prediction's token expected next (while lost: where it last matched)
         self.lost = False
+        self._ends: dict[tuple[int, ...], list[int]] | None = None  # anchor-gram -> its end positions
+        self._draft_start = 0
+        self._accepted: set[int] = set()
+        self._rejected: set[int] = set()
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self._accepted)
+
+    @property
+    def num_rejected(self) -> int:
+        return len(self._rejected)
+
+    def ready(self) -> bool:
+        """Whether it has something to draft (not lost, not used up)."""
+        return not self.lost and self.cursor < len(self.prediction)
 
     def observe(self, output: list[int], num_new: int) -> None:
         """The output grew by its last ``num_new`` tokens: move the cursor along the prediction."""
@@ -66,50 +85,88 @@ class PredictionProposer:
                 self.cursor = found
 
     def _find(self, tail: list[int]) -> int | None:
-        """Just after the first place at or after the cursor where the prediction holds ``tail``."""
+        """Just after the first place at or after the cursor where the prediction holds ``tail``
+        (an index of the prediction's anchor-grams, built on the first miss, then a bisection)."""
         if len(tail) < self.anchor:
             return None
-        n, p = len(tail), self.prediction
-        first = tail[0]
-        for start in range(self.cursor, len(p) - n + 1):
-            if p[start] == first and p[start:start + n] == tail:
-                return start + n
-        return None
+        if self._ends is None:
+            ends: dict[tuple[int, ...], list[int]] = {}
+            p, n = self.prediction, self.anchor
+            for start in range(len(p) - n + 1):
+                ends.setdefault(tuple(p[start:start + n]), []).append(start + n)
+            self._ends = ends
+        positions = self._ends.get(tuple(tail))
+        if not positions:
+            return None
+        i = bisect.bisect_left(positions, self.cursor + self.anchor)
+        return positions[i] if i < len(positions) else None
 
     def propose(self, tokens: list[int], max_draft: int) -> list[int]:
-        return [] if self.lost else self.prediction[self.cursor:self.cursor + max_draft]
+        if not self.ready():
+            return []
+        self._draft_start = self.cursor
+        return self.prediction[self.cursor:self.cursor + max_draft]
+
+    def verified(self, num_drafted: int, num_kept: int) -> None:
+        """The last drafts were verified: the first ``num_kept`` made it into the output."""
+        start = self._draft_start
+        for position in range(start, start + num_drafted):
+            if position < start + num_kept:
+                self._accepted.add(position)
+                self._rejected.discard(position)
+            elif position not in self._accepted:
+                self._rejected.add(position)
 
 
 class PromptLookupProposer:
-    """Drafts from the request's own tokens: what followed the latest earlier match of the last n-gram."""
+    """Drafts from the request's own tokens: what followed the latest earlier match of the last n-gram.
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
+    The index maps each n-gram (packed into one integer per ``n``) to the position after its latest
+    occurrence, grown as tokens are appended. ``ready`` is False after a lookup found nothing, until
+    ``probe_every`` steps have passed (so an engine that overlaps its steps does not stop to look for
+    drafts that are not there)."""
+
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4, probe_every: int = 8) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
-        # n-gram -> the position just after its latest occurrence, for every occurrence that has a
-        # successor (kept up to date as tokens are appended).
-        self._latest: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # tokens[:_indexed] are in _latest (as n-gram ends)
+        self.probe_every = probe_every
+        self._latest: list[dict[int, int]] = [{} for _ in range(max_ngram + 1)]
+        self._indexed = 0  # n-grams ending before tokens[_indexed] are in the index
+        self._idle = 0  # steps since a lookup last found something (0: it did)
+
+    @staticmethod
+    def _key(tokens: list[int], start: int, end: int) -> int:
+        key = 0
+        for token in tokens[start:end]:
+            key = (key << 32) | token
+        return key
 
     def _index(self, tokens: list[int]) -> None:
         # An n-gram ending at i - 1 (followed by tokens[i]) is recorded once tokens[i] exists, so the
         # match for the sequence's own last n-gram is always an earlier one.
         for end in range(max(self._indexed, self.min_ngram), len(tokens)):
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if end - n >= 0:
-                    self._latest[tuple(tokens[end - n:end])] = end
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._latest[n][self._key(tokens, end - n, end)] = end
         self._indexed = max(self._indexed, len(tokens))
+
+    def ready(self) -> bool:
+        if self._idle == 0:
+            return True
+        self._idle += 1
+        return self._idle % self.probe_every == 0
 
     def propose(self, tokens: list[int], max_draft: int) -> list[int]:
         self._index(tokens)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < n:
                 continue
-            at = self._latest.get(tuple(tokens[-n:]))
+            at = self._latest[n].get(self._key(tokens, len(tokens) - n, len(tokens)))
             if at is not None:
+                self._idle = 0
                 return tokens[at:at + max_draft]
+        self._idle = max(self._idle, 1)
         return []
 
     def observe(self, output: list[int], num_new: int) -> None:
@@ -169,8 +226,11 @@ class SpeculationPolicy:
         return 0 < num_running <= self.max_batch and (self.max_draft > 0 or self.max_prediction_draft > 0)
 
     def draft_length(self, state: SpeculationState) -> int:
-        """How many drafts this sequence may carry this step (0: none)."""
+        """How many drafts this sequence may carry this step (0: none; its proposer has nothing, or its
+        drafts are mostly rejected and this is not a probe)."""
         limit = self.max_prediction_draft if state.from_prediction else self.max_draft
+        if limit <= 0 or not state.proposer.ready():
+            return 0
         if state.acceptance < self.min_acceptance:
             state.steps_off += 1
             if state.steps_off < self.probe_every:

@@ -100,6 +100,11 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_unused_blocks(self) -> int:
+        """Blocks nobody holds and no cache entry needs (taking them evicts nothing)."""
+        return len(self._free)
+
+    @property
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
 
@@ -241,6 +246,19 @@ class BlockManager:
             return False
         seq.block_table.extend(self._pop_free_block() for _ in range(missing))
         return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first ``blocks_needed(num_tokens)`` of ``seq`` (taken for draft
+        tokens that were rejected: they hold no cached block)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

@@ -168,7 +168,7 @@ def test_outputs_are_identical_with_drafts_from_predictions_and_prompt_lookup(ti
     assert runs["sync-stats"].num_preemptions > 0
     # The perfect prediction is all accepted; the edited one mostly; requests without one report none.
     usage = {rid: runs["sync"][rid]["usage"] for rid in ("r0", "r1", "r3")}
-    assert usage["r0"].accepted_prediction_tokens >= 40 and usage["r0"].rejected_prediction_tokens == 0
+    assert usage["r0"].accepted_prediction_tokens >= 30 and usage["r0"].rejected_prediction_tokens == 0
     assert usage["r1"].accepted_prediction_tokens >= 20 and usage["r1"].rejected_prediction_tokens > 0
     assert usage["r3"].accepted_prediction_tokens == usage["r3"].rejected_prediction_tokens == 0
     assert runs["off"]["r0"]["usage"].accepted_prediction_tokens == 0  # speculation off: not drafted
@@ -193,3 +193,72 @@ def test_rejected_drafts_never_enter_the_prefix_cache_or_a_tier(tiny_llama_dir: 
         mixed = prompt + real[:start] + wrong[start:]
         assert not (set(prefix_block_hashes(mixed, 16)) - real_hashes) & seen
     assert set(prefix_block_hashes(prompt + real[:15], 16)) <= seen  # the real blocks were cached
+
+
+def test_a_prediction_token_is_counted_once_accepted_or_rejected() -> None:
+    """A draft rejected at a position and accepted there later (after a re-anchor) is accepted, not both."""
+    proposer = PredictionProposer(list(range(100, 120)))
+    assert proposer.propose([], 6) == list(range(100, 106))
+    proposer.verified(6, 2)  # positions 0, 1 stand; 2..5 fall
+    assert (proposer.num_accepted, proposer.num_rejected) == (2, 4)
+    proposer.cursor = 2
+    assert proposer.propose([], 6) == list(range(102, 108))
+    proposer.verified(6, 6)  # 2..7 all stand now
+    assert (proposer.num_accepted, proposer.num_rejected) == (8, 0)
+
+
+def test_drafts_take_only_unused_blocks_after_everything_else_is_scheduled() -> None:
+    """A draft never preempts a sequence, never evicts a cached block, never delays an admission."""
+    from engine.config import EngineConfig
+    from engine.kv.block_manager import BlockManager
+    from engine.kv.cache import KVCache
+    from engine.scheduler import Scheduler
+
+    def decoding(scheduler: Scheduler, prompt_len: int) -> Sequence:
+        seq = Sequence("r", list(range(1, prompt_len + 1)), Params(max_tokens=3))
+        scheduler.add(seq)
+        return seq
+
+    scheduler = Scheduler(EngineConfig(model="m", max_num_seqs=4, max_num_batched_tokens=64),
+                          KVCache(BlockManager(3, 16, enable_prefix_caching=False)))
+    a, b = decoding(scheduler, 14), decoding(scheduler, 16)
+    first = scheduler.schedule()
+    for seq in scheduler.update_after_step(first):
+        scheduler.token_known(seq, 7)
+    # B's decode takes the last free block (its 17th token); A's drafts get what is left of A's own
+    # block (position 15: one draft), not B's block and not a preemption.
+    a.draft_token_ids = [1, 2, 3, 4]
+    step = scheduler.schedule()
+    assert [(i.seq, i.num_tokens, i.num_draft) for i in step.seqs] == [(a, 2, 1), (b, 1, 0)]
+    assert not step.preempted and scheduler.num_preemptions == 0
+    assert len(a.block_table) == 1 and len(b.block_table) == 2
+
+
+def test_with_nothing_to_draft_the_overlapped_loop_keeps_overlapping(tiny_llama_dir: Path) -> None:
+    """Prompt lookup that finds nothing only probes now and then: the steps that stop to draft (and so
+    give up the overlap) stay few."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), overlap=True) as llm:
+        llm.generate([_prompt(11 * i, 24) for i in range(4)], greedy)
+        stats = llm.stats
+    assert 0 < stats.speculation.get("waits", 0) <= stats.num_steps // 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_drafts_on_the_gpu_change_no_output(tiny_llama_dir: Path, dtype: str) -> None:
+    """Draft rows run eagerly beside CUDA-graph decodes and the triton kernels: the same tokens as
+    decoding without drafts, greedy and seeded."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=4, max_tokens=40, ignore_eos=True)
+    prompts = [_prompt(1, 20), _prompt(2, 25), _prompt(3, 16) * 3]
+
+    def run(speculation: str, predictions: list | None = None) -> list:
+        predictions = predictions or [None] * len(prompts)
+        requests = list(zip(prompts, [greedy, seeded, greedy], predictions, strict=True))
+        with LLM(str(tiny_llama_dir), device="cuda", dtype=dtype, speculation=speculation) as llm:
+            return [r["tokens"] for r in _run(llm.engine, requests).values()]
+
+    plain = run("off")
+    assert run("auto", [plain[0][0], _edit(plain[1][0]), None]) == plain
