@@ -86,6 +86,31 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "settings(**fields): override Settings fields for this test")
 
 
+def _has_group_suffix(nodeid: str) -> bool:
+    return nodeid.rfind("@") > nodeid.rfind("]")  # xdist's own test (scheduler/loadgroup.py)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``xdist_group`` for every test: under ``pytest -n N --dist loadgroup`` (``make test``) a group's
+    tests run on one worker, so what they share (the e2e platform, the dashboard's servers, the AOT
+    compiles) is set up once. pytest 9.2 keeps node ids in ``Item._id``; pytest-xdist 3.8 still appends
+    the group to the retired ``_nodeid``, so ``--dist loadgroup`` sees no group (pytest-dev/pytest-xdist
+    #1386). This appends it the way xdist meant to (its pending fix, #1388, does the same), and does
+    nothing where xdist's own suffix took effect."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before structured node ids: xdist's suffix works
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and not _has_group_suffix(item.nodeid):
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")  # type: ignore[attr-defined]
+
+
 def worker_id() -> str:
     return os.environ.get("PYTEST_XDIST_WORKER", "main")
 
