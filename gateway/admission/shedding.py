@@ -22,6 +22,9 @@ Shedding protects SLOs from *queueing*: a request is shed when the wait before i
 start (``prefill tokens ahead / tokens_per_s + step_time_s``) already exceeds the SLO. Its own prefill
 time is not held against it: on an idle replica a long document (whose prefill alone may take longer
 than any TTFT objective) is served, since refusing it would protect nobody and no retry could succeed.
+Nor are the replica's recent step times, when nothing is queued ahead: with no prefill backlog ahead of
+a tier, nothing of that tier is shed, whatever ``step_time_s`` says (a long prefill, disk reads, tier
+copies or a compile just ran; a new request joins the next step all the same).
 
 Invariant (lowest tier first): a request of tier T is shed if the wait *any* tier ranked at or above T
 sees exceeds that tier's SLO; the backlog ahead of T includes what is ahead of every better tier, so
@@ -107,8 +110,8 @@ def should_shed(load: Any, prompt_tokens: int, tier: str, tiers: Mapping[str, Ti
     worst: ShedDecision | None = None
     worst_excess = 0.0
     for name, cfg in tiers.items():
-        if cfg.rank < rank:
-            continue
+        if cfg.rank < rank or prefill_tokens_ahead(load, name, tiers) == 0:
+            continue  # a better tier, or nothing queued ahead of this one: no queueing to refuse
         excess = predict_wait_ms(load, name, tiers) - cfg.ttft_slo_ms
         if excess > worst_excess:
             worst_excess = excess

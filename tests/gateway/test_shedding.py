@@ -4,6 +4,8 @@ request (never on its own prefill), lowest tier shed first."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.protocol import LoadReport
 from gateway.admission.shedding import predict_ttft_ms, prefill_tokens_ahead, should_shed
@@ -102,3 +104,19 @@ def test_shed_error_is_503_with_retry_after_and_no_automatic_retry() -> None:
 def test_unknown_tier_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="unknown tier"):
         should_shed(report(0), 1, "gold", TIERS)
+
+
+@given(step_time_s=st.floats(0.0, 600.0), tokens_per_s=st.floats(0.0, 1e7), prompt=st.integers(0, 10**6),
+       cached=st.integers(0, 10**6), tier=st.sampled_from(sorted(TIERS)),
+       batch_backlog=st.integers(0, 10**9))
+@settings(max_examples=300, deadline=None)
+def test_nothing_queued_ahead_is_never_shed(step_time_s: float, tokens_per_s: float, prompt: int, cached: int,
+                                          tier: str, batch_backlog: int) -> None:
+    """Whatever the replica's recent step times (a long prefill, disk reads, tier copies, a compile), a
+    replica with no prefill queued ahead of a request's tier never sheds it: shedding refuses queueing."""
+    idle = report(0, tokens_per_s=tokens_per_s, step_time_s=step_time_s)
+    assert should_shed(idle, prompt, tier, TIERS, min(cached, prompt)) is None
+    # Backlog below every tier (the batch tier's work soaking up idle capacity) is not ahead either.
+    below = ByPriority({99: batch_backlog}, tokens_per_s=tokens_per_s)
+    below.step_time_s = step_time_s
+    assert should_shed(below, prompt, tier, TIERS, min(cached, prompt)) is None
