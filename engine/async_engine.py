@@ -75,16 +75,27 @@ class RequestStream:
         self.finished = False
         # Set by the engine thread once a delta was handed over (``_deliver`` puts first deltas first).
         self.delivered = False
+        # The request's end as the engine delivered it, whether or not anybody reads the stream any more:
+        # ``final`` is its finished delta (None after an engine failure), ``ended`` is set with it, and
+        # ``on_end`` (set by whoever tracks requests, e.g. the server's ``RecentRequests``) is called once.
+        self.final: RequestDelta | None = None
+        self.ended = asyncio.Event()
+        self.on_end: Callable[[RequestStream], Any] | None = None
         self._on_close = on_close
 
     def put_nowait(self, item: RequestDelta | BaseException) -> None:
         """Deliver from the stream's own event loop."""
+        if not self.ended.is_set() and (isinstance(item, BaseException) or item.finished):
+            self.final = None if isinstance(item, BaseException) else item
+            self.ended.set()
+            if self.on_end is not None:
+                self.on_end(self)
         self.queue.put_nowait(item)
 
     def put_threadsafe(self, item: RequestDelta | BaseException) -> None:
         """Deliver from another thread (a closed event loop means nobody listens: dropped)."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.put_nowait, item)
         except RuntimeError:
             logger.debug("dropping an item for request %s: its event loop is closed", self.request_id)
 

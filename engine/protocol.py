@@ -8,7 +8,9 @@ This module imports no torch: the gateway imports it. Endpoints (``engine/server
   ``200 application/x-ndjson``: zero or more ``DeltaRecord`` lines, then exactly one ``FinalRecord``
   line (or one ``ErrorRecord`` line if the engine failed mid-request). Closing the stream aborts the
   request within one engine step.
-- ``POST /abort`` takes an ``AbortRequest``; ``GET /health`` → ``HealthResponse``; ``GET /info`` →
+- ``POST /abort`` takes an ``AbortRequest`` → ``AbortResponse``: whether it stopped a running request, and
+  the request's final usage once ended (the engine's own count, kept a while after the end: what a
+  stream the client abandoned is billed); ``GET /health`` → ``HealthResponse``; ``GET /info`` →
   ``InfoResponse``; ``GET /load`` → ``LoadReport``; ``GET /metrics`` → Prometheus text.
 
 Every record carries a ``type`` discriminator (``delta`` / ``final`` / ``error``); ``parse_record``
@@ -200,6 +202,14 @@ class Usage(BaseModel):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class AbortResponse(BaseModel):
+    """``aborted``: the request was running and is stopped now. ``usage``: what the engine computed for it,
+    as its final record reports (None if unknown to the replica, failed, or still running after the wait)."""
+
+    aborted: bool
+    usage: Usage | None = None
 
 
 class Timings(BaseModel):

@@ -5,7 +5,10 @@
   nobody else's request is affected. Otherwise streams NDJSON: delta records, then one final record
   (or an error record if the engine failed). ``max_tokens`` omitted means "up to the end of the
   context". Closing the HTTP stream aborts the request before the engine's next step.
-- ``POST /abort`` ``{"request_id"}``: 200 ``{"aborted": bool}`` (false if it was not in flight).
+- ``POST /abort`` ``{"request_id"}``: 200 ``{"aborted": bool, "usage": {...} | null}``: ``aborted`` false if
+  it was not in flight; ``usage`` the request's final usage, once the abort took effect (waited for up to
+  ``ABORT_USAGE_WAIT_S``: the step loop applies aborts between steps), or of a request that ended
+  earlier (``engine.recent_requests``). The gateway bills an abandoned stream by it.
 - ``GET /health`` (200 once the model is loaded: the app exists only after that), ``GET /info``,
   ``GET /load``, ``GET /metrics`` (Prometheus text from the replica's own registry).
 - ``GET /kv/events?epoch=&after=&limit=&wait_s=``: the prefix cache's block events after a cursor (with
@@ -46,6 +49,7 @@ from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.pooling import PoolingParams
 from engine.protocol import (
     AbortRequest,
+    AbortResponse,
     CacheReport,
     ErrorInfo,
     ErrorRecord,
@@ -57,12 +61,16 @@ from engine.protocol import (
     encode_kv_events,
     encode_record,
 )
+from engine.recent_requests import RecentRequests
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
 MAX_EVENTS_WAIT_S = 10.0
+# How long ``/abort`` waits for the aborted request's final usage: an abort takes effect between steps, so
+# one step (a long prefill chunk on a CPU: well under a second) plus the delivery.
+ABORT_USAGE_WAIT_S = 5.0
 
 
 class ServingEngine(Protocol):
@@ -159,6 +167,7 @@ def create_app(engine: ServingEngine) -> FastAPI:
 
     app = FastAPI(title="Tollgate engine replica", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
+    recent = app.state.recent_requests = RecentRequests()
 
     @app.exception_handler(SchemaError)
     async def schema_error(request: Request, exc: SchemaError) -> JSONResponse:
@@ -193,11 +202,15 @@ def create_app(engine: ServingEngine) -> FastAPI:
             return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:
             return _error(503, str(exc), type_="server_error", request_id=body.request_id)
+        recent.track(stream)
         return StreamingResponse(_ndjson(stream), media_type=NDJSON)
 
     @app.post("/abort")
-    async def abort(body: AbortRequest) -> dict[str, bool]:
-        return {"aborted": engine.abort(body.request_id)}
+    async def abort(body: AbortRequest) -> AbortResponse:
+        aborted = engine.abort(body.request_id)
+        usage = await recent.final_usage(body.request_id, ABORT_USAGE_WAIT_S)
+        final = None if usage is None else asdict(usage)
+        return AbortResponse.model_validate({"aborted": aborted, "usage": final})
 
     @app.get("/health")
     async def health() -> HealthResponse:

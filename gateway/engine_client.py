@@ -43,6 +43,7 @@ from pydantic import BaseModel, ValidationError
 
 from engine.protocol import (
     AbortRequest,
+    AbortResponse,
     DeltaRecord,
     ErrorRecord,
     FinalRecord,
@@ -51,12 +52,15 @@ from engine.protocol import (
     InfoResponse,
     LoadReport,
     PurgeRequest,
+    Usage,
     parse_record,
 )
 from gateway.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError
 
 Record = DeltaRecord | FinalRecord | ErrorRecord
 KEEPALIVE_EXPIRY_S = 4.0
+# The engine waits up to this long for an aborted request's final usage (``engine.server``).
+ABORT_USAGE_WAIT_S = 5.0
 M = TypeVar("M", bound=BaseModel)
 # A kept-alive connection the server had closed: nothing was answered, the request may be sent again.
 _NOT_ANSWERED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
@@ -208,16 +212,27 @@ class EngineClient:
             response.release()
         raise _error_for_status(response.status, content)
 
-    async def abort(self, base_url: str, request_id: str) -> None:
-        """Best-effort abort (closing the stream already aborts; this covers a lost connection)."""
+    async def abort(self, base_url: str, request_id: str) -> Usage | None:
+        """Best-effort abort (closing the stream already aborts; this covers a lost connection). Returns
+        the engine's final usage of the request (what it computed until the abort took effect), or None
+        when the replica cannot say (unreachable, restarted, or the request failed there)."""
         body = AbortRequest(request_id=request_id).model_dump_json().encode()
         try:
-            response = await self._send("POST", f"{base_url}/abort", body, self._probe_timeout_s,
+            response = await self._send("POST", f"{base_url}/abort", body,
+                                        self._probe_timeout_s + ABORT_USAGE_WAIT_S,
                                         {"Content-Type": "application/json"})
-            await response.read()
-            response.release()
+            try:
+                content = await response.read()
+            finally:
+                response.release()
         except (TimeoutError, EngineUnavailable, aiohttp.ClientError):
-            pass
+            return None
+        if response.status != 200:
+            return None
+        try:
+            return AbortResponse.model_validate_json(content).usage
+        except ValidationError:
+            return None
 
     async def health(self, base_url: str) -> HealthResponse:
         return await self._get(base_url, "/health", HealthResponse)

@@ -36,18 +36,19 @@ memory-mapped files there, and a scrape of any worker merges all of them
 A worker that stops removes its live gauge file (``mark_process_dead``). Without the variable (tests,
 embedding the app), metrics live in this process's own registry.
 
-Drain: uvicorn's ``timeout_graceful_shutdown`` (``settings.drain_timeout_s``) stops accepting on SIGTERM, lets
-open responses (streams included) finish, then *cancels* the request tasks that are still running and starts
-the lifespan shutdown at once, without waiting for the cancelled tasks. A cancelled generation settles and
-meters in a shielded ``finally`` (``gateway.openai.streaming``) that needs Redis and the engine client, which
-the lifespan shutdown closes. So this extension's lifespan, exited before ``gateway.api``'s (it is listed
-after it in ``tollgate.gateway_app``), waits until every request tracked by its middleware has ended (bounded
-by ``drain_timeout_s`` again; normally milliseconds): each cut stream is then billed exactly once, as
-``cancelled`` with the tokens it had produced. The middleware answers a request cut before its response
-started with 503 ``server_shutting_down`` + ``retry-after`` (SDKs retry it) instead of uvicorn's 500, and such
-a request is metered as ``failed`` with nothing billed (``Generation.void``); a cut stream's connection is
-closed (clients see a broken stream, never a truncated answer that looks whole). ``tollgate gateway`` makes
-the uvicorn parent close its listening socket on SIGTERM, so new connections are refused at once with several
+Drain: uvicorn's ``timeout_graceful_shutdown`` (``settings.drain_timeout_s``) stops accepting on SIGTERM,
+lets open responses (streams included) finish, then *cancels* the request tasks that are still running and
+starts the lifespan shutdown at once, without waiting for the cancelled tasks. A cancelled generation
+settles and meters in a shielded ``finally`` (``gateway.openai.streaming``) that needs Redis and the engine
+client, which the lifespan shutdown closes. So this extension's lifespan, exited before ``gateway.api``'s
+(it is listed after it in ``tollgate.gateway_app``), waits until every request tracked by its middleware has
+ended (bounded by ``drain_timeout_s`` again; normally milliseconds): each cut stream is then billed exactly
+once, as ``cancelled`` with the tokens the engine computed for it (docs/batch-and-billing.md, "Abandoned
+requests"). The middleware answers a request cut before its response started with 503
+``server_shutting_down`` + ``retry-after`` (SDKs retry it) instead of uvicorn's 500, and such a request is
+metered as ``failed`` with nothing billed (``Generation.void``); a cut stream's connection is closed
+(clients see a broken stream, never a truncated answer that looks whole). ``tollgate gateway`` makes the
+uvicorn parent close its listening socket on SIGTERM, so new connections are refused at once with several
 workers too.
 """
 

@@ -13,6 +13,10 @@ Invariants:
   step), settles the admission with the tokens really used, and appends exactly one usage record
   (status ``completed``, ``failed`` or ``cancelled``) to the billing outbox. Tokens generated before a
   failure or a disconnect are billed; recomputation is the engine's business and never billed.
+- A stream that ends without the engine's final record (the client went away, the gateway gave up) is
+  billed for what the engine computed until its abort took effect: the usage ``POST /abort`` returns,
+  the engine's own count (docs/batch-and-billing.md, "Abandoned requests"), which is at least what was
+  written to the client. Only when the replica cannot say (it died) the gateway bills what it read.
 - A request the gateway itself gives up on before answering (``void()``: a non-streamed request cut at
   shutdown, answered 503 ``server_shutting_down`` for the client to retry elsewhere) is metered as
   ``failed`` with zero tokens and zero cost: the client got nothing from that attempt, and its retry is
@@ -55,6 +59,7 @@ from billing.outbox import UsageRecord
 from billing.prices import CACHE_TOKEN_FIELDS, PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.kv.block_hash import prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
+from engine.protocol import Usage as EngineUsage
 from gateway.admission import Admission
 from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
@@ -112,6 +117,7 @@ class Generation:
     embeddings: dict[int, list[float]] = field(default_factory=dict)
     _streams: list[tuple[EngineStream, Replica]] = field(default_factory=list)
     _finals: int = 0
+    _final_streams: set[int] = field(default_factory=set)  # prompt indices whose final usage is known
     _generated: int = 0
     _finished: bool = False
     _void: bool = False
@@ -289,6 +295,7 @@ class Generation:
                     await self._maybe_renew()
                     yield record
                 elif isinstance(record, FinalRecord):
+                    self._final_streams.add(prompt_index)
                     self._final(offset, record)
                 elif isinstance(record, ErrorRecord):
                     self._fail(EngineStreamError(record.error.message, code=record.error.code))
@@ -298,18 +305,7 @@ class Generation:
 
     def _final(self, offset: int, record: FinalRecord) -> None:
         self._finals += 1
-        self.usage.prompt_tokens += record.usage.prompt_tokens
-        self.usage.cached_tokens += record.usage.cached_tokens
-        self.usage.cache_write_tokens += record.usage.cache_write_tokens
-        self.usage.cache_pinned_tokens += record.usage.cache_pinned_tokens
-        self.usage.cache_retained_tokens += record.usage.cache_retained_tokens
-        self.usage.cached_host_tokens += record.usage.cached_host_tokens
-        self.usage.cached_disk_tokens += record.usage.cached_disk_tokens
-        # Rejected prediction tokens count as completion tokens (billed as output), as OpenAI counts them.
-        rejected = record.usage.rejected_prediction_tokens
-        self.usage.completion_tokens += record.usage.completion_tokens + rejected
-        self.usage.accepted_prediction_tokens += record.usage.accepted_prediction_tokens
-        self.usage.rejected_prediction_tokens += rejected
+        self._add_usage(record.usage)
         for i, reason in enumerate(record.finish_reasons):
             self.finish_reasons[offset + i] = reason
         if record.embedding is not None:
@@ -317,6 +313,20 @@ class Generation:
         if self._ttft_ms is None:
             self._ttft_ms = record.timings.ttft * 1000.0
             self._tpot_ms = record.timings.tpot * 1000.0
+
+    def _add_usage(self, usage: EngineUsage) -> None:
+        self.usage.prompt_tokens += usage.prompt_tokens
+        self.usage.cached_tokens += usage.cached_tokens
+        self.usage.cache_write_tokens += usage.cache_write_tokens
+        self.usage.cache_pinned_tokens += usage.cache_pinned_tokens
+        self.usage.cache_retained_tokens += usage.cache_retained_tokens
+        self.usage.cached_host_tokens += usage.cached_host_tokens
+        self.usage.cached_disk_tokens += usage.cached_disk_tokens
+        # Rejected prediction tokens count as completion tokens (billed as output), as OpenAI counts them.
+        rejected = usage.rejected_prediction_tokens
+        self.usage.completion_tokens += usage.completion_tokens + rejected
+        self.usage.accepted_prediction_tokens += usage.accepted_prediction_tokens
+        self.usage.rejected_prediction_tokens += rejected
 
     def _fail(self, error: GatewayError) -> None:
         if self.error is None:
@@ -357,14 +367,19 @@ class Generation:
         self._finished = True
         if self._finals < len(self._streams) and self.status == STATUS_COMPLETED:
             self.status = STATUS_CANCELLED
-        for stream, replica in self._streams:
+        for index, (stream, replica) in enumerate(self._streams):
             replica.inflight -= 1
             if not stream.closed:
                 await stream.aclose()
-                if self.status != STATUS_COMPLETED:
-                    await self.runtime.engine.abort(replica.url, stream.request_id)
+            if index not in self._final_streams:
+                # Ended before its final record: the engine's own count, once the abort took effect.
+                engine_usage = await self.runtime.engine.abort(replica.url, stream.request_id)
+                if engine_usage is not None:
+                    self._final_streams.add(index)
+                    self._finals += 1
+                    self._add_usage(engine_usage)
         if self._finals < len(self._streams):
-            # The engine never reported usage for some prompt: bill what we saw being generated.
+            # The replica could not say what it computed (it died): bill what we saw being generated.
             self.usage.prompt_tokens = self.prompt_tokens if self._streams else 0
             self.usage.cached_tokens = min(self.usage.cached_tokens, self.usage.prompt_tokens)
             self.usage.completion_tokens = max(self.usage.completion_tokens, self._generated)

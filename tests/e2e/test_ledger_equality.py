@@ -11,8 +11,9 @@ outage) a background response, run by the worker's code in this process and read
 Afterwards, for each tenant, Postgres holds exactly one row per request, and:
 - a request that completed has the tokens of the ``usage`` object its client received, and its cost is
   those tokens at the price in effect; so per-tenant sums of tokens and cost equal the clients' sums;
-- an abandoned stream is billed, as ``cancelled``, for exactly the tokens its client received (and its
-  prompt, as the client's own tokenization of it counts it).
+- an abandoned stream is billed, as ``cancelled``, for exactly the tokens the engine computed for it (its
+  own count, which ``POST /abort`` reports after the end; at least what its client read) and its prompt, as
+  the client's own tokenization of it counts it (docs/batch-and-billing.md, "Abandoned requests").
 The second phase runs with Postgres stopped (the gateway needs no database on the hot path: keys and
 prices are cached), then starts it again: nothing is missing afterwards.
 """
@@ -115,6 +116,16 @@ class TenantBook:
     background_id: str = ""
     completed: dict[str, dict] = field(default_factory=dict)  # request id -> usage object
     abandoned: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (prompt, received)
+    computed: dict[str, int] = field(default_factory=dict)  # abandoned request id -> the engine's count
+
+
+async def _engine_counts(engine_url: str, books: list[TenantBook]) -> None:
+    """What the engine computed for each abandoned stream (it keeps the final usage of ended requests)."""
+    async with httpx.AsyncClient(base_url=engine_url, timeout=30) as client:
+        for book in books:
+            for request_id in book.abandoned.keys() - book.computed.keys():
+                answer = (await client.post("/abort", json={"request_id": request_id})).json()
+                book.computed[request_id] = answer["usage"]["completion_tokens"]
 
 
 def _messages(tag: str) -> list[dict[str, str]]:
@@ -281,12 +292,14 @@ async def _assert_ledger_matches(db: Database, books: list[TenantBook], tenant_i
                                                       usage["completion_tokens"], "interactive")
         for request_id, (prompt, received) in book.abandoned.items():
             row = by_id[request_id]
-            assert (row.status, row.prompt_tokens, row.completion_tokens) == ("cancelled", prompt, received)
-            expected = cost_pico_usd(PRICE, prompt, row.cached_tokens, received, "interactive")
+            computed = book.computed[request_id]
+            assert (row.status, row.prompt_tokens, row.completion_tokens) == ("cancelled", prompt, computed)
+            assert computed >= received
+            expected = cost_pico_usd(PRICE, prompt, row.cached_tokens, computed, "interactive")
             assert row.cost_pico_usd == expected
         # Per-tenant totals: the ledger's sums are the clients' sums.
         told_tokens = sum(u["total_tokens"] for u in book.completed.values()) + sum(
-            p + r for p, r in book.abandoned.values())
+            p + book.computed[rid] for rid, (p, _) in book.abandoned.items())
         assert sum(r.prompt_tokens + r.completion_tokens for r in mine) == told_tokens
         told_cost = sum(cost_pico_usd(PRICE, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
                                       u["completion_tokens"], "interactive") for u in book.completed.values())
@@ -318,6 +331,7 @@ async def test_ledger_equals_what_clients_were_told(own_postgres: OwnPostgres, p
                     for book in books:  # warm each key into the (single) worker's cache
                         await _plain(client, book, "warm", 1)
                 await _mixed_run(gw.url, books, tokenizer, "before")
+                await _engine_counts(engine.url, books)
                 await _flush_all(private_redis.url, db)
                 settings = Settings(environment="test", database_url=database_url,
                                     redis_url=private_redis.url,
@@ -329,6 +343,7 @@ async def test_ledger_equals_what_clients_were_told(own_postgres: OwnPostgres, p
 
                 own_postgres.stop()
                 await _mixed_run(gw.url, books, tokenizer, "outage")  # requests keep flowing
+                await _engine_counts(engine.url, books)
                 async with httpx.AsyncClient(base_url=gw.url, timeout=30,
                                              headers={"Authorization": f"Bearer {books[0].key}"}) as client:
                     # Stored responses need the database: a 503 to retry, never a 500.

@@ -219,11 +219,36 @@ def test_disconnect_aborts_and_frees_blocks_while_others_are_served(model_server
         load = LoadReport(**client.get("/load").json())
         assert load.free_kv_blocks == total and load.kv_usage == 0.0
         assert 'reason="abort"' in client.get("/metrics").text
-        # Explicit /abort of something not in flight says so.
-        assert client.post("/abort", json={"request_id": "nope"}).json() == {"aborted": False}
+        # What the engine computed for the abandoned stream stays known (the gateway bills by it): the
+        # prompt, and at least the two tokens this client read.
+        after = client.post("/abort", json={"request_id": "long"}).json()
+        assert after["aborted"] is False
+        assert after["usage"]["prompt_tokens"] == 57 and 2 <= after["usage"]["completion_tokens"] < 900
+        # Explicit /abort of something never seen says so.
+        assert client.post("/abort", json={"request_id": "nope"}).json() == {"aborted": False, "usage": None}
         short = client.post("/generate", json={"request_id": "after", "prompt_token_ids": [5, 6, 7],
                                                 "max_tokens": 3, "ignore_eos": True})
         assert [orjson.loads(x)["type"] for x in short.text.splitlines()][-1] == "final"
+
+
+def test_abort_answers_with_the_usage_of_the_final_record(model_server) -> None:
+    """``/abort`` of a running stream stops it and answers with the engine's own count, the same usage the
+    stream's final record carries, at least the tokens already streamed."""
+    server, _ = model_server
+    body = {"request_id": "to-abort", "prompt_token_ids": list(range(3, 40)), "max_tokens": 900,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client, client.stream("POST", "/generate",
+                                                                               json=body) as r:
+        records = (parse_record(line) for line in r.iter_lines() if line)
+        streamed = sum(len(next(records).token_ids) for _ in range(3))
+        with httpx.Client(base_url=server.url, timeout=60) as other:
+            answer = other.post("/abort", json={"request_id": "to-abort"}).json()
+        rest = list(records)
+    final = rest[-1]
+    assert isinstance(final, FinalRecord) and final.finish_reasons == ["abort"]
+    assert answer["aborted"] is True and answer["usage"] == final.usage.model_dump()
+    assert final.usage.completion_tokens == streamed + sum(len(x.token_ids) for x in rest[:-1])
+    assert streamed >= 3 and final.usage.completion_tokens < 900
 
 
 def test_generate_request_maps_onto_sampling_params() -> None:
