@@ -12,7 +12,8 @@ of a request's CPU.)
 ``collect_until`` does the same for non-streamed answers: a client that hangs up while waiting
 (``client_gone``), or a batch line its runner stops, aborts the engine work instead of letting it run
 to the end (and is billed for what was generated, as a cancelled stream is); one cut by the server at
-shutdown, which the client sees as a 503 to retry, is billed nothing (``Generation.void``).
+shutdown, which the client sees as a 503 to retry, or one answered with an error after it started (the
+replica failed mid-request), is billed nothing (``Generation.void``): its client got no token of it.
 
 Frames that are ready together are written together: while the generation's next record is already
 buffered (``Generation.ready``: a zero-delay engine's burst, or a backlog after a slow write), frames are
@@ -35,6 +36,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.errors import GatewayError
 from gateway.generation.service import Generation
 
 T = TypeVar("T")
@@ -133,6 +135,11 @@ async def collect_until(gone: Callable[[], Awaitable[None]], generation: Generat
     watcher = _watch(gone, generation, disconnected)
     try:
         result = await collect()
+    except GatewayError:
+        # The answer is an error (the replica failed mid-request, past the point of a retry elsewhere):
+        # the client gets no token of this attempt, so none is billed; it is metered as failed.
+        generation.void()
+        raise
     except asyncio.CancelledError:
         # Only uvicorn cancels a request's task: at shutdown, once the drain timeout has passed. The
         # client is answered 503 server_shutting_down (gateway.metrics) and retries elsewhere; nothing

@@ -160,12 +160,17 @@ async def run_gateway(settings: Settings) -> AsyncIterator[GatewayUnderTest]:
 
 
 @pytest.fixture(scope="session")
-async def gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str,
-                  redis_url: str) -> AsyncIterator[GatewayUnderTest]:
+async def model_price(api_database_url: str) -> None:
+    """The model's price in the session's API database (a gateway serves only priced models)."""
     db = Database(api_database_url, pool_size=1)
     async with db.session() as session:
         await create_price(session, model=MODEL)
     await db.dispose()
+
+
+@pytest.fixture(scope="session")
+async def gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str, redis_url: str,
+                  model_price: None) -> AsyncIterator[GatewayUnderTest]:
     # A dead replica next to the live one: the router must take it out and never send work there.
     dead_replica = f"http://127.0.0.1:{free_port()}"
     settings = gateway_settings([engine_url, dead_replica], tiny_model_dir, api_database_url, redis_url)

@@ -134,6 +134,7 @@ async def test_revocation_reaches_the_gateway_through_the_invalidation(
         assert await eventually(refused, "the gateway to refuse the revoked key") == 401
 
 
+@pytest.mark.usefixtures("model_price")
 async def test_dying_replica_ends_stream_with_error_and_bills(tiny_model_dir: Path, api_database_url: str,
                                                               redis_url: str, tmp_path: Path) -> None:
     with run_engine(tiny_model_dir, tmp_path / "engine.log") as (url, proc):
@@ -162,6 +163,34 @@ async def test_dying_replica_ends_stream_with_error_and_bills(tiny_model_dir: Pa
 
                 r = await eventually(unavailable, "a 503 for the model whose only replica died")
                 assert_conforms(r.json(), "ErrorResponse")
+
+
+@pytest.mark.usefixtures("model_price")
+async def test_dying_replica_fails_a_plain_request_and_bills_nothing(
+        tiny_model_dir: Path, api_database_url: str, redis_url: str, tmp_path: Path) -> None:
+    """A non-streamed request whose replica dies while it generates: the client gets an error in OpenAI's
+    body (never a 500) and no token, so the ledger's record says failed and bills nothing."""
+    with run_engine(tiny_model_dir, tmp_path / "engine.log") as (url, proc):
+        settings = gateway_settings([url], tiny_model_dir, api_database_url, redis_url)
+        async with run_gateway(settings) as gw:
+            tk = await make_tenant_key(gw)
+            async with httpx.AsyncClient(base_url=f"{gw.url}/v1", headers=tk.headers, timeout=60) as c:
+                plain = asyncio.create_task(c.post("/chat/completions", json={**LONG, "stream": False}))
+
+                async def generating() -> bool:
+                    async with httpx.AsyncClient(timeout=5) as probe:
+                        load = (await probe.get(f"{url}/load")).json()
+                    return load["running"] >= 1 and load["tokens_per_s"] > 0
+
+                await eventually(generating, "the request to be generating on the replica")
+                proc.kill()
+                response = await plain
+            assert response.status_code in (502, 503), response.text
+            assert_conforms(response.json(), "ErrorResponse")
+            records = await wait_for_usage(redis_url, response.headers["x-request-id"])
+            assert len(records) == 1 and records[0]["status"] == "failed"
+            assert (records[0]["prompt_tokens"], records[0]["completion_tokens"],
+                    records[0]["cost_pico_usd"]) == (0, 0, 0)
 
 
 async def test_openai_sdk_works_unchanged(gateway: GatewayUnderTest, tenant_key: TenantKey) -> None:
