@@ -72,6 +72,8 @@ class Settings(BaseSettings):
     port: int = 8000
     gateway_workers: int = 1
     engine_port: int = 8100
+    # ``tollgate up``: how many engine replicas of the model to run (ports engine_port, engine_port + 1, ...).
+    engine_replicas: int = Field(default=1, ge=1, le=16)
 
     models: list[ModelConfig] = Field(default_factory=list)
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
@@ -121,6 +123,10 @@ class Settings(BaseSettings):
 
     # Usage outbox → ledger.
     usage_flush_interval_s: float = 1.0
+    # Where a gateway or worker keeps usage records Redis refused (an outage), until it takes them again
+    # (``billing.usage_spool``); default ``data_dir/spool``. Local to the host: give pods a volume.
+    usage_spool_dir: Path | None = None
+    usage_spool_retry_s: float = 1.0
     usage_flush_batch: int = 500
 
     # Stored responses (``/v1/responses`` with ``store``, OpenAI's default): kept this long, then gone to

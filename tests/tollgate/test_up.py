@@ -27,8 +27,10 @@ import redis
 
 from tests.e2e.platform_harness import read_env_file
 from tests.polling import wait_until
+from tollgate.commands.up import Endpoints, LocalPlatform
 from tollgate.local_services import free_port
 from tollgate.processes import pid_alive
+from tollgate.settings import Settings
 from tollgate.worker import beat_name, read_heartbeat, worker_name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -307,3 +309,16 @@ def test_a_second_up_on_a_busy_data_dir_is_refused(tmp_path):
         result = run_refused_up(tmp_path, "--port", str(free_port()))
     assert result.returncode == 1
     assert "another `tollgate up` (pid 4242) is running" in result.stderr
+
+
+def test_several_engine_replicas_get_their_own_ports_logs_and_disk_tiers(tmp_path):
+    platform = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=None,
+                             with_engine=True, gateway_workers=1, engine_replicas=2)
+    data = (tmp_path / "data").resolve()
+    assert platform._engines() == [("engine-0", 9100, data / "kv"), ("engine-1", 9101, data / "kv-1")]
+    env = platform._child_env(Endpoints("postgresql://db", "redis://r"))
+    assert json.loads(env["TOLLGATE_POOLS"]) == {
+        "interactive": {"replicas": ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]}}
+    one = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=None,
+                        with_engine=True, gateway_workers=1)
+    assert one._engines() == [("engine", 9100, data / "kv")]

@@ -2,7 +2,9 @@
 
 Order: private Postgres and Redis (unless ``TOLLGATE_DATABASE_URL`` / ``TOLLGATE_REDIS_URL`` name
 existing ones) → migrations → demo tenant and key (first start) → tiny model (first start, unless
-``--model``) → engine replica, gateway, Celery worker and beat → wait for every health check → write
+``--model``) → engine replicas (``--engine-replicas``, one by default: ``engine``; with several,
+``engine-0``, ``engine-1``, ... on consecutive ports, each with a disk tier of its own), gateway, Celery
+worker and beat → wait for every health check → write
 ``DATA_DIR/env`` and print it. Then supervise until SIGINT/SIGTERM, and stop everything, servers last.
 
 Data dir layout (default ``./.tollgate``; see docs/operations.md):
@@ -65,6 +67,7 @@ class LocalPlatform:
         model: Path | None,
         with_engine: bool,
         gateway_workers: int,
+        engine_replicas: int = 1,
         out: TextIO = sys.stdout,
     ) -> None:
         self.settings = settings
@@ -74,6 +77,7 @@ class LocalPlatform:
         self.model = model
         self.with_engine = with_engine
         self.gateway_workers = gateway_workers
+        self.engine_replicas = engine_replicas
         self.out = out
         self.state_path = self.data_dir / "state.json"
         self.logs = self.data_dir / "logs"
@@ -122,7 +126,7 @@ class LocalPlatform:
 
         ports = [("gateway", self.port, "--port")]
         if self.with_engine:
-            ports.append(("engine", self.engine_port, "--engine-port"))
+            ports += [(name, port, "--engine-port") for name, port, _ in self._engines()]
         for name, port, option in ports:
             if not port_is_free(port):
                 raise click.ClickException(
@@ -311,9 +315,18 @@ class LocalPlatform:
                 [{"name": name, "path": str(model_dir), "pools": ["interactive"]}]
             )
             env["TOLLGATE_POOLS"] = json.dumps(
-                {"interactive": {"replicas": [f"http://127.0.0.1:{self.engine_port}"]}}
+                {"interactive": {"replicas": [f"http://127.0.0.1:{port}" for _, port, _ in self._engines()]}}
             )
         return env
+
+    def _engines(self) -> list[tuple[str, int, Path]]:
+        """(supervisor name, port, disk-tier directory) of each engine replica."""
+        if self.engine_replicas == 1:
+            return [("engine", self.engine_port, self.data_dir / "kv")]
+        return [
+            (f"engine-{i}", self.engine_port + i, self.data_dir / ("kv" if i == 0 else f"kv-{i}"))
+            for i in range(self.engine_replicas)
+        ]
 
     def _start_platform(self, sup: Supervisor, env: dict[str, str], heartbeat_client: Redis) -> list[str]:
         from tollgate.supervisor import ProcessSpec, http_probe
@@ -334,34 +347,35 @@ class LocalPlatform:
         specs = []
         if self.with_engine:
             _, model_dir = self._model_dir()
-            specs.append(
-                ProcessSpec(
-                    "engine",
-                    [
-                        py,
-                        "-m",
-                        "tollgate",
-                        "engine",
-                        "--model",
-                        str(model_dir),
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(self.engine_port),
-                        "--pool",
-                        "interactive",
-                        "--host-kv-gb",
-                        str(self.settings.engine_host_kv_gb),
-                        "--disk-kv-gb",
-                        str(self.settings.engine_disk_kv_gb if self.settings.engine_host_kv_gb else 0),
-                        "--kv-disk-dir",
-                        str(self.data_dir / "kv"),
-                    ],
-                    self.logs / "engine.log",
-                    http_probe(f"http://127.0.0.1:{self.engine_port}/health", timeout),
-                    env=env,
+            for name, port, kv_dir in self._engines():
+                specs.append(
+                    ProcessSpec(
+                        name,
+                        [
+                            py,
+                            "-m",
+                            "tollgate",
+                            "engine",
+                            "--model",
+                            str(model_dir),
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                            "--pool",
+                            "interactive",
+                            "--host-kv-gb",
+                            str(self.settings.engine_host_kv_gb),
+                            "--disk-kv-gb",
+                            str(self.settings.engine_disk_kv_gb if self.settings.engine_host_kv_gb else 0),
+                            "--kv-disk-dir",
+                            str(kv_dir),
+                        ],
+                        self.logs / f"{name}.log",
+                        http_probe(f"http://127.0.0.1:{port}/health", timeout),
+                        env=env,
+                    )
                 )
-            )
         specs += [
             ProcessSpec(
                 "gateway",
@@ -423,13 +437,14 @@ class LocalPlatform:
                 cwd=self.run_dir,
             ),
         ]
+        engines = [spec.name for spec in specs if spec.name.startswith("engine")]
         for spec in specs:
             sup.start(spec)
-            if spec.name == "engine":
-                # The gateway probes its replicas when it starts: with the engine healthy by then, the
+            if engines and spec.name == engines[-1]:
+                # The gateway probes its replicas when it starts: with the engines healthy by then, the
                 # first request after "tollgate is up" is routed instead of answered 503 until the
-                # next poll.
-                sup.wait_healthy(["engine"], self.settings.startup_timeout_s)
+                # next poll. (They load their models side by side.)
+                sup.wait_healthy(engines, self.settings.startup_timeout_s)
         return [spec.name for spec in specs]
 
     def _write_env(self, endpoints: Endpoints, api_key: str) -> list[str]:
@@ -550,6 +565,13 @@ class LocalPlatform:
     default=None,
     help="Gateway worker processes. Default: TOLLGATE_GATEWAY_WORKERS.",
 )
+@click.option(
+    "--engine-replicas",
+    type=click.IntRange(1, 16),
+    default=None,
+    help="Engine replicas of the model (consecutive ports from --engine-port). Default: "
+    "TOLLGATE_ENGINE_REPLICAS (1).",
+)
 def up(
     data_dir: Path | None,
     port: int | None,
@@ -557,6 +579,7 @@ def up(
     model: Path | None,
     no_engine: bool,
     gateway_workers: int | None,
+    engine_replicas: int | None,
 ) -> None:
     """Run the whole platform on this machine until Ctrl-C."""
     from tollgate.local_services import MissingServerBinaries, find_server_binaries
@@ -575,5 +598,6 @@ def up(
         model=model,
         with_engine=not no_engine,
         gateway_workers=gateway_workers or settings.gateway_workers,
+        engine_replicas=engine_replicas or settings.engine_replicas,
     )
     sys.exit(platform.run())
