@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.price_cache import PriceBookCache
+from billing.usage_spool import UsageSpool
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionController, AdmissionPolicy
 from gateway.admission.resp import RedisCommands
@@ -54,6 +55,8 @@ class GatewayRuntime:
     # Whether requests authenticate with API keys here (the key cache and its invalidation listener
     # run); batch lines carry their tenant instead.
     authenticates: bool = True
+    # Usage records Redis refused, kept on local disk and replayed (``billing.usage_spool``).
+    usage_spool: UsageSpool | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _task_sender: TaskSender | None = None
     _commands: RedisCommands | None = None
@@ -80,7 +83,9 @@ class GatewayRuntime:
         return cls(settings=settings, redis=redis, sessions=sessions, engine=engine,
                    router=cls.router_for(settings, engine), auth=Authenticator(sessions, redis, settings),
                    admission=cls.admission_for(redis, settings),
-                   prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S))  # fmt: skip
+                   prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S),
+                   usage_spool=UsageSpool(settings.usage_spool_dir or settings.data_dir / "spool",
+                                          retry_interval_s=settings.usage_spool_retry_s))  # fmt: skip
 
     @classmethod
     def configure(cls, settings: Settings) -> Settings:
@@ -103,6 +108,9 @@ class GatewayRuntime:
             await self.auth.start()
         self._tasks.append(asyncio.create_task(self.prices.run(),
                                                name=f"tollgate-{self.request_class}-price-refresh"))
+        if self.usage_spool is not None:
+            self._tasks.append(asyncio.create_task(self.usage_spool.run(self.redis),
+                                                   name=f"tollgate-{self.request_class}-usage-spool"))
 
     async def stop(self) -> None:
         for task in self._tasks:

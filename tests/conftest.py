@@ -391,6 +391,10 @@ class PrivateRedis:
         self.server = LocalRedis(root, binaries.redis_server, port=free_port(), password=secrets.token_hex(8),
                                  durable=False)
         self.server.prepare()
+        self.start()
+
+    def start(self) -> None:
+        """Start (again: same port, password and append-only files)."""
         self.proc = spawn(self.server.argv(), log_path=self.server.log_path,
                           parent_death_signal=signal.SIGTERM)
         self.server.wait_ready(self.proc, SERVER_START_TIMEOUT_S)
@@ -399,8 +403,8 @@ class PrivateRedis:
     def url(self) -> str:
         return self.server.url(0)
 
-    def stop(self) -> None:
-        stop(self.proc, sig=REDIS_STOP_SIGNAL, timeout=10)
+    def stop(self, sig: int = REDIS_STOP_SIGNAL) -> None:
+        stop(self.proc, sig=sig, timeout=10)
 
 
 @pytest.fixture

@@ -432,7 +432,11 @@ class Generation:
                            ttft_s=(None if self._first_token_at is None
                                    else self._first_token_at - self._started_at))
         if append_error is not None:
-            logger.error("USAGE NOT RECORDED for request %s: %r (%r)", self.request_id, record, append_error)
+            if rt.usage_spool is not None:
+                rt.usage_spool.keep(record)  # replayed into the outbox once Redis answers
+            else:
+                logger.error("USAGE NOT RECORDED for request %s: %r (%r)", self.request_id, record,
+                             append_error)
 
 
 async def run_generation(runtime: GatewayRuntime, principal: Principal, route: ModelRoute, request_id: str,
