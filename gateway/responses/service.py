@@ -27,6 +27,7 @@ the stored chain's input and output items, oldest first, come before the new inp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from gateway.auth import Principal
 from gateway.chat.schemas import FunctionDefinition, FunctionTool
 from gateway.chat.tools import ToolCallParser, ToolUse
 from gateway.deps import GatewayRuntime
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from gateway.generation.requests import (
     BREAKPOINT_KEY,
     breakpoint_tokens,
@@ -294,7 +295,16 @@ async def queue_response(runtime: GatewayRuntime, principal: Principal,
                request=body.model_dump(mode="json", by_alias=True, exclude_none=True))
     async with database(runtime, write=True) as session:
         await ResponseRepository(session, principal.tenant_id).add(row)
-    await runtime.task_sender().send(BACKGROUND_TASK, [builder.id])
+    try:
+        await runtime.task_sender().send(BACKGROUND_TASK, [builder.id])
+    except Exception as exc:  # the broker (Redis) is unreachable: Celery raises kombu's or redis' errors
+        logger.warning("queueing background response %s failed: %r", builder.id, exc)
+        # Nobody learns the id: drop the row (a task that did reach the broker finds nothing to claim).
+        with contextlib.suppress(Exception):
+            async with database(runtime, write=True) as session:
+                await ResponseRepository(session, principal.tenant_id).delete(builder.id)
+        raise ServiceUnavailableError("The background response could not be queued right now. Please retry.",
+                                      code="service_unavailable") from exc
     return response
 
 

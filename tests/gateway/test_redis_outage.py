@@ -5,7 +5,8 @@ and starts again, same append-only files) and the session's Postgres. A stream a
 finishes during it: its client gets the whole answer and its usage, and the record, which Redis cannot
 take, waits in the gateway's usage spool on disk (``billing.usage_spool``) until Redis is back, then lands
 in the outbox with exactly the usage the client was told. New requests meanwhile are refused with 503
-(admission fails closed: unmetered traffic would be unbillable), never a 500.
+(admission fails closed: unmetered traffic would be unbillable), and so is a background response (its
+task cannot be queued), never a 500.
 """
 
 from __future__ import annotations
@@ -77,7 +78,12 @@ async def test_usage_of_a_request_finished_during_a_redis_outage_is_kept(
                                             headers={"Authorization": f"Bearer {key}"},
                                             json={"model": MODEL, "max_tokens": 2,
                                                   "messages": [{"role": "user", "content": "now?"}]})
+                # A background response cannot be queued (the broker is Redis): 503 too, and nothing kept.
+                background = {"model": MODEL, "input": "later", "background": True, "max_output_tokens": 2}
+                queued = await client.post(f"{gw.url}/v1/responses", json=background,
+                                           headers={"Authorization": f"Bearer {key}"})
             assert refused.status_code == 503 and refused.json()["error"]["type"], refused.text
+            assert queued.status_code == 503, queued.text
             request_id, usage = await asyncio.wait_for(stream, 60)
             assert usage["completion_tokens"] == 60
             await eventually(lambda: any(p.stat().st_size for p in spool.glob("usage-*.jsonl")),
