@@ -48,17 +48,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def run_engine(model_dir: Path, log: Path, port: int | None = None,
-               options: tuple[str, ...] = ("--num-kv-blocks", "512"),
-               ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``tollgate engine`` as a subprocess (on ``port``, else a free one), once it answers ``/health``."""
+               options: tuple[str, ...] = ("--num-kv-blocks", "512"), *, host: str = "127.0.0.1",
+               env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``tollgate engine`` as a subprocess (on ``host``:``port``, else a free port), once it answers
+    ``/health``; ``env``: variables to add (e.g. ``TOLLGATE_INTERNAL_TOKEN``)."""
     port = port or free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from tollgate.cli import main; main()", "engine", "--model",
-             str(model_dir), "--port", str(port), "--max-num-seqs", "16", *options],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+             str(model_dir), "--host", host, "--port", str(port), "--max-num-seqs", "16", *options],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
 
     def healthy() -> bool:
         if proc.poll() is not None:
