@@ -51,7 +51,8 @@ def test_without_or_with_a_wrong_token_every_internal_endpoint_is_refused(guarde
     for headers in ({}, auth("wrong-token-of-the-same-size-0123456"), {"Authorization": TOKEN},
                     {"Authorization": "Bearer"}):
         for method, path, body in calls:
-            response = httpx.request(method, f"{guarded_engine}{path}", json=body, headers=headers, timeout=10)
+            response = httpx.request(method, f"{guarded_engine}{path}", json=body, headers=headers,
+                                     timeout=10)
             assert response.status_code == 401, (path, headers, response.text)
             error = ErrorRecord.model_validate(response.json()).error
             assert error.code == INTERNAL_TOKEN_CODE and error.type == "authentication_error"
@@ -79,7 +80,8 @@ def test_metrics_carry_vllm_names_beside_tollgate_ones(guarded_engine: str) -> N
     text = httpx.get(f"{guarded_engine}/metrics", timeout=10).text
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
                if line and not line.startswith("#")}
-    model = Path(json.loads(httpx.get(f"{guarded_engine}/info", headers=auth(), timeout=10).text)["model"]).name
+    info = httpx.get(f"{guarded_engine}/info", headers=auth(), timeout=10).text
+    model = Path(json.loads(info)["model"]).name
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
         sample = f'{name}{{model_name="{model}"}}'
         assert sample in samples, (sample, sorted(samples)[:20])

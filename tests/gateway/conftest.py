@@ -131,12 +131,15 @@ def gateway_settings(replicas: list[str], model_dir: Path, database_url: str, re
 
 
 @contextlib.asynccontextmanager
-async def run_gateway(settings: Settings) -> AsyncIterator[GatewayUnderTest]:
-    """The gateway app under uvicorn on a free port, in the running event loop."""
+async def run_gateway(settings: Settings, resolver: Any = None) -> AsyncIterator[GatewayUnderTest]:
+    """The gateway app under uvicorn on a free port, in the running event loop; ``resolver`` resolves
+    the pools' DNS names (``gateway.replicas.Resolver``) instead of the system's."""
     from tollgate.gateway_app import create_app
 
     db = Database(settings.database_url or "", pool_size=2)
     app = create_app(settings)
+    if resolver is not None:
+        app.state.replica_resolver = resolver
     port = free_port()
     # Drained as `tollgate gateway` drains (settings.drain_timeout_s): a request still running at the
     # end of the tests is cut, not waited for forever.
