@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from engine.protocol import LoadReport
 from gateway.batches.runtime import BatchRouter
 from gateway.engine_client import EngineClient
+from gateway.metrics import gateway_metrics, observe_kv_index
 from gateway.replicas import (
     PoolDiscovery,
     ResolutionFailed,
@@ -138,6 +139,9 @@ async def test_replicas_join_and_leave_with_the_dns_answer(client: EngineClient)
 
     first.healthy, first.inflight = True, 2
     first.kv.held[b"h" * 32] = 1
+    observe_kv_index(first.url, {"device": 1, "host": 0, "disk": 0}, 1)
+    blocks = ("tollgate_gateway_kv_index_blocks", {"replica": first.url, "tier": "device"})
+    assert gateway_metrics().registry.get_sample_value(*blocks) == 1
     router._follow(first)
     follower = router._followers[first]
     dns.addresses = ["10.0.0.2"]
@@ -145,6 +149,7 @@ async def test_replicas_join_and_leave_with_the_dns_answer(client: EngineClient)
     assert [r.url for r in router.replicas] == ["http://static:8100", "http://10.0.0.2:8100"]
     assert first.retired and not first.healthy and first.kv.held == {}
     assert first.inflight == 2  # its streams still count where they are read
+    assert gateway_metrics().registry.get_sample_value(*blocks) is None  # no series left behind
     await asyncio.gather(follower, return_exceptions=True)
     assert follower.cancelled() and first not in router._followers
 

@@ -107,3 +107,17 @@ def test_example_configuration_loads(monkeypatch):
     assert len(settings.pools["interactive"].replicas) == 2
     assert settings.pools["batch"].dns_target == ("engine-batch-headless.tollgate.svc.cluster.local", 8100)
     assert set(settings.tiers) == {"priority", "default", "flex"}
+
+
+def test_engines_are_found_by_dns_drained_and_guarded_by_the_token(config):
+    from tollgate.settings import PoolConfig
+
+    services = config["services"]
+    pools = json.loads(services["gateway"]["environment"]["TOLLGATE_POOLS"])
+    for name, pool in (("engine-interactive", "interactive"), ("engine-batch", "batch")):
+        assert PoolConfig(**pools[pool]).dns_target == (name, 8100)  # scaled replicas are all found
+        engine = services[name]
+        assert engine["stop_grace_period"] == "2m10s"  # longer than the engine's 120 s drain
+        assert "--drain-timeout-s" not in engine["command"]  # the 120 s default
+    for name in ("engine-interactive", "engine-batch", "gateway", "worker"):
+        assert services[name]["environment"]["TOLLGATE_INTERNAL_TOKEN"] == SECRETS["TOLLGATE_INTERNAL_TOKEN"]
