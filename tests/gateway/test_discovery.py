@@ -7,8 +7,9 @@ token, so every call on the way is authenticated.
 What a tenant and an operator must see: a replica that appears takes requests within a few discovery
 rounds and is in the routing index (snapshot on first contact); one that vanishes gets nothing new while
 the streams it held finish; a replica given SIGTERM mid-stream finishes that stream, says draining at
-once, and the gateway sends new requests to the other one (after one refusal at most, which fails over);
-through all of it, every request completes: none answered 5xx, none cut.
+once (its /health, and its /load to a probe), and the gateway sends new requests to the other one
+(learning it from the replica's refusal, which fails over); through all of it, every request completes:
+none answered 5xx, none cut.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from gateway.engine_client import EngineClient
+from gateway.routing import Router
 from tests.factories import create_price
 from tests.gateway.conftest import (
     MODEL,
@@ -237,6 +240,16 @@ async def test_sigterm_mid_stream_drains_while_the_gateway_fails_over(
                 health = await eventually(lambda: _draining_health(http, c), "/health to say draining",
                                           timeout_s=10)
             assert health["status"] == "draining"
+            # A probe sees the drain too (another router, so that this gateway's learns it from a refusal).
+            client = EngineClient.for_settings(gateway.settings)
+            try:
+                prober = Router(gateway.settings, client, dns)
+                await prober.discover_once()
+                await prober.poll_once()
+                assert {r.url: (r.healthy, r.draining) for r in prober.replicas} == {c: (False, True),
+                                                                                    b: (True, False)}
+            finally:
+                await client.aclose()
             drained = next(r for r in router.replicas if r.url == c)
             assert drained.healthy  # the gateway has not probed it since
             served_by_b = await prompt_tokens_served(b)
