@@ -4,6 +4,12 @@ several engines or test apps in one process do not collide).
 Latency histograms are observed once per finished request (seconds). Gauges and counters are read at
 scrape time from the latest ``EngineStats`` snapshot, so the engine thread never blocks on a scrape and
 a counter can never go backwards (the engine's counters are monotonic).
+
+Beside Tollgate's own names, the gauges that operators' autoscalers and dashboards already know from
+vLLM, where the meaning is the same, labelled as vLLM labels them (``model_name``):
+``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc`` (the
+fraction of KV blocks held, 0..1, despite the name). A KEDA trigger or a dashboard written for a vLLM
+fleet reads a Tollgate fleet unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class _StatsCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineStats], labels: dict[str, str]) -> None:
         self._snapshot = snapshot
         self._labels = labels
+        self._vllm_labels = {"model_name": labels["model"]}
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
@@ -90,11 +97,25 @@ class _StatsCollector(Collector):
                       s.speculation.get("drafted_tokens", 0))
         yield counter("tollgate_engine_spec_accepted_tokens", "Draft tokens accepted (speculative decoding).",
                       s.speculation.get("accepted_tokens", 0))
+        yield from self._vllm(s)
         finished = CounterMetricFamily("tollgate_engine_sequences_finished",
                                        "Finished sequences by finish reason.", labels=[*names, "reason"])
         for reason, count in sorted(s.num_requests_finished.items()):
             finished.add_metric([*values, reason], count)
         yield finished
+
+
+    def _vllm(self, s: EngineStats) -> Iterator[Metric]:
+        """The same figures under vLLM's names and label."""
+        names, values = list(self._vllm_labels), list(self._vllm_labels.values())
+        for name, doc, value in (
+                ("vllm:num_requests_waiting", "Sequences queued, not yet scheduled.", s.num_waiting),
+                ("vllm:num_requests_running", "Sequences running (holding KV blocks).", s.num_running),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV blocks held by live sequences (0..1).",
+                 s.kv_usage)):
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            yield g
 
 
 def _labelled(family: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,

@@ -12,6 +12,12 @@ This module imports no torch: the gateway imports it. Endpoints (``engine/server
   the request's final usage once ended (the engine's own count, kept a while after the end: what a
   stream the client abandoned is billed); ``GET /health`` → ``HealthResponse``; ``GET /info`` →
   ``InfoResponse``; ``GET /load`` → ``LoadReport``; ``GET /metrics`` → Prometheus text.
+- Internal authentication (``engine.gate``): a replica started with an internal token
+  (``INTERNAL_TOKEN_ENV``) answers every path but ``/health`` and ``/metrics`` only with
+  ``Authorization: Bearer <token>``; otherwise ``401`` with an ``ErrorRecord`` (code ``INTERNAL_TOKEN_CODE``).
+- Drain: a replica that got SIGTERM answers ``/health`` with ``503`` and ``status: "draining"``, reports
+  ``LoadReport.draining``, and refuses a new ``/generate`` with ``503`` and the code ``DRAINING_CODE``
+  (nothing started: the caller sends it to another replica); its running streams finish.
 
 Every record carries a ``type`` discriminator (``delta`` / ``final`` / ``error``); ``parse_record``
 turns one NDJSON line back into a model. Invariants of a stream:
@@ -37,6 +43,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator,
 
 from engine.kv.events import EventPage
 from engine.kv.pins import CachePolicy
+
+# The environment variable that carries the internal token, for engines, gateways and workers alike.
+INTERNAL_TOKEN_ENV = "TOLLGATE_INTERNAL_TOKEN"
+# Error codes: a missing or wrong internal token (401); a replica that is draining (503 on /generate).
+INTERNAL_TOKEN_CODE = "invalid_internal_token"
+DRAINING_CODE = "engine_draining"
 
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 
@@ -261,7 +273,10 @@ def encode_record(record: BaseModel) -> bytes:
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
+    """``GET /health``: 200 with ``ok`` while the replica takes requests, 503 with ``draining`` once it
+    got SIGTERM."""
+
+    status: Literal["ok", "draining"] = "ok"
     model: str
     pool: str
 
@@ -323,6 +338,8 @@ class LoadReport(BaseModel):
     ttft_s: float
     # The prefix cache by tier (None: an engine that does not report it).
     cache: CacheReport | None = None
+    # True once the replica got SIGTERM: it refuses new requests and finishes its streams.
+    draining: bool = False
 
 
 class PurgeRequest(_Strict):

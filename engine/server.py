@@ -18,7 +18,13 @@
 - ``POST /kv/purge`` ``{"cache_salt"}``: drop one tenant's cached blocks from every tier (device, host,
   disk files); 200 ``{"purged_blocks": n}``.
 
-``serve(model, ...)`` builds the engine and runs uvicorn (one worker: the engine owns the device).
+In front of every route, ``engine.gate``: the internal token (every path but ``/health`` and ``/metrics``)
+and the drain on SIGTERM (``/health`` 503 ``draining``, new ``/generate`` refused with 503
+``engine_draining``, running streams finished within ``drain_timeout_s``).
+
+``serve(model, ...)`` builds the engine and runs uvicorn (one worker: the engine owns the device). The
+internal token comes from the argument or ``TOLLGATE_INTERNAL_TOKEN``; without one the replica may only
+listen on a loopback address (checked before the model loads).
 ``model="synthetic"`` runs ``engine.synthetic.SyntheticEngine`` instead, which emits tokens on a timer
 without any model — a stand-in for gateway load tests only, never a default.
 """
@@ -30,6 +36,7 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
@@ -42,12 +49,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import EngineError, RequestStream
 from engine.config import EngineConfig
+from engine.gate import (
+    CUT_GRACE_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    Drain,
+    DrainingServer,
+    ReplicaGate,
+    check_internal_token,
+)
 from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import CONTENT_TYPE
 from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.pooling import PoolingParams
 from engine.protocol import (
+    INTERNAL_TOKEN_ENV,
     AbortRequest,
     AbortResponse,
     CacheReport,
@@ -151,8 +167,12 @@ async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
         stream.close()  # the client went away (or the stream ended): abort if still running
 
 
-def create_app(engine: ServingEngine) -> FastAPI:
-    """The replica's FastAPI app over an already-loaded engine (shut down with the app)."""
+def create_app(engine: ServingEngine, *, internal_token: str | None = None,
+               drain: Drain | None = None) -> FastAPI:
+    """The replica's FastAPI app over an already-loaded engine (shut down with the app). With
+    ``internal_token``, every path but ``/health`` and ``/metrics`` needs it; ``drain`` is the state that
+    ``DrainingServer`` flips on SIGTERM (a fresh one when omitted: ``app.state.drain``)."""
+    drain = drain or Drain()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -168,6 +188,8 @@ def create_app(engine: ServingEngine) -> FastAPI:
     app = FastAPI(title="Tollgate engine replica", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
     recent = app.state.recent_requests = RecentRequests()
+    app.state.drain = drain
+    app.add_middleware(ReplicaGate, token=internal_token, drain=drain)
 
     @app.exception_handler(SchemaError)
     async def schema_error(request: Request, exc: SchemaError) -> JSONResponse:
@@ -212,8 +234,11 @@ def create_app(engine: ServingEngine) -> FastAPI:
         final = None if usage is None else asdict(usage)
         return AbortResponse.model_validate({"aborted": aborted, "usage": final})
 
-    @app.get("/health")
-    async def health() -> HealthResponse:
+    @app.get("/health", response_model=None)
+    async def health() -> HealthResponse | JSONResponse:
+        if drain.draining:  # out of the Service and of every gateway's routing, at once
+            body = HealthResponse(status="draining", model=engine.model_name, pool=engine.pool)
+            return JSONResponse(body.model_dump(), status_code=503)
         return HealthResponse(model=engine.model_name, pool=engine.pool)
 
     @app.get("/info")
@@ -242,13 +267,14 @@ def create_app(engine: ServingEngine) -> FastAPI:
                               hit_tokens_by_tier=s.prefix_hit_tokens_by_tier, tier_blocks=s.kv_tier_blocks,
                               tier_capacity=s.kv_tier_capacity, pinned_blocks=s.kv_pinned_blocks,
                               moved_blocks=s.kv_tier_moves, block_bytes=s.kv_block_bytes),
+            draining=drain.draining,
         )
 
     @app.get("/kv/events")
     async def kv_events(after: int = 0, epoch: str | None = None, limit: int = 10_000,
                         wait_s: float = 0.0) -> Response:
         log = engine.kv_events
-        if wait_s > 0 and epoch == log.epoch and after >= log.seq:
+        if wait_s > 0 and not drain.draining and epoch == log.epoch and after >= log.seq:
             await asyncio.to_thread(log.wait, after, epoch, min(wait_s, MAX_EVENTS_WAIT_S))
         page = log.since(max(0, after), epoch, limit=max(1, min(limit, 100_000)))
         return Response(encode_kv_events(page), media_type="application/json")
@@ -284,10 +310,18 @@ def build_engine(model: str | EngineConfig, pool: str = "interactive", model_nam
 
 
 def serve(model: str | EngineConfig, host: str = "127.0.0.1", port: int = 8100, pool: str = "interactive",
-          model_name: str | None = None, **engine_kwargs: Any) -> None:
-    """Load the model and serve it until interrupted. ``engine_kwargs`` are ``EngineConfig`` fields."""
+          model_name: str | None = None, *, internal_token: str | None = None,
+          drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, **engine_kwargs: Any) -> None:
+    """Load the model and serve it until SIGTERM (then drain) or a second signal. ``engine_kwargs`` are
+    ``EngineConfig`` fields. ``ValueError`` before anything loads when the token does not fit ``host``."""
     import uvicorn
 
+    token = internal_token if internal_token is not None else (os.environ.get(INTERNAL_TOKEN_ENV) or None)
+    check_internal_token(token, host)
+    drain = Drain(drain_timeout_s)
     engine = build_engine(model, pool=pool, model_name=model_name, **engine_kwargs)
-    logger.info("engine %s (pool %s) listening on %s:%d", engine.model_name, pool, host, port)
-    uvicorn.run(create_app(engine), host=host, port=port, log_level="info", access_log=False)
+    logger.info("engine %s (pool %s) listening on %s:%d (internal token %s, drain up to %.0f s)",
+                engine.model_name, pool, host, port, "required" if token else "off", drain_timeout_s)
+    config = uvicorn.Config(create_app(engine, internal_token=token, drain=drain), host=host, port=port,
+                            log_level="info", access_log=False, timeout_graceful_shutdown=CUT_GRACE_S)
+    DrainingServer(config, drain).run()

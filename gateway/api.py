@@ -68,7 +68,8 @@ def _document_request_bodies(app: FastAPI) -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    runtime = GatewayRuntime.create(app.state.settings, app.state.redis, app.state.db.sessionmaker)
+    runtime = GatewayRuntime.create(app.state.settings, app.state.redis, app.state.db.sessionmaker,
+                                    resolver=getattr(app.state, "replica_resolver", None))
     await runtime.start()
     app.state.gateway = runtime
     # Everything built so far (imports, tokenizers, pydantic schemas: ~150k objects) lives as long as

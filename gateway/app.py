@@ -6,6 +6,8 @@ Invariants:
 - ``app.state.settings``, ``app.state.db`` (``tollgate.db.Database``) and ``app.state.redis`` (asyncio
   Redis) exist for the whole lifespan; clients connect lazily, so the app starts (and ``/health``
   answers 503) while Postgres or Redis is down.
+- ``app.state.replica_resolver``, when set before the app starts, resolves the pools' DNS names
+  (``gateway.replicas.Resolver``; the tests' fake one). Unset: the system's resolver.
 - An extension module may define ``install(app)`` (middleware, exception handlers, mounts),
   ``router`` (an ``APIRouter``) and ``lifespan(app)`` (an async context manager). The order of the
   extensions decides, and only as follows:

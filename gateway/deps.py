@@ -29,6 +29,7 @@ from gateway.admission.resp import RedisCommands
 from gateway.auth import Authenticator, Principal
 from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
+from gateway.replicas import Resolver
 from gateway.routing import ModelRoute, Router
 from tollgate.process_runtime import ProcessRuntime
 from tollgate.settings import Settings
@@ -74,14 +75,15 @@ class GatewayRuntime:
         return self._task_sender
 
     @classmethod
-    def create(cls, settings: Settings, redis: Redis, sessions: async_sessionmaker[AsyncSession]) -> Self:
+    def create(cls, settings: Settings, redis: Redis, sessions: async_sessionmaker[AsyncSession],
+               resolver: Resolver | None = None) -> Self:
         """The runtime's parts for ``settings`` (a subclass adapts them: ``configure``, ``router_for``,
-        ``admission_for``)."""
+        ``admission_for``); ``resolver`` resolves the pools' DNS names (default: the system's)."""
         settings = cls.configure(settings)
-        engine = EngineClient(request_timeout_s=settings.request_timeout_s,
-                              connect_timeout_s=settings.health_check_timeout_s)
+        engine = EngineClient.for_settings(settings)
         return cls(settings=settings, redis=redis, sessions=sessions, engine=engine,
-                   router=cls.router_for(settings, engine), auth=Authenticator(sessions, redis, settings),
+                   router=cls.router_for(settings, engine, resolver),
+                   auth=Authenticator(sessions, redis, settings),
                    admission=cls.admission_for(redis, settings),
                    prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S),
                    usage_spool=UsageSpool(settings.usage_spool_dir or settings.data_dir / "spool",
@@ -92,8 +94,8 @@ class GatewayRuntime:
         return settings
 
     @classmethod
-    def router_for(cls, settings: Settings, engine: EngineClient) -> Router:
-        return Router(settings, engine)
+    def router_for(cls, settings: Settings, engine: EngineClient, resolver: Resolver | None = None) -> Router:
+        return Router(settings, engine, resolver)
 
     @classmethod
     def admission_for(cls, redis: Redis, settings: Settings) -> AdmissionPolicy:

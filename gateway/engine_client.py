@@ -18,10 +18,16 @@ justify keeping ~500 lines of protocol code, so it was deleted.
   (a ``/generate`` stream, and a ``/kv/purge``, which deletes files before it answers; the admin
   service that purges bounds the whole call itself). Probes and ``/kv/events`` use a short one.
 
+Every request carries the internal token (``settings.internal_token``) as ``Authorization: Bearer``: an
+engine started with one answers nothing else but ``/health`` and ``/metrics`` without it (``engine.gate``).
+
 Error mapping (what the client of the gateway sees):
 - The replica cannot be reached, or refuses for overload (``429``/``503``) → ``EngineUnavailable``
   (a ``ServiceUnavailableError``, 503). ``retryable`` is true: nothing started, so the caller may send
-  the request to another replica. ``refused`` is true when nothing listens at the address.
+  the request to another replica. ``refused`` is true when nothing listens at the address; ``draining``
+  when the replica refused because it is shutting down (the router takes it out at once).
+- The engine refuses the internal token (``401``) → ``EngineUnavailable`` too (a misconfigured replica
+  is one the router cannot use; another may do), logged by the caller with the engine's message.
 - The engine refuses the request (``400`` with an ``ErrorRecord``) → ``InvalidRequestError`` (400) with
   the engine's message and param.
 - Any other answer, a broken stream, or an ``ErrorRecord`` line mid-stream → ``EngineStreamError``
@@ -34,6 +40,7 @@ the connection to the pool.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -42,6 +49,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from engine.protocol import (
+    DRAINING_CODE,
     AbortRequest,
     AbortResponse,
     DeltaRecord,
@@ -56,7 +64,9 @@ from engine.protocol import (
     parse_record,
 )
 from gateway.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError
+from tollgate.settings import Settings
 
+logger = logging.getLogger("tollgate.gateway.engine_client")
 Record = DeltaRecord | FinalRecord | ErrorRecord
 KEEPALIVE_EXPIRY_S = 4.0
 # The engine waits up to this long for an aborted request's final usage (``engine.server``).
@@ -72,11 +82,13 @@ class EngineUnavailable(ServiceUnavailableError):
     retryable = True
 
     def __init__(self, message: str = "The model is temporarily unavailable. Please retry.", *,
-                 refused: bool = False) -> None:
+                 refused: bool = False, draining: bool = False) -> None:
         super().__init__(message)
         # True when nothing listens at the address (the replica is certainly down), as opposed to a
         # slow or odd answer from a process that is alive.
         self.refused = refused
+        # True when the replica refused because it is draining (SIGTERM): it will take nothing new.
+        self.draining = draining
 
 
 class EngineStreamError(UpstreamError):
@@ -157,12 +169,20 @@ class EngineStream:
 
 class EngineClient:
     def __init__(self, *, request_timeout_s: float, connect_timeout_s: float = 2.0,
-                 max_connections: int = 1000) -> None:
+                 max_connections: int = 1000, internal_token: str | None = None) -> None:
         self._request_timeout_s = request_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
         self._probe_timeout_s = connect_timeout_s * 2
+        self._headers = {"Authorization": f"Bearer {internal_token}"} if internal_token else None
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> EngineClient:
+        """The client a gateway or worker process uses: its timeouts and the internal token."""
+        token = settings.internal_token.get_secret_value() if settings.internal_token is not None else None
+        return cls(request_timeout_s=settings.request_timeout_s,
+                   connect_timeout_s=settings.health_check_timeout_s, internal_token=token)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -170,7 +190,8 @@ class EngineClient:
             connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit,
                                              keepalive_timeout=KEEPALIVE_EXPIRY_S)  # fmt: skip
             self._session = aiohttp.ClientSession(connector=connector, json_serialize=lambda o: o,
-                                                  skip_auto_headers=("User-Agent",), auto_decompress=False)
+                                                  headers=self._headers, skip_auto_headers=("User-Agent",),
+                                                  auto_decompress=False)
         return self._session
 
     async def aclose(self) -> None:
@@ -210,6 +231,9 @@ class EngineClient:
             content = b""
         finally:
             response.release()
+        if response.status == 401:
+            logger.error("%s/generate refused the internal token: TOLLGATE_INTERNAL_TOKEN differs between "
+                         "the engine and this process", base_url)
         raise _error_for_status(response.status, content)
 
     async def abort(self, base_url: str, request_id: str) -> Usage | None:
@@ -297,6 +321,9 @@ class EngineClient:
             raise EngineUnavailable(f"{base_url}{path}: {exc.message}", refused=exc.refused) from exc
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise EngineUnavailable(f"{base_url}{path}: {type(exc).__name__}") from exc
+        if status == 401:
+            raise EngineUnavailable(f"{base_url}{path}: HTTP 401, the engine refused the internal token "
+                                    "(TOLLGATE_INTERNAL_TOKEN differs between the engine and this process)")
         if status != 200:
             raise EngineUnavailable(f"{base_url}{path}: HTTP {status}")
         return content
@@ -312,5 +339,8 @@ def _error_for_status(status: int, body: bytes) -> Exception:
     if status == 400 or status == 422:
         return InvalidRequestError(message or "The engine refused the request.", param=param, code=code)
     if status in (429, 503):
-        return EngineUnavailable(message or "The model is overloaded. Please retry.")
+        return EngineUnavailable(message or "The model is overloaded. Please retry.",
+                                 draining=code == DRAINING_CODE)
+    if status == 401:  # the operator's mistake, logged by ``generate``; the tenant learns nothing of it
+        return EngineUnavailable()
     return EngineStreamError(message or f"The engine answered HTTP {status}.")

@@ -55,6 +55,7 @@ workers too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -198,6 +199,25 @@ def observe_kv_index(replica: str, blocks: dict[str, int], new_snapshots: int) -
             m.kv_index_snapshots.labels(replica).inc(new_snapshots)
     except Exception:
         logger.exception("recording routing index metrics failed")
+
+
+def forget_kv_index(replica: str) -> None:
+    """A replica left its pool (``gateway.replicas``): its index series read 0, and leave the registry of
+    a single-process gateway (a fleet whose pods come and go must not grow a series per address forever;
+    with several workers, ``prometheus_client`` cannot remove a series from its files, so it stays at
+    0 until the gateway restarts). Never raises."""
+    try:
+        m = gateway_metrics()
+        for tier in ("device", "host", "disk"):
+            m.kv_index_blocks.labels(replica, tier).set(0)
+        if MULTIPROC_ENV in os.environ:
+            return
+        for tier in ("device", "host", "disk"):
+            m.kv_index_blocks.remove(replica, tier)
+        with contextlib.suppress(KeyError):
+            m.kv_index_snapshots.remove(replica)
+    except Exception:
+        logger.exception("forgetting routing index metrics failed")
 
 
 _SHUTTING_DOWN_BODY = orjson.dumps(error_body(

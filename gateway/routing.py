@@ -1,9 +1,19 @@
 """Model → pool → replica routing with prefix affinity, fed by background health and load polling.
 
 Configuration: ``settings.models`` names each served model and its pools; ``settings.pools[pool]``
-lists the replicas' base URLs. The public API serves the ``interactive`` pool (the batch tier has its
-own). Every ``health_poll_interval_s`` the router asks each replica for ``/health`` and ``/load`` (and
-``/info`` once it first answers).
+lists the replicas' base URLs and/or a DNS name whose addresses are replicas (``gateway.replicas``,
+re-resolved every ``replica_discovery_interval_s``). The public API serves the ``interactive`` pool (the
+batch tier has its own: ``routed_pools``). Every ``health_poll_interval_s`` the router asks each replica
+for ``/load`` (and ``/info`` once it first answers).
+
+The replica set:
+- A replica that appears in its pool's DNS answer joins at once: it is probed right away (so it takes
+  requests as soon as it answers, not a poll interval later) and its KV index is followed from a snapshot.
+- One that vanished leaves: removed from its route, marked ``retired`` (never healthy again), its index
+  follower stopped and its index dropped. Requests already streaming from it hold their own connection
+  and finish (or fail over) as they would have.
+- A draining replica (SIGTERM: its ``/load`` says ``draining``, or it refused a request with
+  ``engine_draining``: ``mark_draining``) is out of routing at once and stays out while it drains.
 
 Invariants and policies:
 - Only healthy replicas are picked. A replica that refuses connections (to a probe, or during a
@@ -55,8 +65,9 @@ from engine.protocol import InfoResponse, LoadReport
 from gateway.engine_client import EngineClient, EngineUnavailable
 from gateway.errors import ServiceUnavailableError
 from gateway.kv_index import GapError, ReplicaKVIndex
-from gateway.metrics import observe_kv_index
-from tollgate.settings import Settings
+from gateway.metrics import forget_kv_index, observe_kv_index
+from gateway.replicas import PoolDiscovery, Resolver, diff, static_urls
+from tollgate.settings import ModelConfig, Settings
 
 logger = logging.getLogger("tollgate.gateway.routing")
 
@@ -91,6 +102,10 @@ class Replica:
     checked_at: float = 0.0
     probe_failures: int = 0
     kv: ReplicaKVIndex = field(default_factory=ReplicaKVIndex)
+    # Got SIGTERM: takes nothing new (out of routing until a probe finds a replica that is not draining).
+    draining: bool = False
+    # Left its pool (discovery): never routed to again, whatever a late probe says.
+    retired: bool = False
 
     @property
     def load_score(self) -> float:
@@ -111,6 +126,7 @@ class ModelRoute:
     pools: list[str]
     replicas: list[Replica] = field(default_factory=list)
     created: int = 0
+    routed: list[str] = field(default_factory=list)  # the pools whose replicas this router uses for it
 
     def info(self) -> InfoResponse | None:
         """Limits of the model (max length, block size, vocabulary) from any replica that reported them."""
@@ -121,42 +137,120 @@ class ModelRoute:
 
 
 class Router:
-    def __init__(self, settings: Settings, client: EngineClient) -> None:
+    def __init__(self, settings: Settings, client: EngineClient, resolver: Resolver | None = None) -> None:
         self._client = client
         self._interval = settings.health_poll_interval_s
         self.models: dict[str, ModelRoute] = {}
         for cfg in settings.models:
             route = ModelRoute(name=cfg.name, path=cfg.path, pools=list(cfg.pools),
-                               created=_created(cfg.path))
-            pool = INTERACTIVE_POOL if INTERACTIVE_POOL in cfg.pools else (cfg.pools or [INTERACTIVE_POOL])[0]
-            pool_cfg = settings.pools.get(pool)
-            for url in pool_cfg.replicas if pool_cfg else ():
-                route.replicas.append(Replica(url=url.rstrip("/"), pool=pool))
+                               created=_created(cfg.path), routed=self.routed_pools(cfg))
+            for pool in route.routed:
+                pool_cfg = settings.pools.get(pool)
+                urls = static_urls(pool_cfg) if pool_cfg else []
+                route.replicas += [Replica(url=url, pool=pool) for url in urls]
             self.models[cfg.name] = route
         self.policy = settings.routing_policy
         self._kv_interval = settings.kv_index_poll_interval_s
         self._affinity: OrderedDict[bytes, Replica] = OrderedDict()
         self._turn = 0
         self._tasks: list[asyncio.Task[None]] = []
+        routed = {pool for route in self.models.values() for pool in route.routed}
+        self._discovery = PoolDiscovery({p: c for p, c in settings.pools.items() if p in routed}, resolver,
+                                        timeout_s=settings.health_check_timeout_s)
+        self._discovery_interval = settings.replica_discovery_interval_s
+        self._discovered_at = float("-inf")
+        self._followers: dict[Replica, asyncio.Task[None]] = {}  # the index follower of each replica
+        self._running = False
+
+    def routed_pools(self, cfg: ModelConfig) -> list[str]:
+        """The pools whose replicas serve ``cfg`` here: the interactive one (else the model's first)."""
+        return [INTERACTIVE_POOL if INTERACTIVE_POOL in cfg.pools else (cfg.pools or [INTERACTIVE_POOL])[0]]
 
     @property
     def replicas(self) -> list[Replica]:
         return [r for route in self.models.values() for r in route.replicas]
 
     async def start(self) -> None:
-        """Probe every replica once (so the first requests find healthy ones), then poll in the background."""
+        """Resolve the pools' DNS names and probe every replica once (so the first requests find healthy
+        ones), then discover, poll and follow the replicas' KV events in the background."""
+        await self.discover_once()
         await self.poll_once()
+        self._running = True
         self._tasks.append(asyncio.create_task(self._poll_forever(), name="tollgate-router-poll"))
+        if self._discovery:
+            self._tasks.append(asyncio.create_task(self._discover_forever(), name="tollgate-discovery"))
         if self.policy == "index":
             await self.follow_kv_once()
-            self._tasks.append(asyncio.create_task(self._follow_kv_forever(), name="tollgate-kv-index"))
+            for replica in self.replicas:
+                self._follow(replica)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        self._running = False
+        tasks = [*self._tasks, *self._followers.values()]
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self._followers.clear()
+
+    # -- the replica set ------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Discovery (when an interval has passed since the last) and a probe of every replica, now: for
+        a process whose event loop runs only while it works (a Celery worker between tasks)."""
+        if self._discovery and time.monotonic() - self._discovered_at >= self._discovery_interval:
+            await self.discover_once()
+        await self.poll_once()
+
+    async def discover_once(self) -> None:
+        """Resolve the pools' DNS names and apply the differences (see the module docstring)."""
+        if not self._discovery:
+            return
+        self._discovered_at = time.monotonic()
+        added: list[Replica] = []
+        for pool, urls in (await self._discovery.resolve()).items():
+            added += self.apply_pool(pool, urls)
+        if added and self._running:
+            await asyncio.gather(*(self._probe(r) for r in added))
+            if self.policy == "index":
+                for replica in added:
+                    self._follow(replica)
+
+    def apply_pool(self, pool: str, urls: Sequence[str]) -> list[Replica]:
+        """Make ``pool``'s replicas in every route that uses it exactly ``urls``; the new replicas."""
+        added: list[Replica] = []
+        for route in self.models.values():
+            if pool not in route.routed:
+                continue
+            change = diff((r.url for r in route.replicas if r.pool == pool), urls)
+            if not change:
+                continue
+            gone = set(change.removed)
+            for replica in [r for r in route.replicas if r.pool == pool and r.url in gone]:
+                route.replicas.remove(replica)
+                self._retire(replica)
+            fresh = [Replica(url=url, pool=pool) for url in change.added]
+            route.replicas += fresh
+            added += fresh
+            logger.info("model %s, pool %s: %d replica(s) joined %s, %d left %s", route.name, pool,
+                        len(change.added), change.added, len(change.removed), change.removed)
+        return added
+
+    def _retire(self, replica: Replica) -> None:
+        replica.retired, replica.healthy = True, False
+        follower = self._followers.pop(replica, None)
+        if follower is not None:
+            follower.cancel()
+        replica.kv.reset()
+        if all(r.url != replica.url for r in self.replicas):
+            forget_kv_index(replica.url)
+
+    def mark_draining(self, replica: Replica) -> None:
+        """The replica is shutting down (it said so): nothing new goes there."""
+        if not replica.draining:
+            logger.info("replica %s is draining: no new requests go there", replica.url)
+        replica.draining, replica.healthy, replica.last_error = True, False, "draining"
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._probe(r) for r in self.replicas))
@@ -175,6 +269,8 @@ class Router:
                 replica.info = await self._client.info(replica.url)
             replica.load = await self._client.load(replica.url)
         except EngineUnavailable as exc:
+            if replica.retired:
+                return
             replica.probe_failures += 1
             replica.last_error = exc.message
             if exc.refused or replica.probe_failures >= PROBE_FAILURES_TO_DOWN:
@@ -183,6 +279,12 @@ class Router:
                 replica.healthy = False
         else:
             replica.probe_failures = 0
+            if replica.retired:
+                return
+            if replica.load.draining:
+                self.mark_draining(replica)
+                return
+            replica.draining = False
             if not replica.healthy:
                 logger.info("replica %s is up (%s, pool %s)", replica.url, replica.info.model, replica.pool)
             replica.healthy = True
@@ -193,12 +295,22 @@ class Router:
         """Bring every healthy replica's index up to date with its block events."""
         await asyncio.gather(*(self._follow_kv(r) for r in self.replicas if r.healthy))
 
-    async def _follow_kv_forever(self) -> None:
-        await asyncio.gather(*(self._follow_replica(r) for r in self.replicas))
+    def _follow(self, replica: Replica) -> None:
+        if replica not in self._followers and not replica.retired:
+            self._followers[replica] = asyncio.create_task(self._follow_replica(replica),
+                                                           name=f"tollgate-kv-index {replica.url}")
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._discovery_interval)
+            try:
+                await self.discover_once()
+            except Exception:  # a resolver bug must not stop discovery for good
+                logger.exception("replica discovery failed")
 
     async def _follow_replica(self, replica: Replica) -> None:
-        """Long-poll one replica's block events for as long as the router runs."""
-        while True:
+        """Long-poll one replica's block events until the router stops or the replica leaves its pool."""
+        while not replica.retired:
             try:
                 followed = replica.healthy and await self._follow_kv(replica, wait_s=KV_EVENTS_WAIT_S)
             except Exception:  # a bug here must not stop the index from following

@@ -3,7 +3,8 @@
 ``TOLLGATE_CONFIG_FILE`` or in the working directory.
 
 Secrets come only from the environment. Outside ``development``/``test`` the default secrets are
-refused, so a production deployment cannot run with a key-hashing secret everyone knows.
+refused, so a production deployment cannot run with a key-hashing secret everyone knows, and the
+internal token that engines demand of their callers (``internal_token``) must be set: there is no default.
 
 Time constants (rate-limit windows, lease and visibility timeouts, flush and poll intervals) are
 settings, so tests shorten them instead of waiting out real minutes.
@@ -17,10 +18,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEV_SECRET = "tollgate-development-secret"
+# The engines refuse shorter tokens too (``engine.gate.MIN_TOKEN_CHARS``).
+MIN_INTERNAL_TOKEN_CHARS = 16
 
 
 class TierConfig(BaseModel):
@@ -41,9 +44,32 @@ def default_tiers() -> dict[str, TierConfig]:
 
 
 class PoolConfig(BaseModel):
-    """Engine replicas of one pool (``interactive`` or ``batch``), by base URL."""
+    """Engine replicas of one pool (``interactive`` or ``batch``): base URLs, and/or ``dns``, a
+    ``name:port`` whose addresses are the replicas (a Kubernetes headless Service, a compose service with
+    several replicas), re-resolved every ``replica_discovery_interval_s`` (``gateway.replicas``)."""
 
     replicas: list[str] = Field(default_factory=list)
+    dns: str | None = None
+
+    @field_validator("dns")
+    @classmethod
+    def _check_dns(cls, value: str | None) -> str | None:
+        if value is not None:
+            dns_target(value)
+        return value
+
+    @property
+    def dns_target(self) -> tuple[str, int] | None:
+        return None if self.dns is None else dns_target(self.dns)
+
+
+def dns_target(spec: str) -> tuple[str, int]:
+    """``(host, port)`` of a pool's ``dns = "name:port"``; ``ValueError`` saying what is wrong."""
+    host, sep, port = spec.strip().rpartition(":")
+    if not sep or not host or "/" in spec or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dns must be `name:port` (e.g. engine-interactive-headless.tollgate.svc.cluster."
+                         f"local:8100), not {spec!r}")
+    return host.strip("[]"), int(port)
 
 
 class ModelConfig(BaseModel):
@@ -90,6 +116,11 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     health_poll_interval_s: float = 1.0
+    # How often a pool's ``dns`` name is resolved again (replicas appear and vanish between two).
+    replica_discovery_interval_s: float = Field(default=5.0, gt=0)
+    # Sent by gateways and workers to every engine (``Authorization: Bearer``); engines started with it
+    # refuse callers without it (``engine.gate``). Required outside development and test.
+    internal_token: SecretStr | None = None
     # How requests are spread over a pool's replicas (``gateway.routing``): "index" (by the blocks each
     # replica's prefix cache really holds, followed from its /kv/events by a long poll, retried every
     # kv_index_poll_interval_s while a replica is unreachable),
@@ -188,6 +219,14 @@ class Settings(BaseSettings):
             for name in ("key_hash_secret", "session_secret"):
                 if getattr(self, name).get_secret_value() == DEV_SECRET:
                     raise ValueError(f"TOLLGATE_{name.upper()} must be set outside development")
+            if self.internal_token is None:
+                raise ValueError("TOLLGATE_INTERNAL_TOKEN must be set outside development (the token "
+                                 "engines require of the gateways and workers)")
+        token = self.internal_token.get_secret_value() if self.internal_token is not None else None
+        if token is not None and (len(token) < MIN_INTERNAL_TOKEN_CHARS or token == DEV_SECRET
+                                  or token != token.strip()):
+            raise ValueError(f"TOLLGATE_INTERNAL_TOKEN must be a random string of at least "
+                             f"{MIN_INTERNAL_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)")
         return self
 
     @classmethod

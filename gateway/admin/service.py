@@ -17,7 +17,8 @@ Invariants:
 - Price rows start now or later: a row that starts in the past would rewrite which price was in effect
   for requests already billed.
 - A prompt-cache purge (``purge_tenant_cache``) asks every replica of every configured pool
-  (``settings.pools``: the batch pool too, which the public API's router does not route to) to drop
+  (``settings.pools``: the batch pool too, which the public API's router does not route to; a pool's
+  ``dns`` name resolved now, a name that cannot be resolved being a failed row of its own) to drop
   the tenant's salted blocks, concurrently, each bounded by ``PURGE_TIMEOUT_S``, once the tenant is
   known to exist (404 before any replica is asked). A replica that fails or does not answer is a row of
   the result (``error``), never an error of the call, so the others are purged and the admin sees which
@@ -60,6 +61,7 @@ from gateway.admin.uow import queue_invalidation
 from gateway.engine_client import EngineClient, EngineUnavailable
 from gateway.errors import GatewayError
 from gateway.generation.service import cache_salt
+from gateway.replicas import current_replica_urls
 from gateway.tenants.repository import AuditLogRepository
 from gateway.tenants.schemas import ApiKeyCreate
 from gateway.tenants.service import ApiKeyService, TenantError, TenantService
@@ -266,20 +268,13 @@ class CachePurge:
         return [r for r in self.replicas if r.error is not None]
 
 
-def configured_replicas(settings: Settings) -> list[str]:
-    """Every engine replica's base URL over all configured pools, once each, in configuration order."""
-    urls = (url.rstrip("/") for pool in settings.pools.values() for url in pool.replicas)
-    return list(dict.fromkeys(urls))
-
-
 @asynccontextmanager
 async def _engine_client(engine: EngineClient | None, settings: Settings) -> AsyncIterator[EngineClient]:
     """``engine`` (a gateway runtime's pool of connections), else a client of this call's own."""
     if engine is not None:
         yield engine
         return
-    own = EngineClient(request_timeout_s=settings.request_timeout_s,
-                       connect_timeout_s=settings.health_check_timeout_s)
+    own = EngineClient.for_settings(settings)
     try:
         yield own
     finally:
@@ -303,10 +298,12 @@ async def purge_tenant_cache(session: AsyncSession, tenant_id: int, *, settings:
     replica the blocks dropped or the error. Recorded as ``tenant.purge_cache`` with each outcome."""
     tenant = await get_tenant(session, tenant_id, settings=settings)
     salt = cache_salt(settings.key_hash_secret.get_secret_value(), tenant.id)
+    urls, unresolved = await current_replica_urls(settings.pools, timeout_s=settings.health_check_timeout_s)
     async with _engine_client(engine, settings) as client:
-        replicas = await asyncio.gather(*(_purge_replica(client, url, salt, timeout_s)
-                                          for url in configured_replicas(settings)))
-    purge = CachePurge(tenant.id, list(replicas))
+        replicas = await asyncio.gather(*(_purge_replica(client, url, salt, timeout_s) for url in urls))
+    # A pool name that does not resolve now may still have replicas holding the tenant's blocks.
+    missed = [ReplicaPurge(name, None, f"cannot resolve: {why}") for name, why in unresolved.items()]
+    purge = CachePurge(tenant.id, [*replicas, *missed])
     await AuditLogRepository(session).record(actor, "tenant.purge_cache", tenant_id=tenant.id, details={
         "purged_blocks": purge.purged_blocks,
         "replicas": {r.url: r.purged_blocks for r in purge.replicas if r.error is None},

@@ -29,8 +29,9 @@ from gateway.admission.limits import Admission, TenantLimits
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineClient
 from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.replicas import Resolver
 from gateway.routing import INTERACTIVE_POOL, ModelRoute, Replica, Router
-from tollgate.settings import Settings, TierConfig
+from tollgate.settings import ModelConfig, Settings, TierConfig
 
 logger = logging.getLogger("tollgate.batches")
 
@@ -91,20 +92,15 @@ class BatchRouter(Router):
     they are under the soak watermark (a short queue, KV cache not too full, few of our lines there).
     Least loaded first; no prefix affinity (lines are independent)."""
 
-    def __init__(self, settings: Settings, client: EngineClient) -> None:
-        super().__init__(settings, client)
+    def __init__(self, settings: Settings, client: EngineClient, resolver: Resolver | None = None) -> None:
+        super().__init__(settings, client, resolver)
         self._max_waiting = settings.batch_soak_max_waiting
         self._max_kv = settings.batch_soak_max_kv_usage
         self._max_inflight = settings.batch_soak_max_inflight
-        for cfg in settings.models:
-            route = self.models[cfg.name]
-            route.replicas = []
-            for pool in (BATCH_POOL, INTERACTIVE_POOL):
-                if pool not in cfg.pools:
-                    continue
-                pool_cfg = settings.pools.get(pool)
-                for url in pool_cfg.replicas if pool_cfg else ():
-                    route.replicas.append(Replica(url=url.rstrip("/"), pool=pool))
+
+    def routed_pools(self, cfg: ModelConfig) -> list[str]:
+        """Both pools of the model (found by URL or by DNS, as the gateway finds them)."""
+        return [pool for pool in (BATCH_POOL, INTERACTIVE_POOL) if pool in cfg.pools]
 
     def soakable(self, replica: Replica) -> bool:
         load = replica.load
@@ -186,8 +182,8 @@ class BatchRuntime(GatewayRuntime):
         return batch_settings(settings)
 
     @classmethod
-    def router_for(cls, settings: Settings, engine: EngineClient) -> Router:
-        return BatchRouter(settings, engine)
+    def router_for(cls, settings: Settings, engine: EngineClient, resolver: Resolver | None = None) -> Router:
+        return BatchRouter(settings, engine, resolver)
 
     @classmethod
     def admission_for(cls, redis: Redis, settings: Settings) -> BatchAdmission:  # type: ignore[override]

@@ -52,7 +52,7 @@ class _ProcessRuntime(WorkerRuntime[BatchRuntime]):
         fresh = self.runtime is None
         runtime = await self.gateway_runtime()
         if not fresh:
-            await runtime.router.poll_once()  # fresh load figures for soaking decisions
+            await runtime.router.refresh()  # the batch pool's replicas now, fresh load figures for soaking
         return runtime
 
     def run(self, job: Callable[[BatchRunner], Awaitable[T]]) -> T:

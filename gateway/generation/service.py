@@ -226,10 +226,13 @@ class Generation:
                 stream = await self.runtime.engine.generate(replica.url, request)
             except EngineUnavailable as exc:
                 # Nothing started there: try another replica. Only a refused connection means the
-                # replica is gone; a busy one (503, pool timeout) stays in.
+                # replica is gone, and a draining one takes nothing new; a busy one (503, pool
+                # timeout) stays in.
                 replica.inflight -= 1
                 if exc.refused:
                     router.mark_failed(replica, exc.message)
+                elif exc.draining:
+                    router.mark_draining(replica)
                 tried.append(replica)
                 last_error = exc
                 continue

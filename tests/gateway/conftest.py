@@ -48,17 +48,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def run_engine(model_dir: Path, log: Path, port: int | None = None,
-               options: tuple[str, ...] = ("--num-kv-blocks", "512"),
-               ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``tollgate engine`` as a subprocess (on ``port``, else a free one), once it answers ``/health``."""
+               options: tuple[str, ...] = ("--num-kv-blocks", "512"), *, host: str = "127.0.0.1",
+               env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``tollgate engine`` as a subprocess (on ``host``:``port``, else a free port), once it answers
+    ``/health``; ``env``: variables to add (e.g. ``TOLLGATE_INTERNAL_TOKEN``)."""
     port = port or free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from tollgate.cli import main; main()", "engine", "--model",
-             str(model_dir), "--port", str(port), "--max-num-seqs", "16", *options],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+             str(model_dir), "--host", host, "--port", str(port), "--max-num-seqs", "16", *options],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
 
     def healthy() -> bool:
         if proc.poll() is not None:
@@ -130,12 +131,15 @@ def gateway_settings(replicas: list[str], model_dir: Path, database_url: str, re
 
 
 @contextlib.asynccontextmanager
-async def run_gateway(settings: Settings) -> AsyncIterator[GatewayUnderTest]:
-    """The gateway app under uvicorn on a free port, in the running event loop."""
+async def run_gateway(settings: Settings, resolver: Any = None) -> AsyncIterator[GatewayUnderTest]:
+    """The gateway app under uvicorn on a free port, in the running event loop; ``resolver`` resolves
+    the pools' DNS names (``gateway.replicas.Resolver``) instead of the system's."""
     from tollgate.gateway_app import create_app
 
     db = Database(settings.database_url or "", pool_size=2)
     app = create_app(settings)
+    if resolver is not None:
+        app.state.replica_resolver = resolver
     port = free_port()
     # Drained as `tollgate gateway` drains (settings.drain_timeout_s): a request still running at the
     # end of the tests is cut, not waited for forever.

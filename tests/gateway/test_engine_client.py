@@ -243,3 +243,33 @@ async def test_purge_sends_the_salt_and_reads_the_count() -> None:
             await client.aclose()
     assert server.requests[0] == b"POST /kv/purge HTTP/1.1"
     assert orjson.loads(bodies[0]) == {"cache_salt": "salt-a"}
+
+
+async def test_a_draining_or_token_refusal_is_unavailable_and_says_which() -> None:
+    def error(message: str, type_: str, code: str | None = None) -> bytes:
+        return orjson.dumps({"type": "error", "error": {"message": message, "type": type_, "code": code}})
+
+    answers = {b"draining": (503, error("draining", "server_error", "engine_draining")),
+               b"busy": (503, error("busy", "server_error")),
+               b"token": (401, error("no", "authentication_error", "invalid_internal_token"))}
+
+    async def handler(line: bytes, body: bytes, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bool:
+        status, answer = answers[orjson.loads(body)["request_id"].encode()]
+        respond(writer, status, answer)
+        return True
+
+    async with scripted(handler) as (url, _server):
+        client = EngineClient(request_timeout_s=5, internal_token="a-token-of-sixteen-chars")
+        try:
+            outcomes = {}
+            for request_id in ("draining", "busy", "token"):
+                with pytest.raises(EngineUnavailable) as caught:
+                    await client.generate(url, generate_request(request_id))
+                outcomes[request_id] = caught.value
+        finally:
+            await client.aclose()
+    assert outcomes["draining"].draining and not outcomes["draining"].refused
+    assert not outcomes["busy"].draining
+    token = outcomes["token"]
+    assert not token.draining and not token.refused and "token" not in token.message  # nothing for tenants

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECRETS = {"POSTGRES_PASSWORD": "pw", "TOLLGATE_KEY_HASH_SECRET": "k", "TOLLGATE_SESSION_SECRET": "s"}
+SECRETS = {"POSTGRES_PASSWORD": "pw", "TOLLGATE_KEY_HASH_SECRET": "k", "TOLLGATE_SESSION_SECRET": "s",
+           "TOLLGATE_INTERNAL_TOKEN": "t" * 32}
 LONG_RUNNING = {"postgres", "redis", "engine-interactive", "engine-batch", "gateway", "worker", "beat"}
 
 
@@ -99,8 +100,24 @@ def test_example_configuration_loads(monkeypatch):
     monkeypatch.setenv("TOLLGATE_CONFIG_FILE", str(ROOT / "tollgate.toml.example"))
     monkeypatch.setenv("TOLLGATE_KEY_HASH_SECRET", "from-the-environment")
     monkeypatch.setenv("TOLLGATE_SESSION_SECRET", "from-the-environment-too")
+    monkeypatch.setenv("TOLLGATE_INTERNAL_TOKEN", "an-internal-token-from-the-environment")
     settings = Settings()
     assert settings.environment == "production" and settings.gateway_workers == 4
     assert settings.models[0].pools == ["interactive", "batch"]
     assert len(settings.pools["interactive"].replicas) == 2
+    assert settings.pools["batch"].dns_target == ("engine-batch-headless.tollgate.svc.cluster.local", 8100)
     assert set(settings.tiers) == {"priority", "default", "flex"}
+
+
+def test_engines_are_found_by_dns_drained_and_guarded_by_the_token(config):
+    from tollgate.settings import PoolConfig
+
+    services = config["services"]
+    pools = json.loads(services["gateway"]["environment"]["TOLLGATE_POOLS"])
+    for name, pool in (("engine-interactive", "interactive"), ("engine-batch", "batch")):
+        assert PoolConfig(**pools[pool]).dns_target == (name, 8100)  # scaled replicas are all found
+        engine = services[name]
+        assert engine["stop_grace_period"] == "2m10s"  # longer than the engine's 120 s drain
+        assert "--drain-timeout-s" not in engine["command"]  # the 120 s default
+    for name in ("engine-interactive", "engine-batch", "gateway", "worker"):
+        assert services[name]["environment"]["TOLLGATE_INTERNAL_TOKEN"] == SECRETS["TOLLGATE_INTERNAL_TOKEN"]

@@ -193,6 +193,22 @@ def check_env_file_has_the_four_variables_and_a_working_key(platform: UpProcess)
     assert httpx.get(f"{env['OPENAI_BASE_URL']}/models", timeout=10).status_code == 401
 
 
+def check_engine_demands_the_generated_internal_token(platform: UpProcess) -> None:
+    state_file = platform.data_dir / "state.json"
+    assert state_file.stat().st_mode & 0o777 == 0o600
+    token = json.loads(state_file.read_text())["internal_token"]
+    engine = f"http://127.0.0.1:{platform.engine_port}"
+    assert len(token) >= 32 and token not in platform.output()
+    assert httpx.get(f"{engine}/load", timeout=5).status_code == 401
+    authorized = httpx.get(f"{engine}/load", timeout=5, headers={"Authorization": f"Bearer {token}"})
+    assert authorized.status_code == 200
+    env = read_env_file(platform.data_dir / "env")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answer = httpx.post(f"{env['OPENAI_BASE_URL']}/chat/completions", json=body, timeout=60,
+                        headers={"Authorization": f"Bearer {env['OPENAI_API_KEY']}"})
+    assert answer.status_code == 200, answer.text  # the gateway holds the engine's token
+
+
 def check_killed_stateless_child_is_reported_and_restarted(platform: UpProcess, name: str) -> None:
     before = platform.process(name)
     os.kill(before["pid"], signal.SIGKILL)
@@ -230,10 +246,9 @@ def check_second_up_reuses_the_data_and_the_key(data_dir: Path) -> None:
         again.wait_ready()
         env = read_env_file(data_dir / "env")
         assert env["OPENAI_API_KEY"] == first_key
-        assert (
-            json.loads((data_dir / "state.json").read_text())["postgres"]["password"]
-            == state["postgres"]["password"]
-        )
+        again_state = json.loads((data_dir / "state.json").read_text())
+        assert again_state["postgres"]["password"] == state["postgres"]["password"]
+        assert again_state["internal_token"] == state["internal_token"]
         assert "created the demo tenant" not in again.output()
         with psycopg.connect(env["TOLLGATE_DATABASE_URL"]) as conn:
             assert conn.execute("SELECT count(*) FROM api_keys").fetchone() == (1,)
@@ -252,6 +267,8 @@ def test_up_runs_supervises_and_stops_the_platform(data_dir, subtests):
             check_every_process_answers_its_health_check(up)
         with subtests.test(msg="the env file has the four variables and a working key"):
             check_env_file_has_the_four_variables_and_a_working_key(up)
+        with subtests.test(msg="the engine demands the internal token that up generated"):
+            check_engine_demands_the_generated_internal_token(up)
         for name in ("worker", "gateway"):
             with subtests.test(msg=f"a killed {name} is reported and restarted"):
                 check_killed_stateless_child_is_reported_and_restarted(up, name)
@@ -316,7 +333,7 @@ def test_several_engine_replicas_get_their_own_ports_logs_and_disk_tiers(tmp_pat
                              with_engine=True, gateway_workers=1, engine_replicas=2)
     data = (tmp_path / "data").resolve()
     assert platform._engines() == [("engine-0", 9100, data / "kv"), ("engine-1", 9101, data / "kv-1")]
-    env = platform._child_env(Endpoints("postgresql://db", "redis://r"))
+    env = platform._child_env(Endpoints("postgresql://db", "redis://r"), "t" * 32)
     assert json.loads(env["TOLLGATE_POOLS"]) == {
         "interactive": {"replicas": ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]}}
     one = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=None,

@@ -6,6 +6,7 @@ Invalid engine settings raise ``ValueError`` in ``EngineConfig``; they are shown
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -78,6 +79,9 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
               help="No speculation while more sequences than this run.")
 @click.option("--overlap/--no-overlap", default=None,
               help="Schedule step N+1 while the device runs step N (default: on for CUDA, off on the CPU).")
+@click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="On SIGTERM: how long running streams may take to finish before the replica exits "
+                   "(it refuses new requests and reports draining meanwhile).")
 def engine(
     model_path: str,
     model_name: str | None,
@@ -104,13 +108,24 @@ def engine(
     num_speculative_tokens: int,
     speculative_max_batch: int,
     overlap: bool | None,
+    drain_timeout_s: float,
 ) -> None:
-    """Run one engine replica: the internal HTTP server over the paged-KV engine."""
+    """Run one engine replica: the internal HTTP server over the paged-KV engine.
+
+    Every endpoint but /health and /metrics needs the internal token from TOLLGATE_INTERNAL_TOKEN
+    (required unless --host is a loopback address)."""
+    from engine.gate import check_internal_token
+    from engine.protocol import INTERNAL_TOKEN_ENV
     from engine.server import serve
 
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or None
+    try:
+        check_internal_token(token, host)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     if model_path == "synthetic":
-        serve("synthetic", host=host, port=port, pool=pool, model_name=model_name,
-              max_model_len=max_model_len)
+        serve("synthetic", host=host, port=port, pool=pool, model_name=model_name, internal_token=token,
+              drain_timeout_s=drain_timeout_s, max_model_len=max_model_len)
         return
     if not Path(model_path).is_dir():
         raise click.BadParameter(f"{model_path} is not a directory", param_hint="--model")
@@ -144,4 +159,5 @@ def engine(
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    serve(config, host=host, port=port, pool=pool, model_name=model_name)
+    serve(config, host=host, port=port, pool=pool, model_name=model_name, internal_token=token,
+          drain_timeout_s=drain_timeout_s)

@@ -8,7 +8,9 @@ worker and beat → wait for every health check → write
 ``DATA_DIR/env`` and print it. Then supervise until SIGINT/SIGTERM, and stop everything, servers last.
 
 Data dir layout (default ``./.tollgate``; see docs/operations.md):
-- ``state.json`` (0600): ports and generated passwords of the private servers, the demo API key.
+- ``state.json`` (0600): ports and generated passwords of the private servers, the demo API key, the
+  internal token (generated on first start unless ``TOLLGATE_INTERNAL_TOKEN`` is set) that the engine
+  demands of the gateway and the worker, which all get it in their environment.
 - ``env`` (0600): ``export`` lines for OPENAI_BASE_URL, OPENAI_API_KEY, TOLLGATE_DATABASE_URL,
   TOLLGATE_REDIS_URL.
 - ``postgres/`` (the cluster; owned by ``postgres`` when run as root), ``redis/`` (append-only files).
@@ -297,10 +299,20 @@ class LocalPlatform:
 
             raise StartupFailed(f"creating the tiny model failed; {log} ends with:\n{log_tail(log)}")
 
-    def _child_env(self, endpoints: Endpoints) -> dict[str, str]:
+    def _internal_token(self, state: dict[str, Any]) -> str:
+        """The operator's ``TOLLGATE_INTERNAL_TOKEN``, else this data dir's own (made once, kept 0600)."""
+        if self.settings.internal_token is not None:
+            return self.settings.internal_token.get_secret_value()
+        if not state.get("internal_token"):
+            state["internal_token"] = secrets.token_urlsafe(32)
+            self._save_state(state)
+        return str(state["internal_token"])
+
+    def _child_env(self, endpoints: Endpoints, internal_token: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             {
+                "TOLLGATE_INTERNAL_TOKEN": internal_token,
                 "TOLLGATE_DATABASE_URL": endpoints.database_url,
                 "TOLLGATE_REDIS_URL": endpoints.redis_url,
                 "TOLLGATE_DATA_DIR": str(self.data_dir),
@@ -370,10 +382,13 @@ class LocalPlatform:
                             str(self.settings.engine_disk_kv_gb if self.settings.engine_host_kv_gb else 0),
                             "--kv-disk-dir",
                             str(kv_dir),
+                            "--drain-timeout-s",
+                            str(self.settings.drain_timeout_s),
                         ],
                         self.logs / f"{name}.log",
                         http_probe(f"http://127.0.0.1:{port}/health", timeout),
                         env=env,
+                        stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
                     )
                 )
         specs += [
@@ -497,7 +512,7 @@ class LocalPlatform:
                 self.report("database schema at head")
                 api_key = self._ensure_demo_key(endpoints, state)
                 self._ensure_model_price(endpoints)
-                env = self._child_env(endpoints)
+                env = self._child_env(endpoints, self._internal_token(state))
                 if self.with_engine:
                     self._ensure_model(env)
                 heartbeat_client = create_sync_redis(s.model_copy(update={"redis_url": endpoints.redis_url}))
