@@ -35,7 +35,7 @@ from tests.deploy.manifests import (
     quantity_gib,
     selects,
 )
-from tollgate.settings import Settings
+from tollgate.settings import PoolConfig, Settings
 
 SCHEMAS = ROOT / "tests" / "deploy" / "schemas"
 CRD_SCHEMAS = {"ScaledObject": "keda-scaledobject.json",
@@ -43,8 +43,11 @@ CRD_SCHEMAS = {"ScaledObject": "keda-scaledobject.json",
                "ServiceMonitor": "servicemonitor.json"}
 DOC = ROOT / "docs" / "deploy-kubernetes.md"
 APP = ("gateway", "worker", "beat")
-# Added beside this deployment by issue #24's internal authentication (the engines' shared token).
+# Names this deployment uses that issue #24's other parts add beside it: the engines' internal token
+# (a setting) and a pool named by DNS (a pool field). Empty these sets once those parts have landed; the
+# tests then check the names like every other.
 PENDING_SETTINGS = {"TOLLGATE_INTERNAL_TOKEN"}
+PENDING_POOL_FIELDS = {"dns"}
 SETTINGS = {f"TOLLGATE_{name.upper()}" for name in Settings.model_fields} | PENDING_SETTINGS
 SECRET_SETTINGS = {f"TOLLGATE_{name.upper()}" for name, field in Settings.model_fields.items()
                    if SecretStr in (getattr(field.annotation, "__args__", None) or (field.annotation,))}
@@ -170,7 +173,8 @@ def test_pools_are_found_through_their_headless_services(manifests):
         words = argv(pod_spec(statefulset)["containers"][0])
         assert option(words, "--pool") == pool
         models = [m for m in config["models"] if pool in m["pools"]]
-        assert [m["path"] for m in models] == [option(words, "--model")]
+        assert [(m["name"], m["path"]) for m in models] == [(option(words, "--model-name"),
+                                                             option(words, "--model"))]
 
 
 def test_engines_keep_their_disk_tier_on_their_own_volume(manifests):
@@ -262,7 +266,8 @@ def test_environment_and_configuration_name_real_settings(manifests):
         assert {k for k in keys if k.startswith("TOLLGATE_")} <= SETTINGS
     config = manifests.tollgate_toml()
     assert set(config) <= set(Settings.model_fields)
-    assert all(set(pool) == {"dns"} for pool in config["pools"].values())
+    for pool in config["pools"].values():
+        assert set(pool) <= set(PoolConfig.model_fields) | PENDING_POOL_FIELDS
 
 
 def test_the_configuration_loads_into_the_settings(manifests, tmp_path, monkeypatch):
