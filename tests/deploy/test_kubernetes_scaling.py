@@ -1,0 +1,138 @@
+"""The Kubernetes deployment's scaling and hardware: the gateway's HPA on CPU, KEDA on each engine
+pool's queue depth (the batch pool down to zero and back), disruption budgets, GPUs only where the
+overlay asks for them, the scrape configuration KEDA's queries rely on, and where Postgres and Redis
+live (bundled, or external from Secrets)."""
+
+from __future__ import annotations
+
+import re
+
+from tests.deploy.manifests import argv, containers, option, pod_spec, selects
+
+GPU_OVERLAYS = {"gpu", "external"}
+BUNDLED_OVERLAYS = {"minimal", "gpu"}
+APP = ("beat", "gateway", "worker")
+ENGINE_POOLS = {"engine-interactive": "interactive", "engine-batch": "batch"}
+
+
+def test_the_gateway_scales_on_cpu(manifests):
+    (hpa,) = manifests.of_kind("HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "gateway"}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    gateway = manifests.workload("gateway")
+    assert "replicas" not in gateway["spec"]  # re-applying must not undo the HPA
+    assert pod_spec(gateway)["containers"][0]["resources"]["requests"]["cpu"]  # utilisation needs a request
+
+
+def test_disruption_budgets_cover_the_gateway_and_every_engine_pool(manifests):
+    covered = {}
+    for pdb in manifests.of_kind("PodDisruptionBudget"):
+        assert pdb["spec"].get("maxUnavailable") == 1  # a drain proceeds, one pod at a time
+        for name in manifests.selected_workloads(pdb["spec"]["selector"]):
+            covered[name] = pdb["metadata"]["name"]
+    assert {"gateway", *ENGINE_POOLS} <= set(covered)
+
+
+def test_gpus_only_where_the_overlay_asks_for_them(manifests):
+    gpu = manifests.overlay in GPU_OVERLAYS
+    for workload in manifests.workloads():
+        is_engine = workload["metadata"]["name"] in ENGINE_POOLS
+        spec = pod_spec(workload)
+        for c in containers(workload):
+            resources = c.get("resources", {})
+            wanted = {"nvidia.com/gpu": 1} if gpu and is_engine and c["name"] == "engine" else {}
+            for kind in ("requests", "limits"):
+                got = {k: v for k, v in resources.get(kind, {}).items() if k.startswith("nvidia.com/")}
+                where = f"{manifests.overlay}: {workload['metadata']['name']}/{c['name']} {kind}"
+                assert got == wanted, where
+        if is_engine:
+            words = argv(spec["containers"][0])
+            assert option(words, "--device") == ("cuda" if gpu else "cpu")
+            assert option(words, "--dtype") == ("bfloat16" if gpu else "float32")
+            tolerations = spec.get("tolerations", [])
+            assert bool(spec.get("nodeSelector")) == gpu
+            tolerated = any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in tolerations)
+            assert tolerated == gpu
+        else:
+            assert not spec.get("nodeSelector") and not spec.get("tolerations")
+
+
+def test_keda_scales_each_engine_pool_on_its_queue(manifests):
+    scaled = {s["spec"]["scaleTargetRef"]["name"]: s for s in manifests.of_kind("ScaledObject")}
+    if manifests.overlay not in GPU_OVERLAYS:
+        assert scaled == {} and manifests.of_kind("TriggerAuthentication") == []
+        return
+    assert set(scaled) == set(ENGINE_POOLS)
+    for name, pool in ENGINE_POOLS.items():
+        spec = scaled[name]["spec"]
+        target = manifests.get("StatefulSet", name)
+        assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": name}
+        assert "replicas" not in target["spec"]  # re-applying must not undo KEDA
+        assert spec["minReplicaCount"] < spec["maxReplicaCount"]
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300
+        assert behavior["scaleUp"]["stabilizationWindowSeconds"] < 300
+        (queue,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
+        query = queue["metadata"]["query"]
+        match = re.fullmatch(r'sum\(vllm:num_requests_waiting\{namespace="([^"]+)",service="([^"]+)"\}\)',
+                             query)
+        assert match, query
+        namespace, service = match.groups()
+        assert namespace == manifests.namespace
+        assert manifests.selected_workloads(manifests.get("Service", service)["spec"]["selector"]) == [name]
+        assert float(queue["metadata"]["threshold"]) > 0
+        assert pool in service
+    assert scaled["engine-interactive"]["spec"]["minReplicaCount"] >= 1
+
+
+def test_the_batch_pool_scales_to_zero_and_wakes_on_its_backlog(manifests):
+    if manifests.overlay not in GPU_OVERLAYS:
+        return
+    spec = manifests.get("ScaledObject", "engine-batch")["spec"]
+    assert spec["minReplicaCount"] == 0
+    # At zero replicas no engine reports a queue: the backlog in Postgres must wake the pool.
+    (backlog,) = [t for t in spec["triggers"] if t["type"] == "postgresql"]
+    assert "batch_items" in backlog["metadata"]["query"]
+    assert float(backlog["metadata"]["activationTargetQueryValue"]) == 0
+    auth = manifests.get("TriggerAuthentication", backlog["authenticationRef"]["name"])
+    assert auth["spec"]["secretTargetRef"] == [
+        {"parameter": "connection", "name": "tollgate-datastores", "key": "TOLLGATE_DATABASE_URL"}]
+
+
+def test_prometheus_scrapes_what_keda_queries(manifests):
+    monitors = {m["metadata"]["name"]: m for m in manifests.of_kind("ServiceMonitor")}
+    if manifests.overlay not in GPU_OVERLAYS:
+        assert monitors == {}
+        return
+    services = manifests.of_kind("Service")
+    scraped = {s["metadata"]["name"]: m["spec"]["endpoints"] for m in monitors.values() for s in services
+               if selects(m["spec"]["selector"], s["metadata"]["labels"])}
+    assert set(scraped) == {"gateway", "engine-interactive-headless", "engine-batch-headless"}
+    for name, endpoints in scraped.items():
+        (endpoint,) = endpoints
+        assert endpoint["path"] == "/metrics" and endpoint["port"] == "http"
+        service = manifests.get("Service", name)
+        assert "http" in [p["name"] for p in service["spec"]["ports"]]
+    (gateway,) = scraped["gateway"]
+    assert gateway["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "tollgate-secrets", "key": "TOLLGATE_METRICS_TOKEN"}}
+
+
+def test_postgres_and_redis_are_bundled_or_external(manifests):
+    bundled = manifests.overlay in BUNDLED_OVERLAYS
+    for name in ("postgres", "redis"):
+        assert manifests.has("StatefulSet", name) == bundled
+    for name in ("gateway", "worker", "beat"):
+        for c in containers(manifests.workload(name)):
+            if c["name"] in (name, "migrate"):  # URLs from the Secret only, never in the manifests
+                assert {"secretRef": {"name": "tollgate-datastores"}} in c["envFrom"]
+    if bundled:
+        for name, port in (("postgres", 5432), ("redis", 6379)):
+            policy = manifests.get("NetworkPolicy", f"{name}-from-tollgate")
+            assert manifests.selected_workloads(policy["spec"]["podSelector"]) == [name]
+            (rule,) = policy["spec"]["ingress"]
+            assert [p["port"] for p in rule["ports"]] == [port]
+            pods = [peer for peer in rule["from"] if "podSelector" in peer]
+            assert [manifests.selected_workloads(p["podSelector"]) for p in pods] == [list(APP)]
