@@ -46,12 +46,10 @@ APP = ("gateway", "worker", "beat")
 # Names this deployment uses that issue #24's other parts add beside it: the engines' internal token
 # (a setting) and a pool named by DNS (a pool field). Empty these sets once those parts have landed; the
 # tests then check the names like every other.
-PENDING_SETTINGS = {"TOLLGATE_INTERNAL_TOKEN"}
-PENDING_POOL_FIELDS = {"dns"}
-SETTINGS = {f"TOLLGATE_{name.upper()}" for name in Settings.model_fields} | PENDING_SETTINGS
+SETTINGS = {f"TOLLGATE_{name.upper()}" for name in Settings.model_fields}
 SECRET_SETTINGS = {f"TOLLGATE_{name.upper()}" for name, field in Settings.model_fields.items()
                    if SecretStr in (getattr(field.annotation, "__args__", None) or (field.annotation,))}
-SECRET_SETTINGS |= {"TOLLGATE_DATABASE_URL", "TOLLGATE_REDIS_URL"} | PENDING_SETTINGS
+SECRET_SETTINGS |= {"TOLLGATE_DATABASE_URL", "TOLLGATE_REDIS_URL"}
 
 
 def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
@@ -267,7 +265,7 @@ def test_environment_and_configuration_name_real_settings(manifests):
     config = manifests.tollgate_toml()
     assert set(config) <= set(Settings.model_fields)
     for pool in config["pools"].values():
-        assert set(pool) <= set(PoolConfig.model_fields) | PENDING_POOL_FIELDS
+        assert set(pool) <= set(PoolConfig.model_fields)
 
 
 def test_the_configuration_loads_into_the_settings(manifests, tmp_path, monkeypatch):
@@ -278,9 +276,11 @@ def test_the_configuration_loads_into_the_settings(manifests, tmp_path, monkeypa
     monkeypatch.setenv("TOLLGATE_CONFIG_FILE", str(path))
     monkeypatch.setenv("TOLLGATE_KEY_HASH_SECRET", "from-the-secret")
     monkeypatch.setenv("TOLLGATE_SESSION_SECRET", "from-the-secret-too")
+    monkeypatch.setenv("TOLLGATE_INTERNAL_TOKEN", "from-the-secret-as-well-32-chars")
     settings = Settings()
     assert settings.environment == "production" and settings.port == 8000
     assert {m.name for m in settings.models} and set(settings.pools) == {"interactive", "batch"}
+    assert all(pool.dns for pool in settings.pools.values())  # replicas found through the headless Services
 
 
 def test_one_image_for_every_tollgate_process(manifests):
