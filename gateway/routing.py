@@ -25,19 +25,28 @@ Invariants and policies:
   - ``index`` (the default): by what each replica's prefix cache really holds (``gateway.kv_index``,
     followed from each replica's ``/kv/events`` by a long poll, so within milliseconds of each event,
     retried every ``kv_index_poll_interval_s`` while a replica is unreachable; plus what this process
-    just sent, until the events say so): the replica whose held leading blocks weigh most (device
-    above host above disk), ties in the rendezvous order of the first block (the same in every process);
-    unless it is far busier than the least loaded replica (``BALANCE_RATIO``, ``BALANCE_SLACK``), which
-    then gets the request: without it, every session of a tenant follows the tenant's system prompt to
-    one replica, whose cache then thrashes while the other's idles.
+    just sent, until the events say so), weighed against its load, as llm-d's endpoint picker does
+    (``ScoreWeights``): among the replicas under their watermark, the highest of
+    ``prefix x held share + queue x 1 / (1 + load_score / queue_scale) + kv x (1 - KV usage)``, where
+    the held share is the prompt's leading blocks the replica holds (device 1, host 0.8, disk 0.5 a
+    block) over its full blocks, and KV usage the blocks its running requests hold (last ``/load``).
+    Ties (e.g. a prefix nobody holds on equally loaded replicas) go to the rendezvous order of the first
+    block, the same in every process. The weights were tuned on ``benchmarks/fleet_routing.py`` (16
+    simulated replicas, 20 tenants, 400 agent sessions at ~70% load; benchmarks/RESULTS.md). What they
+    guarantee, whatever the trace: with equal loads the replica holding more of the prompt wins; a
+    replica holding none of it wins only by being less busy or its cache less full; and since the KV
+    term alone outweighs any prefix, a holder whose running requests fill its cache hands new work to an
+    idle replica before it reaches its watermark. The KV term is what spreads a tenant's new sessions:
+    its system prompt is a large share of their first prompt, so without it they would all follow the
+    replicas already holding it, whose caches then thrash while others idle.
   - ``affinity``: a per-process guess, the replica this process last sent the deepest known block to
     (a bounded LRU map of block hash → replica, written by ``remember``).
   - ``round_robin``: the replicas in turn (a baseline for benchmarks).
-  Without any holding or guess, rendezvous hashing on the first block hash picks a stable replica, so
-  requests sharing a system prompt converge on one replica. A choice is skipped while that replica is
-  over its load watermark (queue or KV cache nearly full, or far more in flight from this gateway than
-  the least loaded one); then the least loaded healthy replica is used. Prompts shorter than a block
-  go to the least loaded replica.
+  Without a guess (affinity), rendezvous hashing on the first block hash picks a stable replica, so
+  requests sharing a system prompt converge on one replica. A replica over its load watermark (queue
+  or KV cache nearly full, or far more in flight from this gateway than the least loaded one) is never
+  the choice of either policy; when every replica is, or for prompts shorter than a block, the least
+  loaded healthy replica is used.
 - Routing key (``prompt_cache_key``): a request that carries one is routed by rendezvous hashing on
   that key instead of its blocks, so one tenant's requests with one key go to one replica whatever
   their prompts. The caller derives the key per tenant (``gateway.generation``), so the same key string
@@ -57,9 +66,10 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.protocol import InfoResponse, LoadReport
 from gateway.engine_client import EngineClient, EngineUnavailable
@@ -82,10 +92,28 @@ WATERMARK_KV_USAGE = 0.95
 # ... or this gateway has this many more requests in flight on it than on the least loaded replica.
 WATERMARK_INFLIGHT_GAP = 16
 PROBE_FAILURES_TO_DOWN = 3
-# The index's holder is passed over for the least loaded replica when its load score exceeds
-# BALANCE_RATIO x the least's + BALANCE_SLACK (one replica would otherwise take every session of a tenant).
-BALANCE_RATIO = 2.0
-BALANCE_SLACK = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreWeights:
+    """The index policy's scorer: a weighted sum of three scores in [0, 1], the highest wins.
+
+    - prefix: the share of the prompt's full blocks the replica holds (``ReplicaKVIndex.prefix_weight``:
+      device 1, host 0.8, disk 0.5 a block) over the prompt's blocks;
+    - queue: ``1 / (1 + load_score / queue_scale)`` (1 for an idle replica, 1/2 at ``queue_scale``);
+    - kv: ``1 - kv_usage`` of the replica's last load report.
+    """
+
+    prefix: float = 3.0
+    queue: float = 2.0
+    kv: float = 4.0
+    queue_scale: float = 1.0
+
+    def score(self, prefix_share: float, load_score: float, kv_usage: float) -> float:
+        return (self.prefix * prefix_share + self.queue / (1.0 + load_score / self.queue_scale)
+                + self.kv * (1.0 - kv_usage))
+
+
 # How long one long poll of a replica's /kv/events may wait for an event.
 KV_EVENTS_WAIT_S = 1.0
 
@@ -137,8 +165,12 @@ class ModelRoute:
 
 
 class Router:
-    def __init__(self, settings: Settings, client: EngineClient, resolver: Resolver | None = None) -> None:
+    def __init__(self, settings: Settings, client: EngineClient, resolver: Resolver | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
+        # The time source of the index's expectations and the probes' marks (a simulation's virtual
+        # clock drives the same code: benchmarks/fleet_routing.py).
+        self.clock = clock
         self._interval = settings.health_poll_interval_s
         self.models: dict[str, ModelRoute] = {}
         for cfg in settings.models:
@@ -150,6 +182,7 @@ class Router:
                 route.replicas += [Replica(url=url, pool=pool) for url in urls]
             self.models[cfg.name] = route
         self.policy = settings.routing_policy
+        self.weights = ScoreWeights()
         self._kv_interval = settings.kv_index_poll_interval_s
         self._affinity: OrderedDict[bytes, Replica] = OrderedDict()
         self._turn = 0
@@ -289,7 +322,7 @@ class Router:
                 logger.info("replica %s is up (%s, pool %s)", replica.url, replica.info.model, replica.pool)
             replica.healthy = True
             replica.last_error = None
-        replica.checked_at = time.monotonic()
+        replica.checked_at = self.clock()
 
     async def follow_kv_once(self) -> None:
         """Bring every healthy replica's index up to date with its block events."""
@@ -337,14 +370,21 @@ class Router:
             except EngineUnavailable:
                 return False  # the probes decide the replica's health; its index is rebuilt when it is back
             wait_s = 0.0
-            try:
-                index.apply(page)
-            except (GapError, KeyError, TypeError, ValueError) as exc:
-                logger.warning("KV index of %s rebuilt: %s", replica.url, exc)
-                index.reset()
+            if not self.apply_kv_page(replica, page):
                 continue
             if page.get("snapshot") is None and not page["events"]:
                 return True
+        return True
+
+    def apply_kv_page(self, replica: Replica, page: dict[str, Any]) -> bool:
+        """Apply one ``/kv/events`` answer (parsed JSON) to the replica's index; False when it did not
+        follow the cursor and the index was reset (ask again from 0: the next page is a snapshot)."""
+        try:
+            replica.kv.apply(page)
+        except (GapError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("KV index of %s rebuilt: %s", replica.url, exc)
+            replica.kv.reset()
+            return False
         return True
 
     def mark_failed(self, replica: Replica, reason: str) -> None:
@@ -372,8 +412,10 @@ class Router:
             return least if preferred.over_watermark(least_inflight) else preferred
         if self.policy == "round_robin":  # the turn moves on when a replica accepts (``remember``)
             return candidates[self._turn % len(candidates)]
+        if block_hashes and self.policy == "index":
+            return self._best_scored(candidates, block_hashes, least_inflight) or least
         if block_hashes:
-            held = self._holder(candidates, block_hashes, least, least_inflight)
+            held = self._remembered(candidates, block_hashes, least_inflight)
             if held is not None:
                 return held
             preferred = max(candidates, key=lambda r: _rendezvous(block_hashes[0], r.url))
@@ -381,21 +423,22 @@ class Router:
                 return preferred
         return least
 
-    def _holder(self, candidates: list[Replica], block_hashes: Sequence[bytes], least: Replica,
-                least_inflight: int) -> Replica | None:
-        """The replica that holds (index) or most likely holds (affinity) the prompt's prefix, if it is
-        not over its watermark."""
-        if self.policy == "index":
-            # Ties go to the rendezvous order of the first block, the same in every gateway process.
-            now, first = time.monotonic(), block_hashes[0]
-            scored = [(r.kv.prefix_weight(block_hashes, now), _rendezvous(first, r.url), r)
-                      for r in candidates if not r.over_watermark(least_inflight)]
-            best = max(scored, key=lambda s: s[:2], default=None)
-            if best is None or best[0] <= 0:
-                return None
-            if best[2].load_score > BALANCE_RATIO * least.load_score + BALANCE_SLACK:
-                return least  # far busier than the least loaded: spread rather than pile up
-            return best[2]
+    def _best_scored(self, candidates: list[Replica], block_hashes: Sequence[bytes],
+                     least_inflight: int) -> Replica | None:
+        """The index policy: the replica under its watermark that scores highest (``ScoreWeights``),
+        ties in the rendezvous order of the first block (the same in every gateway process)."""
+        now, first, weights, blocks = self.clock(), block_hashes[0], self.weights, len(block_hashes)
+        scored = [(weights.score(r.kv.prefix_weight(block_hashes, now) / blocks, r.load_score,
+                                 r.load.kv_usage if r.load is not None else 0.0),
+                   _rendezvous(first, r.url), r)
+                  for r in candidates if not r.over_watermark(least_inflight)]
+        best = max(scored, key=lambda s: s[:2], default=None)
+        return best[2] if best is not None else None
+
+    def _remembered(self, candidates: list[Replica], block_hashes: Sequence[bytes],
+                    least_inflight: int) -> Replica | None:
+        """The affinity policy: the replica this process last sent the prompt's deepest known block to,
+        if it is not over its watermark."""
         for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
             replica = self._affinity.get(h)
             if replica is not None:
@@ -408,7 +451,7 @@ class Router:
         """How many leading blocks ``replica`` holds (index) or most likely still holds (it served them
         recently)."""
         if self.policy == "index":
-            return len(replica.kv.held_prefix(block_hashes))
+            return len(replica.kv.held_prefix(block_hashes, self.clock()))
         for depth in range(min(len(block_hashes), AFFINITY_BLOCKS), 0, -1):
             if self._affinity.get(block_hashes[depth - 1]) is replica:
                 return depth
@@ -419,7 +462,7 @@ class Router:
         the index expects them there until the replica's events say so, the affinity policy guesses from
         it, round robin moves to the next turn)."""
         if self.policy == "index":
-            replica.kv.expect(block_hashes)
+            replica.kv.expect(block_hashes, self.clock())
             return
         if self.policy == "round_robin":
             self._turn += 1

@@ -1,8 +1,9 @@
 """Routing by what replicas hold: the engines' block event log (cursor pages, snapshots for new readers,
 for readers too far behind and after a restart), the gateway's per-replica index following it, the
-router's choice by held prefix (device above host above disk, load watermark, rendezvous when nobody
-holds it, round robin as a baseline) and, with two real engine replicas, an index that agrees with the
-engines after evictions and a restart and sends a returning session to the replica holding its prefix."""
+router's choice by held prefix (device above host above disk, weighed against load, load watermark,
+rendezvous when nobody holds it, round robin as a baseline) and, with two real engine replicas, an index
+that agrees with the engines after evictions and a restart and sends a returning session to the replica
+holding its prefix."""
 
 from __future__ import annotations
 
@@ -152,14 +153,15 @@ def test_what_this_process_just_sent_counts_until_the_events_say_otherwise(route
     assert index.held_prefix(p) == []
 
 
-def test_a_holder_far_busier_than_the_least_loaded_is_passed_over(router: Router) -> None:
+def test_a_somewhat_busier_holder_keeps_its_prompt(router: Router) -> None:
+    """Prefix hits weigh against load (``ScoreWeights``; more in test_routing_scorer.py): a holder of the
+    whole prompt with a few more requests in flight is still the best place for it."""
     p = prompt_hashes(7)
     hold(router, 1, p)
-    router.replicas[1].inflight = 2  # load score 2.5 (inflight + half the engine's running)
-    assert router.pick("m", p) is router.replicas[1]  # 2.5 <= 2 x 0.5 + 2 (the least loaded's): stays
     router.replicas[1].inflight = 3
-    chosen = router.pick("m", p)
-    assert chosen is not router.replicas[1] and chosen.load_score == 0.5  # spread, not piled up
+    assert router.pick("m", p) is router.replicas[1]
+    router.replicas[1].load = load(waiting=2, kv_usage=0.9)  # and its running requests fill its cache
+    assert router.pick("m", p) is not router.replicas[1]
 
 
 def test_nobody_holding_it_converges_by_rendezvous(router: Router) -> None:
