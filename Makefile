@@ -1,10 +1,12 @@
-# The two commands of the README: `make up` starts the platform, `make test` runs the tests.
+# The two commands of the README: `make up` starts the platform, `make test` runs the tests (all of them,
+# as CI does). `make check` is the fast lane while working: every test not marked slow or e2e (whole
+# platforms, faults, ahead-of-time compiles), in a few minutes.
 # Both set up .venv (and missing Debian packages) first through scripts/bootstrap.sh.
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup up test lint bench fmt
+.PHONY: setup up test check lint bench fmt
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -14,7 +16,11 @@ up: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q --durations=15 $(PYTEST_ARGS)
+
+check: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -m "not slow and not e2e" --durations=10 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -23,10 +23,10 @@ async def test_usage_of_an_ended_request_and_of_one_ending_while_asked() -> None
     assert await recent.final_usage("done", wait_s=0) == Usage(10, 0, 3)
     # Still running after the wait: unknown yet. Ending meanwhile: the waiter gets it.
     assert await recent.final_usage("running", wait_s=0.01) is None
-    asking = asyncio.create_task(recent.final_usage("running", wait_s=5))
-    await asyncio.sleep(0)
-    running.put_nowait(_final("running", 7))
-    assert await asking == Usage(10, 0, 7)
+    # The final delta arrives while final_usage is already waiting for it (call_soon runs it after the
+    # coroutine below reached its wait).
+    asyncio.get_running_loop().call_soon(running.put_nowait, _final("running", 7))
+    assert await recent.final_usage("running", wait_s=5) == Usage(10, 0, 7)
     assert await recent.final_usage("never-seen", wait_s=0.01) is None
 
 

@@ -130,7 +130,8 @@ def test_engine_command_builds_config_and_serves(tmp_path: Path, monkeypatch: py
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     (config,), kwargs = calls[0]
-    assert kwargs == {"host": "127.0.0.1", "port": 8123, "pool": "batch", "model_name": None}
+    assert kwargs == {"host": "127.0.0.1", "port": 8123, "pool": "batch", "model_name": None,
+                      "drain_timeout_s": 120.0, "internal_token": None}
     assert (config.model, config.num_kv_blocks, config.max_num_seqs, config.max_model_len) == (
         str(tmp_path),
         32,
