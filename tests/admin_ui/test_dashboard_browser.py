@@ -32,7 +32,7 @@ from tollgate.models import AuditLog, UsageEvent
 
 # Meant for one worker sharing the gateway + engine + browser (pytest -n --dist loadgroup); with pytest 9
 # and xdist 3.8 the group is not honoured, so each worker builds its own (slower, still correct).
-pytestmark = pytest.mark.xdist_group("admin_ui")
+pytestmark = [pytest.mark.xdist_group("admin_ui"), pytest.mark.slow]
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there, dashboard!"}], "max_tokens": 8}
 LEDGER_TIMEOUT_S = 30.0

@@ -140,6 +140,7 @@ class Stream:
         assert not self._thread.is_alive(), "the stream never ended"
 
 
+@pytest.mark.slow
 def test_sigterm_drains_the_running_stream_and_refuses_new_work(tiny_llama_dir: Path, tmp_path: Path) -> None:
     with run_engine(tiny_llama_dir, tmp_path / "engine.log", env={"TOLLGATE_INTERNAL_TOKEN": TOKEN},
                     options=("--num-kv-blocks", "512", "--drain-timeout-s", "120")) as (url, proc):
@@ -165,6 +166,7 @@ def test_sigterm_drains_the_running_stream_and_refuses_new_work(tiny_llama_dir: 
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
 def test_a_stream_longer_than_the_drain_timeout_is_cut(tiny_llama_dir: Path, tmp_path: Path) -> None:
     with run_engine(tiny_llama_dir, tmp_path / "engine.log",
                     options=("--num-kv-blocks", "512", "--drain-timeout-s", "0.5")) as (url, proc):

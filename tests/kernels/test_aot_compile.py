@@ -25,7 +25,7 @@ from kernels._common import recorded_launches
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
 # One worker runs the module, so the compiles (the module-scoped fixture) run once per test run.
-pytestmark = pytest.mark.xdist_group("aot_compile")
+pytestmark = [pytest.mark.xdist_group("aot_compile"), pytest.mark.slow]
 
 
 def _compiled_env() -> dict[str, str]:

@@ -123,6 +123,7 @@ def _run_installed(venv: Path, args: list[str], cwd: Path, **env: str) -> subpro
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
+@pytest.mark.slow  # a fresh virtualenv and ~100 s of compiles
 def test_the_installed_kernels_compile_for_sm90(image, tmp_path):
     where = _run_installed(image, ["-c", "import kernels; print(kernels.__file__)"], tmp_path,
                            TRITON_INTERPRET="0")  # fmt: skip
@@ -133,6 +134,7 @@ def test_the_installed_kernels_compile_for_sm90(image, tmp_path):
     assert re.search(r"\d+ specialisations compiled, 0 unfit to launch", proc.stdout)
 
 
+@pytest.mark.slow  # a fresh virtualenv and ~100 s of compiles
 def test_the_installed_triton_builds_its_cuda_driver_stub(image, tmp_path):
     """The C build Triton runs at a GPU's first launch (``CudaUtils``), with the installed Triton and
     the compiler the image installs. ``libcuda.so.1`` is the NVIDIA driver's library, which the
