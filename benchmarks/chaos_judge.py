@@ -14,8 +14,10 @@ checks, per request the clients made:
   ``failed``/``cancelled`` (a non-streamed error bills nothing; a broken stream at most what it computed);
 - ``transport`` (no answer): no client-known id; such rows show up as unattributed below;
 - every row's cost is its tokens at the model's price in effect (``billing.prices``);
-- unattributed interactive rows (a background response's, the worker's request id; a request whose
-  connection died): none may be ``completed`` beyond the background responses that completed;
+- background responses, read back at the end: none still queued or running; each that ended with usage
+  has exactly one ``completed`` row of that usage (its row carries the worker's request id); no other
+  ``completed`` row exists that no client knows (a request whose connection died must not be billed as
+  delivered);
 - batches: each ended ``completed``, its output has each ``custom_id`` exactly once, and the ledger has
   exactly one ``completed`` row per line (``gateway.batches.lines.line_request_id``): no line ran twice;
 - admission counters back to zero (live concurrency leases, cost holds) and the month's spend counter equal
@@ -162,6 +164,23 @@ def _row_usage(row: UsageEvent) -> tuple[int, int, int]:
     return row.prompt_tokens, row.cached_tokens, row.completion_tokens
 
 
+async def _background_finals(platform: ChaosPlatform, log: LoadLog,
+                             tenants: list[Tenant]) -> list[tuple[str, tuple[int, int] | None]]:
+    """(status, (input tokens, output tokens)) of every background response, read back now."""
+    by_name = {t.name: t for t in tenants}
+    finals = []
+    async with httpx.AsyncClient(base_url=platform.base_url, timeout=30.0) as client:
+        for outcome in log.outcomes:
+            if outcome.op != "background" or outcome.response_id is None:
+                continue
+            answer = (await client.get(f"/v1/responses/{outcome.response_id}",
+                                       headers=by_name[outcome.tenant].headers)).json()
+            usage = answer.get("usage")
+            finals.append((answer["status"],
+                           (usage["input_tokens"], usage["output_tokens"]) if usage else None))
+    return finals
+
+
 def _during_worker_kill(outcome: Outcome, worker_kills: list[float]) -> bool:
     """Whether a gateway worker was killed while the request ran (its usage could not be settled)."""
     return any(outcome.started <= at <= outcome.ended + 1.0 for at in worker_kills)
@@ -190,6 +209,7 @@ async def judge(
         "batch_line_rows_wrong",
         "leases_left",
         "holds_left",
+        "background_stuck",
         "spend_differs",
     ):
         verdict.ok(check)
@@ -237,7 +257,6 @@ async def judge(
     known: set[str] = set()
     outcomes_by_kind: collections.Counter[tuple[str, str]] = collections.Counter()
     statuses: collections.Counter[str] = collections.Counter()
-    background_completed = 0
     unbilled_by_worker_kill = 0
     worker_kills = [f.killed_at for f in faults if f.kind == "gateway_worker"]
     for outcome in log.outcomes:
@@ -249,7 +268,6 @@ async def judge(
             elif outcome.status not in DOCUMENTED_ERRORS:
                 verdict.fail("undocumented_status", f"{outcome.op} {outcome.status} {outcome.code}")
         if outcome.op == "background":
-            background_completed += outcome.kind == "ok"
             continue  # its ledger row carries the worker's request id: counted among the unattributed
         if outcome.request_id is None:
             continue
@@ -283,12 +301,21 @@ async def judge(
 
     unattributed = [r for r in rows if r.request_id not in known and r.request_class == "interactive"]
     unattributed_statuses = collections.Counter(r.status for r in unattributed)
-    if unattributed_statuses["completed"] > background_completed:
-        verdict.fail(
-            "unattributed_completed",
-            f"{unattributed_statuses['completed']} completed rows no client "
-            f"knows, {background_completed} background responses completed",
-        )
+    # Background responses, as their stored objects finally say: each one that ended with usage has one
+    # completed row of that usage; none may still be queued or running now that the platform is quiet.
+    background = await _background_finals(platform, log, tenants)
+    background_statuses = collections.Counter(status for status, _ in background)
+    for status in ("queued", "in_progress"):
+        if background_statuses[status]:
+            verdict.fail("background_stuck", f"{background_statuses[status]} still {status}")
+    expected = collections.Counter(usage for status, usage in background
+                                   if status in ("completed", "incomplete") and usage is not None)
+    found = collections.Counter((r.prompt_tokens, r.completion_tokens) for r in unattributed
+                                if r.status == "completed")
+    if expected - found:
+        verdict.fail("lost", f"background responses without their row: {dict(expected - found)}")
+    if found - expected:
+        verdict.fail("unattributed_completed", f"completed rows no client knows: {dict(found - expected)}")
 
     by_name = {t.name: t for t in tenants}
     batch_lines = 0
@@ -342,6 +369,7 @@ async def judge(
         "ledger_rows": len(rows),
         "ledger_rows_checked": len([r for r in rows if r.request_id in known]),
         "unattributed_rows": dict(unattributed_statuses),
+        "background_final_statuses": dict(background_statuses),
         "abandoned_unbilled_worker_killed": unbilled_by_worker_kill,
         "batches": len(log.batches),
         "batch_lines": batch_lines,

@@ -40,6 +40,7 @@ class Outcome:
     tenant: str
     kind: str
     request_id: str | None = None
+    response_id: str | None = None  # a background response's id (its ledger row has the worker's request id)
     status: int | None = None
     code: str | None = None
     usage: dict[str, Any] | None = None  # chat-shaped: prompt_tokens, completion_tokens, cached_tokens
@@ -312,7 +313,7 @@ class Load:
         if queued.status_code != 200:
             outcome.kind, outcome.code = "http_error", _error_code(queued)
             return
-        response_id = queued.json()["id"]
+        response_id = outcome.response_id = queued.json()["id"]
         outcome.kind = "failed_background"
         deadline = time.monotonic() + BACKGROUND_POLL_S
         while time.monotonic() < deadline:

@@ -52,6 +52,7 @@ SETTINGS: dict[str, Any] = {
     "key_cache_ttl_s": 30.0,
     "stream_lease_ttl_s": 6.0,
     "batch_lease_ttl_s": 4.0,
+    "background_lease_ttl_s": 4.0,
     "batch_sweep_interval_s": 1.0,
     "batch_status_poll_interval_s": 0.5,
     "restart_backoff_s": 0.5,

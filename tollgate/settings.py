@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     responses_retention_sweep_s: float = 3600.0
     # A worker running a background response polls for its cancellation this often.
     responses_cancel_poll_s: float = 0.5
+    # A running background response's lease (gateway.responses.background): a worker that dies leaves
+    # it to expire, and beat's requeue sweep (every batch_sweep_interval_s) runs the response again.
+    background_lease_ttl_s: float = 30.0
 
     # Files and the batch tier (issue #6). Files live under ``file_storage_dir`` (default
     # ``data_dir/files``), shared by gateways and workers; uploads and batch outputs expire after

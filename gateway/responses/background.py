@@ -13,18 +13,27 @@
   what it generated; the stored object keeps that output, status ``cancelled``);
 - an error before any engine work (rate limit, overload, no replica) ends it ``failed`` with the reason.
 
-A response whose worker died stays ``in_progress`` until beat's retention sweep marks it ``failed``
-after ``request_timeout_s`` (a response never runs longer).
+A running response holds a lease in Redis (``lease_key``, ``background_lease_ttl_s``, renewed at a third of
+it), set before its claim commits, so a response seen ``in_progress`` without its lease has lost its
+worker (SIGKILLed, its host gone). Beat's ``responses.requeue`` sweep (every ``batch_sweep_interval_s``)
+puts such a response back to ``queued`` and sends its task again, up to ``MAX_ATTEMPTS`` runs in all, then
+marks it ``failed``: a worker's death costs the tenant a wait, not the response. Every run of a response
+has the same request id (``request_id_of``), the ledger's idempotency key, so a response run twice (its
+first worker died after billing, before storing) is billed once. As a last resort the retention sweep
+still fails a response ``in_progress`` after ``request_timeout_s`` (a response never runs longer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from redis.asyncio import Redis
 from sqlalchemy import select, type_coerce, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -36,9 +45,25 @@ from gateway.openai.streaming import collect_until
 from gateway.responses.output import STATUS_CANCELLED, STATUS_FAILED, STATUS_IN_PROGRESS, STATUS_QUEUED
 from gateway.responses.schemas import CreateResponseRequest
 from gateway.responses.service import start_response
+from gateway.responses.store import SessionFactory
 from tollgate.models import ApiKey, StoredResponse, Tenant
 
 logger = logging.getLogger("tollgate.gateway.responses.background")
+
+MAX_ATTEMPTS = 3
+
+
+def lease_key(response_id: str) -> str:
+    return f"tollgate:responses:running:{response_id}"
+
+
+def attempts_key(response_id: str) -> str:
+    return f"tollgate:responses:attempts:{response_id}"
+
+
+def request_id_of(response_id: str) -> str:
+    """The request id of every run of a background response (the ledger's idempotency key)."""
+    return f"req_{response_id}"
 
 
 @dataclass(eq=False)
@@ -63,17 +88,31 @@ async def _claim(session: AsyncSession, response_id: str) -> tuple[StoredRespons
 
 async def run_background(runtime: GatewayRuntime, response_id: str) -> str | None:
     """Run a queued background response to its end; returns its final status (None: not run here)."""
+    ttl_ms = max(1, round(runtime.settings.background_lease_ttl_s * 1000))
+    holder = uuid.uuid4().hex
     async with runtime.sessions() as session, session.begin():
         claimed = await _claim(session, response_id)
         if claimed is None:
             return None
+        # The lease exists before anyone can see the claim: in_progress without a lease means a dead worker.
+        await runtime.redis.set(lease_key(response_id), holder, px=ttl_ms)
         row, principal = claimed
         request, created_at = dict(row.request or {}), int(row.body["created_at"])
-    body = CreateResponseRequest.model_validate(request)
-    request_id = f"req_{uuid.uuid4().hex}"
+    renewal = asyncio.create_task(_renew(runtime, response_id, holder, ttl_ms))
     try:
-        answer = await start_response(runtime, principal, request_id, body, response_id=response_id,
-                                      created_at=created_at)
+        return await _run(runtime, response_id, principal, request, created_at)
+    finally:
+        renewal.cancel()
+        with contextlib.suppress(Exception):
+            await runtime.redis.delete(lease_key(response_id))
+
+
+async def _run(runtime: GatewayRuntime, response_id: str, principal: Principal, request: dict,
+               created_at: int) -> str | None:
+    body = CreateResponseRequest.model_validate(request)
+    try:
+        answer = await start_response(runtime, principal, request_id_of(response_id), body,
+                                      response_id=response_id, created_at=created_at)
     except GatewayError as exc:
         await _fail(runtime, response_id, exc)
         return STATUS_FAILED
@@ -83,6 +122,72 @@ async def run_background(runtime: GatewayRuntime, response_id: str) -> str | Non
         pass  # stored as failed by the response itself
     async with runtime.sessions() as session:
         return await session.scalar(select(StoredResponse.status).where(StoredResponse.id == response_id))
+
+
+async def _renew(runtime: GatewayRuntime, response_id: str, holder: str, ttl_ms: int) -> None:
+    """Keep the lease alive while the run goes on (Redis down for a moment: the next renewal retries)."""
+    while True:
+        await asyncio.sleep(ttl_ms / 3000)
+        with contextlib.suppress(Exception):
+            await runtime.redis.set(lease_key(response_id), holder, px=ttl_ms)
+
+
+async def requeue_orphans(sessions: SessionFactory, redis: Redis,
+                          send: Callable[[str], Awaitable[None]]) -> dict[str, int]:
+    """Background responses ``in_progress`` without a lease (their worker died): back to ``queued`` and
+    sent again, or ``failed`` after ``MAX_ATTEMPTS`` runs. Returns the counts."""
+    async with sessions() as session:
+        running = (await session.scalars(select(StoredResponse.id).where(
+            StoredResponse.status == STATUS_IN_PROGRESS, StoredResponse.request.is_not(None)))).all()
+    counts = {"requeued": 0, "failed": 0}
+    for response_id in running:
+        if await redis.exists(lease_key(response_id)):
+            continue
+        status = await _set_orphan_status(sessions, redis, response_id)
+        if status == STATUS_QUEUED:
+            try:
+                await send(response_id)
+            except Exception:  # the broker is down: in_progress again, for the next sweep to retry
+                logger.exception("could not send background response %s again", response_id)
+                await _set_status(sessions, response_id, STATUS_QUEUED, STATUS_IN_PROGRESS)
+                await redis.decr(attempts_key(response_id))
+                continue
+            counts["requeued"] += 1
+        elif status == STATUS_FAILED:
+            counts["failed"] += 1
+    if any(counts.values()):
+        logger.warning("background responses of dead workers: %(requeued)d queued again, %(failed)d failed",
+                       counts)
+    return counts
+
+
+async def _set_orphan_status(sessions: SessionFactory, redis: Redis,
+                             response_id: str) -> str | None:
+    async with sessions() as session:  # a unit of work: commits on exit
+        row = await session.scalar(select(StoredResponse).where(StoredResponse.id == response_id)
+                                   .with_for_update())
+        if row is None or row.status != STATUS_IN_PROGRESS or await redis.exists(lease_key(response_id)):
+            return None
+        attempts = await redis.incr(attempts_key(response_id))
+        await redis.expire(attempts_key(response_id), 24 * 3600)
+        if attempts >= MAX_ATTEMPTS:
+            row.status = STATUS_FAILED
+            message = f"The worker running this response stopped {attempts} times."
+            row.body = {**row.body, "status": STATUS_FAILED,
+                        "error": {"code": "server_error", "message": message}}
+        else:
+            row.status = STATUS_QUEUED
+            row.body = {**row.body, "status": STATUS_QUEUED}
+        return row.status
+
+
+async def _set_status(sessions: SessionFactory, response_id: str, old: str, new: str) -> None:
+    async with sessions() as session:  # a unit of work: commits on exit
+        row = await session.scalar(select(StoredResponse).where(StoredResponse.id == response_id)
+                                   .with_for_update())
+        if row is not None and row.status == old:
+            row.status = new
+            row.body = {**row.body, "status": new}
 
 
 async def _cancelled(runtime: GatewayRuntime, response_id: str) -> None:

@@ -8,6 +8,8 @@
 - ``responses.retention`` every ``responses_retention_sweep_s`` (beat): deletes stored responses past
   their ``expires_at`` (queries stop seeing them at that moment; this frees the rows), and fails
   background responses whose worker died (still ``in_progress`` after ``request_timeout_s``).
+- ``responses.requeue`` every ``batch_sweep_interval_s`` (beat): background responses ``in_progress``
+  whose lease expired (their worker died) are queued and sent again (``background.requeue_orphans``).
 
 Each worker process keeps one event loop, database engine and Redis client
 (``tollgate.process_runtime``) and, once it runs a background response, one ``BackgroundRuntime``
@@ -23,16 +25,18 @@ from celery import shared_task
 from redis.asyncio import Redis
 
 from gateway.deps import WorkerRuntime
-from gateway.responses.background import BackgroundRuntime, fail_abandoned, run_background
+from gateway.responses.background import BackgroundRuntime, fail_abandoned, requeue_orphans, run_background
 from gateway.responses.repository import delete_expired
 from gateway.responses.service import BACKGROUND_TASK
 from gateway.responses.store import ResponseFlusher, SessionFactory
 from tollgate.process_runtime import PerProcess
 from tollgate.settings import Settings
 from tollgate.streams import claim_idle_ms, consumer_name
+from tollgate.task_sender import TaskSender
 
 RETENTION_TASK = "responses.retention"
 FLUSH_TASK = "responses.flush"
+REQUEUE_TASK = "responses.requeue"
 
 
 class _ProcessRuntime(WorkerRuntime[BackgroundRuntime]):
@@ -43,6 +47,11 @@ class _ProcessRuntime(WorkerRuntime[BackgroundRuntime]):
 
     async def flush(self) -> dict[str, int]:
         return await flush_responses(self.redis, self.db.session, self.settings)
+
+    async def requeue(self) -> dict[str, int]:
+        sender = TaskSender(self.settings)
+        return await requeue_orphans(self.db.session, self.redis,
+                                     lambda response_id: sender.send(BACKGROUND_TASK, [response_id]))
 
     async def retention(self) -> dict[str, int]:
         now = datetime.now(UTC)
@@ -71,6 +80,12 @@ def retention_task() -> dict[str, int]:
     return runtime.loop.run_until_complete(runtime.retention())
 
 
+@shared_task(name=REQUEUE_TASK, ignore_result=True)
+def requeue_task() -> dict[str, int]:
+    runtime = _runtime.get()
+    return runtime.loop.run_until_complete(runtime.requeue())
+
+
 @shared_task(name=FLUSH_TASK, ignore_result=True)
 def flush_task() -> dict[str, int]:
     runtime = _runtime.get()
@@ -89,4 +104,5 @@ async def flush_responses(redis: Redis, sessions: SessionFactory, settings: Sett
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     return {task: {"task": task, "schedule": interval, "options": {"expires": max(1.0, interval)}}
             for task, interval in ((RETENTION_TASK, settings.responses_retention_sweep_s),
-                                   (FLUSH_TASK, settings.usage_flush_interval_s))}
+                                   (FLUSH_TASK, settings.usage_flush_interval_s),
+                                   (REQUEUE_TASK, settings.batch_sweep_interval_s))}

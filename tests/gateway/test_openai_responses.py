@@ -412,6 +412,53 @@ async def test_cancel_a_queued_and_a_running_background_response(client: httpx.A
     assert stored["status"] == "cancelled" and stored["usage"]["output_tokens"] < 1800
 
 
+async def test_a_background_response_whose_worker_died_runs_again(client: httpx.AsyncClient,
+                                                                    gateway: GatewayUnderTest) -> None:
+    """A worker that dies mid-run leaves its response in_progress without a lease: the requeue sweep
+    queues it and sends it again (and a response with a live lease is left alone); after MAX_ATTEMPTS
+    deaths it fails instead of waiting forever."""
+    from sqlalchemy import type_coerce, update
+    from sqlalchemy.dialects.postgresql import JSONB
+
+    from gateway.responses.background import MAX_ATTEMPTS, lease_key, requeue_orphans, run_background
+    from tollgate.models import StoredResponse
+
+    async def die_running(response_id: str) -> None:
+        """As a worker that claimed it and was SIGKILLed: in_progress, its lease gone."""
+        async with gateway.db.session() as session:
+            await session.execute(update(StoredResponse).where(StoredResponse.id == response_id).values(
+                status="in_progress",
+                body=StoredResponse.body.op("||")(type_coerce({"status": "in_progress"}, JSONB))))
+        await gateway.runtime.redis.delete(lease_key(response_id))
+
+    sent: list[str] = []
+
+    async def send(response_id: str) -> None:
+        sent.append(response_id)
+
+    orphan = (await client.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4,
+                                                     "background": True})).json()["id"]
+    alive = (await client.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4,
+                                                    "background": True})).json()["id"]
+    await die_running(orphan)
+    await die_running(alive)
+    await gateway.runtime.redis.set(lease_key(alive), "a worker still running it", px=60_000)
+    await requeue_orphans(gateway.db.session, gateway.runtime.redis, send)
+    assert sent == [orphan]
+    assert (await client.get(f"/responses/{orphan}")).json()["status"] == "queued"
+    assert (await client.get(f"/responses/{alive}")).json()["status"] == "in_progress"
+    assert await run_background(gateway.runtime, orphan) in ("completed", "incomplete")
+
+    await gateway.runtime.redis.delete(lease_key(alive))
+    for _ in range(MAX_ATTEMPTS - 1):
+        await requeue_orphans(gateway.db.session, gateway.runtime.redis, send)
+        await die_running(alive)
+    await requeue_orphans(gateway.db.session, gateway.runtime.redis, send)
+    failed = (await client.get(f"/responses/{alive}")).json()
+    assert failed["status"] == "failed" and "stopped" in failed["error"]["message"]
+    assert sent.count(alive) == MAX_ATTEMPTS - 1
+
+
 async def test_only_background_responses_can_be_cancelled(client: httpx.AsyncClient) -> None:
     plain = (await client.post("/responses", json={"model": MODEL, "input": "Hi",
                                                      "max_output_tokens": 2})).json()
