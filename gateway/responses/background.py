@@ -17,7 +17,9 @@ A running response holds a lease in Redis (``lease_key``, ``background_lease_ttl
 it), set before its claim commits, so a response seen ``in_progress`` without its lease has lost its
 worker (SIGKILLed, its host gone). Beat's ``responses.requeue`` sweep (every ``batch_sweep_interval_s``)
 puts such a response back to ``queued`` and sends its task again, up to ``MAX_ATTEMPTS`` runs in all, then
-marks it ``failed``: a worker's death costs the tenant a wait, not the response. Every run of a response
+marks it ``failed``: a worker's death costs the tenant a wait, not the response. The same sweep sends the
+task of a response still ``queued`` after a lease period again (a dead worker may hold it unacknowledged
+until the broker's visibility timeout, an hour). Every run of a response
 has the same request id (``request_id_of``), the ledger's idempotency key, so a response run twice (its
 first worker died after billing, before storing) is billed once. As a last resort the retention sweep
 still fails a response ``in_progress`` after ``request_timeout_s`` (a response never runs longer).
@@ -31,7 +33,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from redis.asyncio import Redis
 from sqlalchemy import select, type_coerce, update
@@ -59,6 +61,10 @@ def lease_key(response_id: str) -> str:
 
 def attempts_key(response_id: str) -> str:
     return f"tollgate:responses:attempts:{response_id}"
+
+
+def resent_key(response_id: str) -> str:
+    return f"tollgate:responses:resent:{response_id}"
 
 
 def request_id_of(response_id: str) -> str:
@@ -132,14 +138,30 @@ async def _renew(runtime: GatewayRuntime, response_id: str, holder: str, ttl_ms:
             await runtime.redis.set(lease_key(response_id), holder, px=ttl_ms)
 
 
-async def requeue_orphans(sessions: SessionFactory, redis: Redis,
-                          send: Callable[[str], Awaitable[None]]) -> dict[str, int]:
+async def requeue_orphans(sessions: SessionFactory, redis: Redis, send: Callable[[str], Awaitable[None]],
+                          resend_after_ms: int = 30_000) -> dict[str, int]:
     """Background responses ``in_progress`` without a lease (their worker died): back to ``queued`` and
-    sent again, or ``failed`` after ``MAX_ATTEMPTS`` runs. Returns the counts."""
+    sent again, or ``failed`` after ``MAX_ATTEMPTS`` runs; those ``queued`` for longer than
+    ``resend_after_ms``: their task sent again. Returns the counts."""
     async with sessions() as session:
         running = (await session.scalars(select(StoredResponse.id).where(
             StoredResponse.status == STATUS_IN_PROGRESS, StoredResponse.request.is_not(None)))).all()
-    counts = {"requeued": 0, "failed": 0}
+        waiting = (await session.scalars(select(StoredResponse.id).where(
+            StoredResponse.status == STATUS_QUEUED, StoredResponse.request.is_not(None),
+            StoredResponse.created_at < datetime.now(UTC) - timedelta(milliseconds=resend_after_ms)))).all()
+    counts = {"requeued": 0, "failed": 0, "resent": 0}
+    for response_id in waiting:
+        # Its task may be held, unacknowledged, by a worker that died (the broker gives it back only after
+        # its visibility timeout, an hour): send it again, at most once per lease period. A duplicate task
+        # is harmless (only a queued response is claimed).
+        if await redis.set(resent_key(response_id), 1, px=max(1000, resend_after_ms), nx=True):
+            try:
+                await send(response_id)
+            except Exception:
+                logger.exception("could not send background response %s again", response_id)
+                await redis.delete(resent_key(response_id))
+                continue
+            counts["resent"] += 1
     for response_id in running:
         if await redis.exists(lease_key(response_id)):
             continue
@@ -156,8 +178,8 @@ async def requeue_orphans(sessions: SessionFactory, redis: Redis,
         elif status == STATUS_FAILED:
             counts["failed"] += 1
     if any(counts.values()):
-        logger.warning("background responses of dead workers: %(requeued)d queued again, %(failed)d failed",
-                       counts)
+        logger.warning("background responses of dead workers: %(requeued)d queued again, %(failed)d failed, "
+                       "%(resent)d tasks sent again", counts)
     return counts
 
 

@@ -9,7 +9,8 @@
   their ``expires_at`` (queries stop seeing them at that moment; this frees the rows), and fails
   background responses whose worker died (still ``in_progress`` after ``request_timeout_s``).
 - ``responses.requeue`` every ``batch_sweep_interval_s`` (beat): background responses ``in_progress``
-  whose lease expired (their worker died) are queued and sent again (``background.requeue_orphans``).
+  whose lease expired (their worker died) are queued and sent again, and those queued for a lease
+  period get their task sent again (``background.requeue_orphans``).
 
 Each worker process keeps one event loop, database engine and Redis client
 (``tollgate.process_runtime``) and, once it runs a background response, one ``BackgroundRuntime``
@@ -48,10 +49,15 @@ class _ProcessRuntime(WorkerRuntime[BackgroundRuntime]):
     async def flush(self) -> dict[str, int]:
         return await flush_responses(self.redis, self.db.session, self.settings)
 
+    _sender: TaskSender | None = None
+
     async def requeue(self) -> dict[str, int]:
-        sender = TaskSender(self.settings)
+        if self._sender is None:
+            self._sender = TaskSender(self.settings)
+        sender = self._sender
         return await requeue_orphans(self.db.session, self.redis,
-                                     lambda response_id: sender.send(BACKGROUND_TASK, [response_id]))
+                                     lambda response_id: sender.send(BACKGROUND_TASK, [response_id]),
+                                     resend_after_ms=round(self.settings.background_lease_ttl_s * 1000))
 
     async def retention(self) -> dict[str, int]:
         now = datetime.now(UTC)

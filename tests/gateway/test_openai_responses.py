@@ -446,6 +446,11 @@ async def test_a_background_response_whose_worker_died_runs_again(client: httpx.
     await requeue_orphans(gateway.db.session, gateway.runtime.redis, send)
     assert sent == [orphan]
     assert (await client.get(f"/responses/{orphan}")).json()["status"] == "queued"
+    # Queued a while, its task perhaps held by a dead worker: sent again, once per lease period.
+    sent.clear()
+    await requeue_orphans(gateway.db.session, gateway.runtime.redis, send, resend_after_ms=0)
+    await requeue_orphans(gateway.db.session, gateway.runtime.redis, send, resend_after_ms=0)
+    assert orphan in sent and sent.count(orphan) == 1 and alive not in sent
     assert (await client.get(f"/responses/{alive}")).json()["status"] == "in_progress"
     assert await run_background(gateway.runtime, orphan) in ("completed", "incomplete")
 
