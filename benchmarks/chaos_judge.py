@@ -18,8 +18,9 @@ checks, per request the clients made:
   has exactly one ``completed`` row of that usage (its row carries the worker's request id); no other
   ``completed`` row exists that no client knows (a request whose connection died must not be billed as
   delivered);
-- batches: each ended ``completed``, its output has each ``custom_id`` exactly once, and the ledger has
-  exactly one ``completed`` row per line (``gateway.batches.lines.line_request_id``): no line ran twice;
+- batches: each ended ``completed``, its output and error files have each ``custom_id`` exactly once, and
+  the ledger has exactly one ``completed`` row per line answered 200 (``gateway.batches.lines.
+  line_request_id``: no line ran twice) and none billed for a line that failed (its replica died mid-line);
 - admission counters back to zero (live concurrency leases, cost holds) and the month's spend counter equal
   to the ledger's sum, per tenant;
 - a request id never has two rows (**doubled**; the ledger's unique key makes it impossible, checked anyway).
@@ -138,12 +139,14 @@ async def settle(platform: ChaosPlatform, load: Load, tenants: list[Tenant]) -> 
 async def _batch_output(
     platform: ChaosPlatform, tenant: Tenant, final: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    file_id = final.get("output_file_id")
-    if not file_id:
-        return []
+    """Every line of the batch's output and error files (a failed line is in the error file)."""
+    lines: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=platform.base_url, timeout=30.0, headers=tenant.headers) as client:
-        content = await client.get(f"/v1/files/{file_id}/content")
-    return [json.loads(line) for line in content.text.splitlines() if line.strip()]
+        for file_id in (final.get("output_file_id"), final.get("error_file_id")):
+            if file_id:
+                content = await client.get(f"/v1/files/{file_id}/content")
+                lines += [json.loads(line) for line in content.text.splitlines() if line.strip()]
+    return lines
 
 
 class Verdict:
@@ -327,18 +330,19 @@ async def judge(
         seen = collections.Counter(line["custom_id"] for line in output)
         if sorted(seen) != sorted(batch.custom_ids) or any(n != 1 for n in seen.values()):
             verdict.fail("batch_line_missing_or_repeated", f"{batch.batch_id}: {dict(seen)}")
+        answered = {line["custom_id"]: (line.get("response") or {}).get("status_code") for line in output}
         for custom_id in batch.custom_ids:
             batch_lines += 1
             line_rows = by_id.get(line_request_id(batch.batch_id, custom_id), [])
-            if (
-                len(line_rows) != 1
-                or line_rows[0].status != "completed"
-                or line_rows[0].request_class != "batch"
-            ):
-                verdict.fail(
-                    "batch_line_rows_wrong",
-                    f"{batch.batch_id} {custom_id}: {[(r.status, r.request_class) for r in line_rows]}",
-                )
+            rows_seen = [(r.status, r.request_class, r.cost_pico_usd) for r in line_rows]
+            if answered.get(custom_id) == 200:
+                wrong = len(line_rows) != 1 or line_rows[0].status != "completed"
+            else:  # the line failed (e.g. its replica died mid-line: 502): billed nothing, if metered at all
+                billed = any(r.status == "completed" or r.cost_pico_usd for r in line_rows)
+                wrong = len(line_rows) > 1 or billed
+            if wrong or any(r.request_class != "batch" for r in line_rows):
+                verdict.fail("batch_line_rows_wrong", f"{batch.batch_id} {custom_id}: answered "
+                                                      f"{answered.get(custom_id)}, rows {rows_seen}")
 
     redis = aioredis.Redis.from_url(platform.redis_url)
     month = month_field(datetime.now(UTC))
