@@ -20,7 +20,8 @@ Invariants:
 - A request the gateway itself gives up on before answering (``void()``: a non-streamed request cut at
   shutdown, answered 503 ``server_shutting_down`` for the client to retry elsewhere) is metered as
   ``failed`` with zero tokens and zero cost: the client got nothing from that attempt, and its retry is
-  billed in full.
+  billed in full. A batch line's void attempt appends no record at all: every attempt of a line has the
+  line's request id, and the ledger keeps the first row of a request id.
 - Several prompts (legacy completions with a list prompt) are several engine requests run
   concurrently; their records are merged and re-indexed as ``prompt_index * n + i``; usage is summed.
 - Prices, the ledger's ``request_class`` and admission come from the runtime: a ``GatewayRuntime``
@@ -402,7 +403,10 @@ class Generation:
             logger.exception("pricing request %s failed", self.request_id)
             cost = 0
         self.cost_pico_usd = cost
-        if not self._streams:
+        # A batch line's attempt that bills nothing leaves no ledger row: the line's request id is the same
+        # on every attempt, and the ledger keeps a request id's first row, so a void attempt's row would
+        # shadow the retry that answers (and bills) the line.
+        if not self._streams or (self._void and rt.request_class == "batch"):
             try:
                 await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
             except Exception:
