@@ -103,19 +103,15 @@ class Faults:
             victim = await asyncio.to_thread(p.kill_gateway_worker)
             record.target = f"gateway worker {victim}"
             back = lambda: len([w for w in p.gateway_workers_pids() if w != victim]) >= before  # noqa: E731
-        elif kind == "redis":
-            record.target = "redis"
+        elif kind in ("redis", "postgres"):
+            servers = {"redis": (p.kill_redis, p.start_redis),
+                       "postgres": (p.kill_postgres, p.start_postgres)}
+            kill, start = servers[kind]
+            record.target = kind
             killed_at = time.monotonic()
-            await asyncio.to_thread(p.kill_redis)
+            await asyncio.to_thread(kill)
             await asyncio.sleep(self.down_s)
-            await asyncio.to_thread(p.start_redis)
-            back = lambda: True  # noqa: E731
-        elif kind == "postgres":
-            record.target = "postgres"
-            killed_at = time.monotonic()
-            await asyncio.to_thread(p.kill_postgres)
-            await asyncio.sleep(self.down_s)
-            await asyncio.to_thread(p.start_postgres)
+            await asyncio.to_thread(start)
             back = lambda: True  # noqa: E731
         elif kind == "celery_worker":
             tenant = self.tenants[len(self.records) % len(self.tenants)]
