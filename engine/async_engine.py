@@ -213,6 +213,7 @@ class AsyncEngine:
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "embedding_dimensions": e.runner.args.hidden_size,
             "pooling": self.pooling.mode,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
     async def add_request(

@@ -64,6 +64,9 @@ class EngineConfig:
     # Tests and benchmarks: run the device work on a simulated device whose steps take at least this
     # many milliseconds (``engine.device.SimulatedDevice``). None: the real device.
     simulated_step_ms: float | None = None
+    # Tensor parallelism (``engine.distributed``): the model's heads, MLP and vocabulary split over this
+    # many ranks (GPUs ``cuda:K .. K+N-1``, or N processes sharing the CPU), one replica.
+    tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,6 +105,10 @@ class EngineConfig:
                              "must be >= 0")
         if self.simulated_step_ms is not None and not self.simulated_step_ms >= 0:
             raise ValueError(f"simulated_step_ms must be >= 0, got {self.simulated_step_ms}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.simulated_step_ms is not None:
+            raise ValueError("a simulated device (simulated_step_ms) has no tensor parallelism")
         if self.disk_tier and (not self.host_tier or not self.kv_disk_dir):
             raise ValueError("a disk KV tier (disk_kv_gb) needs a host tier (host_kv_gb) and kv_disk_dir")
 

@@ -7,6 +7,9 @@ Invariants: every parameter is written exactly once from the checkpoint, shapes 
 and a missing or unexpected tensor is a ``ValueError`` naming it (never a silently random weight).
 Random weights only when asked for by name (``load_format="random"``: a ``config.json`` alone, for
 benchmarking model shapes whose checkpoints are not at hand, as vLLM's ``--load-format dummy``).
+A rank of a tensor-parallel group (``engine.distributed``) reads only its slice of each tensor
+(``safe_open(...).get_slice``): no rank materialises the whole model; padding rows of its vocabulary
+shard are zeros.
 The RoPE cache stays float32 whatever the model dtype.
 """
 
@@ -21,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.distributed import ShardSizes, TensorParallel
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import model_class
@@ -55,9 +59,11 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _fused_shards(args: ModelArgs) -> dict[str, tuple[str, int, int]]:
-    """HF projection name -> (fused name, first row, number of rows)."""
-    q, kv, inter = args.q_size, args.kv_size, args.intermediate_size
+def _fused_shards(args: ModelArgs, shard: ShardSizes | None = None) -> dict[str, tuple[str, int, int]]:
+    """HF projection name -> (fused name, first row, number of rows) on this rank."""
+    shard = shard or ShardSizes.of(args)
+    q, kv = shard.num_heads * args.head_dim, shard.num_kv_heads * args.head_dim
+    inter = shard.intermediate_size
     return {
         "q_proj": ("qkv_proj", 0, q),
         "k_proj": ("qkv_proj", q, kv),
@@ -65,6 +71,26 @@ def _fused_shards(args: ModelArgs) -> dict[str, tuple[str, int, int]]:
         "gate_proj": ("gate_up_proj", 0, inter),
         "up_proj": ("gate_up_proj", inter, inter),
     }
+
+
+def _source_slice(hf_name: str, args: ModelArgs, shard: ShardSizes) -> tuple[int, int, int] | None:
+    """(dimension, first index, length) of this rank's slice of a checkpoint tensor; None: the whole."""
+    module, _, leaf = hf_name.rpartition(".")
+    proj = module.rpartition(".")[2]
+    d = args.head_dim
+    if proj == "q_proj":
+        return 0, shard.first_head * d, shard.num_heads * d
+    if proj in ("k_proj", "v_proj"):
+        return 0, shard.first_kv_head * d, shard.num_kv_heads * d
+    if proj in ("gate_proj", "up_proj"):
+        return 0, shard.rank * shard.intermediate_size, shard.intermediate_size
+    if proj == "o_proj" and leaf == "weight":
+        return 1, shard.first_head * d, shard.num_heads * d
+    if proj == "down_proj" and leaf == "weight":
+        return 1, shard.rank * shard.intermediate_size, shard.intermediate_size
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, shard.vocab_start, shard.vocab_rows
+    return None
 
 
 def _expected_hf_names(model: nn.Module, shards: dict[str, tuple[str, int, int]]) -> set[str]:
@@ -83,10 +109,14 @@ def _expected_hf_names(model: nn.Module, shards: dict[str, tuple[str, int, int]]
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, args: ModelArgs, model_dir: str | Path) -> None:
-    """Fill every parameter of ``model`` from the checkpoint's safetensors files (see module docs)."""
+def load_weights(
+    model: nn.Module, args: ModelArgs, model_dir: str | Path, shard: ShardSizes | None = None
+) -> None:
+    """Fill every parameter of ``model`` from the checkpoint's safetensors files (see module docs);
+    ``shard``: this rank's slices only."""
+    shard = shard or ShardSizes.of(args)
     params = dict(model.named_parameters())
-    shards = _fused_shards(args)
+    shards = _fused_shards(args, shard)
     expected = _expected_hf_names(model, shards)
     seen: set[str] = set()
     for path in checkpoint_files(model_dir):
@@ -100,7 +130,13 @@ def load_weights(model: nn.Module, args: ModelArgs, model_dir: str | Path) -> No
                     raise ValueError(f"{path.name}: unexpected tensor {hf_name!r} for {args.architecture}")
                 if hf_name in seen:
                     raise ValueError(f"{path.name}: tensor {hf_name!r} appears twice in the checkpoint")
-                tensor = f.get_tensor(hf_name)
+                part = _source_slice(hf_name, args, shard) if shard.size > 1 else None
+                if part is None:
+                    tensor = f.get_tensor(hf_name)
+                else:
+                    dim, first, length = part
+                    view = f.get_slice(hf_name)
+                    tensor = view[first:first + length] if dim == 0 else view[:, first:first + length]
                 module, _, leaf = hf_name.rpartition(".")
                 parent, _, proj = module.rpartition(".")
                 if proj in shards:
@@ -108,6 +144,9 @@ def load_weights(model: nn.Module, args: ModelArgs, model_dir: str | Path) -> No
                     target = params[f"{parent}.{fused}.{leaf}"].narrow(0, row, rows)
                 else:
                     target = params[hf_name]
+                    if part is not None and part[0] == 0 and target.shape[0] > part[2]:
+                        target[part[2]:].zero_()  # the vocabulary shard's padding rows
+                        target = target.narrow(0, 0, part[2])
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"{path.name}: {hf_name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(target.shape)}")
@@ -144,15 +183,16 @@ def load_model(
     fused_kernels: bool = False,
     load_format: str = "safetensors",
     seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Construct the checkpoint's model class in ``dtype`` on ``device`` and load its weights (or draw
-    them, for ``load_format="random"``)."""
+    them, for ``load_format="random"``); ``tp``: this rank's shard of them only."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     args = args or ModelArgs.from_pretrained(model_dir)
     cls = model_class(args)
     with torch.device("meta"):
-        model = cls(args, backend, max_positions, fused_kernels=fused_kernels)
+        model = cls(args, backend, max_positions, fused_kernels=fused_kernels, tp=tp)
     model = model.to(dtype).to_empty(device=torch.device(device))
     model.tie_weights()
     for module in model.modules():
@@ -162,5 +202,5 @@ def load_model(
         init_random_weights(model, seed)
         model.tie_weights()
     else:
-        load_weights(model, args, model_dir)
+        load_weights(model, args, model_dir, model.shard)
     return model.eval()

@@ -23,6 +23,12 @@ One runner per engine replica, driven from the engine thread; its device work ru
 - A malformed batch (a chunk past the known tokens or ``max_model_len``, too few or out-of-range
   blocks) raises ``ValueError`` in ``forward``, before anything is submitted.
 - CUDA graphs (CUDA + ``triton`` backend, unless ``enforce_eager``): ``engine.cuda_graphs``.
+- Tensor parallelism (``config.tensor_parallel_size`` N > 1, ``engine.distributed``): the runner of rank 0
+  (the engine's) starts ranks 1..N-1 (``engine.rank_workers``), each a ``ModelRunner`` over its shard
+  driven by ``run_on_worker``; every step's inputs and tier copies go down to them in submission
+  order, the input ids are broadcast from rank 0's device inside the forward pass, and every rank ends
+  the pass with the whole logits (only rank 0 samples). The KV pool holds this rank's KV heads; every
+  rank has the same number of blocks (the smallest any rank has memory for).
 - ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``,
   capped at an enabled sliding window, since attention here is always full); the engine further caps
   it at the KV pool's capacity.
@@ -46,11 +52,13 @@ from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import DeviceExecutor, HostCopy, Work, create_executor, upload
+from engine.distributed import ShardSizes, TensorParallel
 from engine.input_batch import InputBatch, StepInputs
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model
 from engine.models.config import ModelArgs
+from engine.rank_workers import RankWorkers
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
 from engine.sequence import ScheduledBatch
 
@@ -118,30 +126,42 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: tor
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None) -> None:
+        """``rank``/``init_method``: a worker rank of a tensor-parallel replica (``engine.rank_workers``);
+        rank 0 starts the other ranks itself."""
         self.config = config
         self.block_size = config.block_size
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        size = config.tensor_parallel_size
+        self.device = self._rank_device(config.device, rank, size)
         self.dtype = _DTYPES[config.dtype]
         if self.device.type == "cpu":
             _keep_large_allocations_on_the_heap()
         model_dir = Path(config.model)
         self.args = args = ModelArgs.from_pretrained(model_dir)
+        self.shard = shard = ShardSizes.of(args, rank, size)  # ValueError before any rank starts
         self.max_model_len = self._resolve_max_model_len(args, config.max_model_len)
         self.vocab_size: int = args.vocab_size
+        self.tp = TensorParallel(rank, size)
+        self.workers: RankWorkers | None = None
+        if size > 1:
+            if self.device.type == "cpu":  # the ranks share the host's cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            if rank == 0:
+                self.workers = RankWorkers(config)
+                init_method = self.workers.init_method
+            assert init_method is not None
+            self.tp.start(init_method, "nccl" if self.device.type == "cuda" else "gloo")
 
         backend_cls = get_backend(config.attention_backend or "torch")
         self.attention_backend = backend_cls(
-            args.num_heads, args.num_kv_heads, args.head_dim, scale=args.head_dim**-0.5
+            shard.num_heads, shard.num_kv_heads, args.head_dim, scale=args.head_dim**-0.5
         )
         # The fused elementwise kernels only pay off (and are only needed) on the GPU; under the CPU
         # interpreter they would just slow the triton backend's tests down.
         fused = self.device.type == "cuda" and self.attention_backend.name == "triton"
         self.model = load_model(model_dir, self.attention_backend, self.dtype, self.device,
                                 max_positions=self.max_model_len, args=args, fused_kernels=fused,
-                                load_format=config.load_format, seed=config.seed)
+                                load_format=config.load_format, seed=config.seed, tp=self.tp)
 
         if (model_dir / "tokenizer.json").is_file():
             from engine.tokenizer import Tokenizer
@@ -150,9 +170,10 @@ class ModelRunner:
         else:
             self.eos_token_ids = _checkpoint_eos_ids(model_dir)
 
-        self.num_kv_blocks: int = config.num_kv_blocks or self._num_blocks_from_memory()
+        self.num_kv_blocks: int = config.num_kv_blocks or self.tp.min_int(self._num_blocks_from_memory(),
+                                                                          self.device)
         self.kv_caches: list[torch.Tensor] = [
-            _zeros_on_huge_pages((2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim),
+            _zeros_on_huge_pages((2, self.num_kv_blocks, self.block_size, shard.num_kv_heads, args.head_dim),
                                  self.dtype, self.device)
             for _ in range(args.num_layers)
         ]
@@ -163,8 +184,10 @@ class ModelRunner:
             slots = config.num_host_kv_blocks
             if slots is None:
                 slots = int(config.host_kv_gb * 2**30) // (self.block_size * self.kv_bytes_per_token)
-            self.kv_transfer = KVTransfer(self.kv_caches, max(1, slots), disk_dir,
-                                          cache_fingerprint(model_dir, self.dtype, block_shape))
+            fingerprint = cache_fingerprint(model_dir, self.dtype, block_shape, rank, size)
+            peers = [cache_fingerprint(model_dir, self.dtype, block_shape, r, size) for r in range(1, size)]
+            self.kv_transfer = KVTransfer(self.kv_caches, max(1, slots), disk_dir, fingerprint,
+                                          peers if rank == 0 else None)
         self._graphs: DecodeGraphs | None = None
         use_graphs = self.device.type == "cuda" and self.attention_backend.name == "triton"
         if use_graphs and not config.enforce_eager:
@@ -191,6 +214,23 @@ class ModelRunner:
         return create_executor("thread")
 
     @staticmethod
+    def _rank_device(device: str, rank: int, size: int) -> torch.device:
+        """Rank ``rank``'s device: ``cuda`` or ``cuda:K`` gives ranks consecutive GPUs from K; the CPU is
+        shared."""
+        base = torch.device(device)
+        if base.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {device!r} requested but CUDA is not available")
+            first = base.index or 0
+            if first + size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {size} from {device!r} needs GPUs {first}.."
+                                 f"{first + size - 1}, this host has {torch.cuda.device_count()}")
+            if size > 1 or base.index is not None:
+                torch.cuda.set_device(first + rank)
+                return torch.device("cuda", first + rank)
+        return base
+
+    @staticmethod
     def _resolve_max_model_len(args: ModelArgs, requested: int | None) -> int:
         limit = args.max_position_embeddings
         if requested is not None and requested > limit:
@@ -204,9 +244,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        """2 (K and V) x layers x this rank's kv_heads x head_dim x bytes per element."""
         a = self.args
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * self.shard.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def _activation_bytes(self) -> int:
         """Upper estimate of one step's activation memory: the largest live tensors of a forward over
@@ -248,6 +288,8 @@ class ModelRunner:
         self._check_transfers()
         self.transfer(batch.transfers)  # before the forward pass overwrites an evicted block
         inputs = self.input_batch.build(batch, self._previous_rows)
+        if self.workers is not None:
+            self.workers.send(("forward", _worker_inputs(inputs)))
         previous = self._previous_sample if inputs.pending_rows.size else None
         work = self.executor.submit(self._forward, inputs, previous, step=True)
         self._previous_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled)}
@@ -268,6 +310,8 @@ class ModelRunner:
         far, and land those that are done (their disk writes, pins and reads are queued then: an idle
         engine waiting for a disk read calls this with None until it lands)."""
         if self.kv_transfer is not None:
+            if self.workers is not None:
+                self.workers.send_plan(plan)
             self._transfers.append(self.executor.submit(self._transfer, self.kv_transfer, plan))
 
     def _check_transfers(self) -> None:
@@ -288,11 +332,29 @@ class ModelRunner:
 
     def close(self) -> None:
         """Finish the device's work and the disk tier's queued writes (a restart finds every block
-        demoted so far)."""
+        demoted so far); stop the other ranks."""
         if self.kv_transfer is not None:
+            if self.workers is not None:
+                self.workers.send(("flush", None))
             self.executor.submit(self.kv_transfer.flush).result()
             self.executor.submit(self.kv_transfer.close).result()
         self.executor.close()
+        if self.workers is not None:
+            self.workers.close()
+        self.tp.close()
+
+    def run_on_worker(self, kind: str, payload: object) -> None:
+        """A worker rank runs what rank 0 sent (``engine.rank_workers``), in order."""
+        if kind == "forward":
+            assert isinstance(payload, StepInputs)
+            self.executor.submit(self._forward, payload, None).result()
+        elif kind == "transfer":  # its reads are rank 0's to do (``engine.kv.transfer``)
+            self.transfer(payload)  # type: ignore[arg-type]
+            self._check_transfers()
+        elif kind == "flush":
+            self.flush_transfers()
+        else:
+            raise ValueError(f"unknown message from rank 0: {kind!r}")
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward ``batch`` and wait: its float32 logits ``[num_sampled, vocab]`` (tests, benchmarks)."""
@@ -305,6 +367,8 @@ class ModelRunner:
             rows = upload(inputs.pending_rows, self.device)
             sources = upload(inputs.pending_sources, self.device)
             input_ids[rows] = previous.result().token_ids[sources]
+        if self.tp.enabled:  # rank 0's ids (pending ones resolved on its device) to every rank
+            self.tp.broadcast(input_ids)
         if self._graphs is not None and self._graphs.covers(meta):
             hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
         else:
@@ -382,6 +446,14 @@ class ModelRunner:
                 finished[seq.seq_id] = vector
                 seq.pooled = None
         return finished
+
+
+def _worker_inputs(inputs: StepInputs) -> StepInputs:
+    """What the other ranks need of a step: its arrays, without the sequences (they neither sample nor
+    pool)."""
+    return StepInputs(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
+                      inputs.seq_lens, inputs.block_tables, inputs.logits_indices, inputs.pending_rows,
+                      inputs.pending_sources, inputs.query_lens, inputs.context_lens, [], None)
 
 
 @dataclass(slots=True)

@@ -296,6 +296,8 @@ class InfoResponse(BaseModel):
     # Embeddings: their length (the model's hidden size) and the checkpoint's pooling mode.
     embedding_dimensions: int | None = None
     pooling: str | None = None
+    # Ranks the model is split over (tensor parallelism; 1: the whole model on one device).
+    tensor_parallel_size: int = 1
 
 
 class CacheReport(BaseModel):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence as SequenceLike
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ class TierIO(Protocol):
 
     def scan(self, now: float) -> tuple[list[tuple[bytes, str]], dict[bytes, float]]: ...
 
-    def finished_reads(self) -> list[tuple[bytes, str, bytes | None]]: ...
+    def finished_reads(self) -> SequenceLike[tuple[bytes, str, object]]: ...
 
     def wait_for_read(self, timeout_s: float) -> None: ...
 

@@ -15,7 +15,12 @@ A block file is ``{disk_dir}/{fingerprint}/{salt key}/{chain hash}.kv``: a magic
 K/V for every layer (``[layers, 2, block_size, kv_heads, head_dim]``, raw). The fingerprint covers the
 checkpoint's config, dtype and block shape, so a replica restarted with another model never reads
 them; a file of the wrong size is a miss (and is deleted). Files are written to a temporary name and
-renamed, so a crash never leaves half a block under a hash. A retained (pinned) file's modification time
+renamed, so a crash never leaves half a block under a hash.
+Tensor parallelism: every rank keeps its own shard of each block in its own host buffer and its own
+files (the fingerprint covers the rank), and runs rank 0's plans on them. Rank 0's reads take the same
+file from every rank's directory (``peer_roots``, one host) and succeed only if all are readable: a
+filled slot's data is then one payload per rank, and rank 0 sends each rank its own.
+A retained (pinned) file's modification time
 is its pin's expiry, in the future: ``scan`` reports those pins at start, and a read leaves them alone
 (any other read marks the file recently used).
 """
@@ -44,12 +49,18 @@ _MAGIC = b"TGKV1\n"
 _SUFFIX = ".kv"
 
 
-def cache_fingerprint(model_dir: Path, dtype: torch.dtype, block_shape: tuple[int, ...]) -> str:
-    """16 hex digits naming the KV layout of a checkpoint (its config.json, the dtype, the block shape)."""
+def cache_fingerprint(model_dir: Path, dtype: torch.dtype, block_shape: tuple[int, ...], rank: int = 0,
+                      tp_size: int = 1) -> str:  # fmt: skip
+    """16 hex digits naming the KV layout of a checkpoint (its config.json, the dtype, the block shape;
+    under tensor parallelism, which rank's shard of how many)."""
     config = (model_dir / "config.json").read_bytes() if (model_dir / "config.json").is_file() else b""
-    digest = hashlib.sha256(config + f"|{dtype}|{block_shape}".encode()).hexdigest()
+    shard = f"|tp{rank}/{tp_size}" if tp_size > 1 else ""
+    digest = hashlib.sha256(config + f"|{dtype}|{block_shape}{shard}".encode()).hexdigest()
     return digest[:16]
 
+
+# A block read from disk: its payload, or one per rank (tensor parallelism, read by rank 0).
+BlockData = bytes | tuple[bytes, ...]
 
 # Copies issued together: an event on each side stream after them (none on the CPU: done), the tensors
 # they read and write (kept alive until then), and what to do on the host once they have landed, in order.
@@ -58,7 +69,7 @@ _InFlight = tuple[list["torch.cuda.Event"], list[torch.Tensor], list[Callable[[]
 
 class KVTransfer:
     def __init__(self, kv_caches: list[torch.Tensor], num_host_slots: int, disk_dir: Path | None,
-                 fingerprint: str) -> None:
+                 fingerprint: str, peer_fingerprints: list[str] | None = None) -> None:
         self.kv_caches = kv_caches
         layout = kv_caches[0].shape  # [2, blocks, block_size, kv_heads, head_dim]
         self.dtype = kv_caches[0].dtype
@@ -70,8 +81,10 @@ class KVTransfer:
         self.block_shape = (len(kv_caches), 2, *layout[2:])
         self.block_bytes = self.dtype.itemsize * int(torch.Size(self.block_shape).numel())
         self.root = disk_dir / fingerprint if disk_dir is not None else None
+        # Rank 0 of a tensor-parallel replica: the other ranks' directories, which its reads also read.
+        self.peer_roots = [disk_dir / f for f in peer_fingerprints or []] if disk_dir is not None else []
         self._jobs: queue.Queue[tuple[str, Path, object] | None] = queue.Queue()
-        self._reads: queue.Queue[tuple[bytes, str, bytes | None]] = queue.Queue()
+        self._reads: queue.Queue[tuple[bytes, str, BlockData | None]] = queue.Queue()
         self._thread: threading.Thread | None = None
         # A GPU's copies to the host and from it run on two side streams (two copy engines); the copies
         # issued and not yet landed.
@@ -200,7 +213,9 @@ class KVTransfer:
     def _slot_bytes(self, slot: int) -> bytes:
         return _file_bytes(torch.stack([host[:, slot] for host in self.host]))
 
-    def _set_slot(self, slot: int, data: bytes) -> None:
+    def _set_slot(self, slot: int, data: BlockData) -> None:
+        if isinstance(data, tuple):  # one payload per rank (tensor parallelism): rank 0's is the first
+            data = data[0]
         block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
         for layer, host in enumerate(self.host):
             host[:, slot] = block[layer]
@@ -222,7 +237,7 @@ class KVTransfer:
         except queue.Empty:
             pass
 
-    def finished_reads(self) -> list[tuple[bytes, str, bytes | None]]:
+    def finished_reads(self) -> list[tuple[bytes, str, BlockData | None]]:
         """Reads done since the last call: (hash, salt key, the block's bytes or None if unreadable)."""
         done = []
         while True:
@@ -281,7 +296,7 @@ class KVTransfer:
                     os.replace(tmp, path)
                 elif kind == "read":
                     digest, salt = cast(tuple[bytes, str], payload)
-                    self._reads.put((digest, salt, self._read_file(path)))
+                    self._reads.put((digest, salt, self._read_shards(path)))
                 elif kind == "pin":
                     os.utime(path, (payload, payload))  # type: ignore[arg-type]
                 elif kind == "delete":
@@ -297,6 +312,22 @@ class KVTransfer:
                 if kind == "read":
                     digest, salt = cast(tuple[bytes, str], payload)
                     self._reads.put((digest, salt, None))
+
+    def _read_shards(self, path: Path) -> BlockData | None:
+        """A block file's payload; with peers, the tuple of every rank's payloads (None if one is not
+        readable: the block is a miss on every rank)."""
+        data = self._read_file(path)
+        if not self.peer_roots or data is None:
+            return data
+        assert self.root is not None
+        relative = path.relative_to(self.root)
+        shards = [data]
+        for root in self.peer_roots:
+            peer = self._read_file(root / relative)
+            if peer is None:
+                return None
+            shards.append(peer)
+        return tuple(shards)
 
     def _read_file(self, path: Path) -> bytes | None:
         try:

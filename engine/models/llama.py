@@ -17,6 +17,10 @@ per-head q/k RMSNorm and explicit ``head_dim``, tied embeddings. Invariants:
   turns the Triton kernels on for CUDA + triton.
 - ``forward`` returns the final hidden states ``[T, hidden]``; ``compute_logits`` projects only the
   rows the caller selects, so a prefill of many tokens never materialises ``[T, vocab]``.
+- Tensor parallelism (``tp``, ``engine.distributed``): this rank's heads, MLP columns and vocabulary
+  rows; ``o_proj``/``down_proj`` all-reduce, the embedding all-reduces, ``compute_logits`` all-gathers
+  (every rank returns the whole ``[N, vocab]``). The hidden states are whole on every rank. Without
+  ``tp`` (a group of one) the layers are the plain PyTorch ones.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.distributed import ShardSizes, TensorParallel
 from engine.models.config import ModelArgs
+from engine.models.parallel_layers import RowParallelLinear, VocabParallelEmbedding
 
 
 class TorchOps:
@@ -188,12 +194,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops,
+                 shard: ShardSizes, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_size, self.kv_size = args.q_size, args.kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = shard.num_heads * args.head_dim, shard.num_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, args.hidden_size, args.o_bias, tp)
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
         if args.qk_norm:
@@ -231,23 +238,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, ops: Ops) -> None:
+    def __init__(self, args: ModelArgs, ops: Ops, shard: ShardSizes, tp: TensorParallel) -> None:
         super().__init__()
         self._ops = ops
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        inter = shard.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * inter, bias=args.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, D]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
+    def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops,
+                 shard: ShardSizes, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.self_attn = Attention(args, rotary, backend, ops)
+        self.self_attn = Attention(args, rotary, backend, ops, shard, tp)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.mlp = MLP(args, ops)
+        self.mlp = MLP(args, ops, shard, tp)
 
     def forward(
         self,
@@ -269,16 +278,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int, ops: Ops) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int, ops: Ops,
+                 shard: ShardSizes, tp: TensorParallel) -> None:
         super().__init__()
         # The loader fills every weight from the checkpoint, so the random init is skipped: under its
         # meta-device mode, Embedding's normal_ imports torch._dynamo (~2 s of CPU on the first load).
-        self.embed_tokens = nn.Embedding(
-            args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
-        )
+        self.embed_tokens = VocabParallelEmbedding(shard, args.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(args, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, self.rotary_emb, backend, ops) for _ in range(args.num_layers)
+            DecoderLayer(args, self.rotary_emb, backend, ops, shard, tp) for _ in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 
@@ -298,7 +306,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``max_positions`` sizes the RoPE cache (at least the engine's max_model_len);
-    ``fused_kernels`` picks ``TritonOps`` over ``NativeOps`` (``TorchOps`` with the CPU kernels)."""
+    ``fused_kernels`` picks ``TritonOps`` over ``NativeOps`` (``TorchOps`` with the CPU kernels); ``tp``:
+    this process's rank of a tensor-parallel group (None: the whole model)."""
 
     def __init__(
         self,
@@ -306,12 +315,15 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int | None = None,
         fused_kernels: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.args = args
+        self.tp = tp = tp or TensorParallel()
+        self.shard = shard = ShardSizes.of(args, tp.rank, tp.size)
         ops: Ops = TritonOps() if fused_kernels else NativeOps()
-        self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings, ops)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings, ops, shard, tp)
+        self.lm_head = nn.Linear(args.hidden_size, shard.vocab_per_rank, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -331,4 +343,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] in the model dtype
-        return self.lm_head(hidden)
+        if not self.tp.enabled:
+            return self.lm_head(hidden)
+        return self.tp.gather_last_dim(self.lm_head(hidden))[:, : self.args.vocab_size]

@@ -74,6 +74,9 @@ PLATFORM_SETTINGS: dict[str, Any] = {
 }
 
 
+ENGINE_TENSOR_PARALLEL_SIZE = 2
+
+
 def platform_env(database_url: str, redis_url: str, engine_url: str, model_dir: Path) -> dict[str, str]:
     """The environment ``tollgate up`` (and every CLI call against it) runs with."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "OPENAI_"))}
@@ -136,6 +139,11 @@ class Platform:
     @property
     def redis_url(self) -> str:
         return self.env["TOLLGATE_REDIS_URL"]
+
+    @property
+    def engine_url(self) -> str:
+        """The interactive pool's (only) engine replica."""
+        return json.loads(self.env["TOLLGATE_POOLS"])["interactive"]["replicas"][0]
 
     def cli(self, *args: str) -> str:
         """``tollgate ARGS`` against this platform (as an operator who sourced the ``env`` file)."""
@@ -202,7 +210,10 @@ def start_platform(shared_servers: Any, root: Path) -> Iterator[Platform]:
     model_dir = create_tiny_checkpoint(root / "tiny", arch="llama", seed=0)
     data_dir, log = root / "data", root / "up.log"
     try:
-        with run_engine(model_dir, root / "engine.log", options=tiered(root / "kv")) as (engine_url, _engine):
+        # The replica splits the model over two ranks (tensor parallelism, gloo on the CPU): every e2e test
+        # also shows a tensor-parallel engine serving the platform through the official SDKs.
+        engine_options = (*tiered(root / "kv"), "--tensor-parallel-size", str(ENGINE_TENSOR_PARALLEL_SIZE))
+        with run_engine(model_dir, root / "engine.log", options=engine_options) as (engine_url, _engine):
             env = platform_env(shared_servers.postgres.url(database), redis_url, engine_url, model_dir)
             proc = spawn([sys.executable, "-m", "tollgate", "up", "--no-engine", "--data-dir", str(data_dir),
                           "--port", str(free_port())], log_path=log, env=env, cwd=root)

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import psycopg
 import pydantic
 import pytest
 
-from tests.e2e.platform_harness import MODEL, PLATFORM_GROUP, Platform
+from tests.e2e.platform_harness import ENGINE_TENSOR_PARALLEL_SIZE, MODEL, PLATFORM_GROUP, Platform
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(PLATFORM_GROUP)]
@@ -39,6 +40,20 @@ def test_chat_plain_and_streamed(client: openai.OpenAI) -> None:
         stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_the_engine_serving_the_platform_splits_its_model_over_two_ranks(client: openai.OpenAI,
+                                                                         platform: Platform) -> None:
+    info = httpx.get(f"{platform.engine_url}/info", timeout=10).json()
+    assert info["tensor_parallel_size"] == ENGINE_TENSOR_PARALLEL_SIZE == 2
+    messages = [{"role": "user", "content": "Count from one to twenty, in words, one number per line."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                           temperature=0)  # fmt: skip
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                           temperature=0)  # fmt: skip
+    assert reply.choices[0].message.content == again.choices[0].message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prefix cache, on both ranks
 
 
 class Weather(pydantic.BaseModel):

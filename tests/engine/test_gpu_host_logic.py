@@ -27,6 +27,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed import ShardSizes
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelArgs
 from kernels import default_num_splits
@@ -170,6 +171,7 @@ def _cuda_runner(model_dir: Path, dtype: str, **config: Any) -> ModelRunner:
     runner.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     runner.device = torch.device("cuda")
     runner.block_size = runner.config.block_size
+    runner.shard = ShardSizes.of(runner.args, 0, runner.config.tensor_parallel_size)
     return runner
 
 
@@ -191,6 +193,9 @@ def test_kv_blocks_from_free_device_memory(tiny_qwen3_dir: Path, monkeypatch: py
     fp32 = _cuda_runner(tiny_qwen3_dir, "float32", gpu_memory_utilization=0.5, max_num_seqs=8,
                         max_num_batched_tokens=512)
     assert fp32._num_blocks_from_memory() <= expected // 2 + 1
+    # A rank of a 2-way split holds half the KV heads: half the bytes per token.
+    split = _cuda_runner(tiny_qwen3_dir, "bfloat16", tensor_parallel_size=2)
+    assert split.kv_bytes_per_token == runner.kv_bytes_per_token // 2
 
 
 def test_no_kv_blocks_left_is_a_clear_error(tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -339,3 +339,15 @@ def test_several_engine_replicas_get_their_own_ports_logs_and_disk_tiers(tmp_pat
     one = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=None,
                         with_engine=True, gateway_workers=1)
     assert one._engines() == [("engine", 9100, data / "kv")]
+
+
+def test_engine_replicas_split_the_model_over_the_configured_ranks(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    settings = Settings(engine_tensor_parallel_size=2)
+    platform = LocalPlatform(settings, tmp_path / "data", port=8000, engine_port=9100, model=model,
+                             with_engine=True, gateway_workers=1, engine_replicas=2)
+    for spec in platform._engine_specs({}):
+        argv = spec.argv
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+        assert argv[argv.index("--model") + 1] == str(model.resolve())

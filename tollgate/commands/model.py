@@ -77,6 +77,9 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
               help="Draft tokens per sequence and step from prompt lookup (a prediction: twice as many).")
 @click.option("--speculative-max-batch", type=click.IntRange(min=0), default=16, show_default=True,
               help="No speculation while more sequences than this run.")
+@click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the model over this many GPUs (cuda:K.. from --device) or CPU processes; one "
+                   "replica, rank 0 serving.")
 @click.option("--overlap/--no-overlap", default=None,
               help="Schedule step N+1 while the device runs step N (default: on for CUDA, off on the CPU).")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=120.0, show_default=True,
@@ -107,6 +110,7 @@ def engine(
     speculation: str,
     num_speculative_tokens: int,
     speculative_max_batch: int,
+    tensor_parallel_size: int,
     overlap: bool | None,
     drain_timeout_s: float,
 ) -> None:
@@ -156,7 +160,13 @@ def engine(
             num_speculative_tokens=num_speculative_tokens,
             num_prediction_tokens=2 * num_speculative_tokens,
             speculative_max_batch=speculative_max_batch,
+            tensor_parallel_size=tensor_parallel_size,
         )
+        if tensor_parallel_size > 1:
+            from engine.distributed import check_divisible
+            from engine.models.config import ModelArgs
+
+            check_divisible(ModelArgs.from_pretrained(model_path), tensor_parallel_size)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     serve(config, host=host, port=port, pool=pool, model_name=model_name, internal_token=token,

@@ -340,6 +340,50 @@ class LocalPlatform:
             for i in range(self.engine_replicas)
         ]
 
+    def _engine_specs(self, env: dict[str, str]) -> list[Any]:
+        """The supervisor's specs of the engine replicas (``tollgate engine`` each)."""
+        from tollgate.supervisor import ProcessSpec, http_probe
+
+        timeout = self.settings.health_check_timeout_s
+        py = sys.executable
+        _, model_dir = self._model_dir()
+        specs = []
+        for name, port, kv_dir in self._engines():
+            specs.append(
+                ProcessSpec(
+                    name,
+                    [
+                        py,
+                        "-m",
+                        "tollgate",
+                        "engine",
+                        "--model",
+                        str(model_dir),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--pool",
+                        "interactive",
+                        "--host-kv-gb",
+                        str(self.settings.engine_host_kv_gb),
+                        "--disk-kv-gb",
+                        str(self.settings.engine_disk_kv_gb if self.settings.engine_host_kv_gb else 0),
+                        "--kv-disk-dir",
+                        str(kv_dir),
+                        "--drain-timeout-s",
+                        str(self.settings.drain_timeout_s),
+                        "--tensor-parallel-size",
+                        str(self.settings.engine_tensor_parallel_size),
+                    ],
+                    self.logs / f"{name}.log",
+                    http_probe(f"http://127.0.0.1:{port}/health", timeout),
+                    env=env,
+                    stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
+                )
+            )
+        return specs
+
     def _start_platform(self, sup: Supervisor, env: dict[str, str], heartbeat_client: Redis) -> list[str]:
         from tollgate.supervisor import ProcessSpec, http_probe
         from tollgate.worker import beat_name, read_heartbeat, worker_name
@@ -356,41 +400,7 @@ class LocalPlatform:
 
             return probe
 
-        specs = []
-        if self.with_engine:
-            _, model_dir = self._model_dir()
-            for name, port, kv_dir in self._engines():
-                specs.append(
-                    ProcessSpec(
-                        name,
-                        [
-                            py,
-                            "-m",
-                            "tollgate",
-                            "engine",
-                            "--model",
-                            str(model_dir),
-                            "--host",
-                            "127.0.0.1",
-                            "--port",
-                            str(port),
-                            "--pool",
-                            "interactive",
-                            "--host-kv-gb",
-                            str(self.settings.engine_host_kv_gb),
-                            "--disk-kv-gb",
-                            str(self.settings.engine_disk_kv_gb if self.settings.engine_host_kv_gb else 0),
-                            "--kv-disk-dir",
-                            str(kv_dir),
-                            "--drain-timeout-s",
-                            str(self.settings.drain_timeout_s),
-                        ],
-                        self.logs / f"{name}.log",
-                        http_probe(f"http://127.0.0.1:{port}/health", timeout),
-                        env=env,
-                        stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
-                    )
-                )
+        specs = self._engine_specs(env) if self.with_engine else []
         specs += [
             ProcessSpec(
                 "gateway",
@@ -587,6 +597,13 @@ class LocalPlatform:
     help="Engine replicas of the model (consecutive ports from --engine-port). Default: "
     "TOLLGATE_ENGINE_REPLICAS (1).",
 )
+@click.option(
+    "--engine-tensor-parallel-size",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="Ranks (GPUs, or CPU processes) each engine replica splits the model over. Default: "
+    "TOLLGATE_ENGINE_TENSOR_PARALLEL_SIZE (1).",
+)
 def up(
     data_dir: Path | None,
     port: int | None,
@@ -595,11 +612,14 @@ def up(
     no_engine: bool,
     gateway_workers: int | None,
     engine_replicas: int | None,
+    engine_tensor_parallel_size: int | None,
 ) -> None:
     """Run the whole platform on this machine until Ctrl-C."""
     from tollgate.local_services import MissingServerBinaries, find_server_binaries
 
     settings = get_settings()
+    if engine_tensor_parallel_size is not None:
+        settings = settings.model_copy(update={"engine_tensor_parallel_size": engine_tensor_parallel_size})
     if not (settings.database_url and settings.redis_url):
         try:
             find_server_binaries(settings)
