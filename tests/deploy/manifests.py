@@ -23,7 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("minimal", "gpu", "external")
+OVERLAYS = ("minimal", "gpu", "gpu-tp", "external")
 # Every object is checked against the schemas of this Kubernetes release (kubernetes-validate).
 KUBERNETES_VERSION = "1.30.0"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
@@ -139,6 +139,12 @@ def argv(c: dict[str, Any]) -> list[str]:
 
 def option(words: list[str], flag: str) -> str:
     return words[words.index(flag) + 1]
+
+
+def tensor_parallel_size(words: list[str]) -> int:
+    """The GPUs (ranks) one engine replica splits its model over: ``--tensor-parallel-size`` (1 if
+    absent)."""
+    return int(option(words, "--tensor-parallel-size")) if "--tensor-parallel-size" in words else 1
 
 
 def port_number(c: dict[str, Any], port: int | str) -> int:

@@ -1,10 +1,11 @@
 """The Kubernetes deployment (``deploy/kubernetes``), rendered for each overlay (minimal: bundled
-Postgres/Redis and CPU engines; gpu: GPU pools with KEDA; external: managed Postgres/Redis) and checked:
+Postgres/Redis and CPU engines; gpu: GPU pools with KEDA; gpu-tp: the same with each replica split over
+several GPUs; external: managed Postgres/Redis) and checked:
 every object against the Kubernetes schemas (core kinds, strict) or Tollgate's schemas of the CRDs it
 uses (KEDA, Prometheus Operator; ``tests/deploy/schemas``), then what makes it work: migrations before
 the app, selectors that pick the pods they mean, probes on the right ports, drain times that cover the
-drain, the engines reachable only from the gateway and worker, secrets only from Secrets, settings that
-exist, one image.
+drain, the engines reachable only from the gateway and worker, secrets only from Secrets, settings and
+engine options that exist, one image.
 
 Autoscaling, GPUs and the CRDs' content: ``test_kubernetes_scaling.py``.
 """
@@ -34,7 +35,9 @@ from tests.deploy.manifests import (
     port_number,
     quantity_gib,
     selects,
+    tensor_parallel_size,
 )
+from tollgate.commands.model import engine as engine_command
 from tollgate.settings import PoolConfig, Settings
 
 SCHEMAS = ROOT / "tests" / "deploy" / "schemas"
@@ -50,6 +53,10 @@ SETTINGS = {f"TOLLGATE_{name.upper()}" for name in Settings.model_fields}
 SECRET_SETTINGS = {f"TOLLGATE_{name.upper()}" for name, field in Settings.model_fields.items()
                    if SecretStr in (getattr(field.annotation, "__args__", None) or (field.annotation,))}
 SECRET_SETTINGS |= {"TOLLGATE_DATABASE_URL", "TOLLGATE_REDIS_URL"}
+ENGINE_OPTIONS = {opt for param in engine_command.params for opt in param.opts}
+# Engine options the manifests pass that the engine work beside this deployment adds (tensor
+# parallelism, engine/distributed.py). Empty this set once it has landed; the test then checks them too.
+ENGINE_OPTIONS_TO_COME = {"--tensor-parallel-size"}
 
 
 def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
@@ -182,8 +189,9 @@ def test_engines_keep_their_disk_tier_on_their_own_volume(manifests):
         (claim,) = [t for t in engine["spec"]["volumeClaimTemplates"] if t["metadata"]["name"] == "kv"]
         mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
         assert mounts["kv"] == option(words, "--kv-disk-dir")
-        size_gb = quantity_gib(claim["spec"]["resources"]["requests"]["storage"]) * 2**30 / 1e9
-        assert 0 < float(option(words, "--disk-kv-gb")) < size_gb
+        # The engine's "GB" are GiB, and every rank of a tensor-parallel replica writes that much.
+        on_disk_gib = tensor_parallel_size(words) * float(option(words, "--disk-kv-gb"))
+        assert 0 < on_disk_gib < quantity_gib(claim["spec"]["resources"]["requests"]["storage"])
 
 
 def test_only_the_gateway_and_worker_reach_the_engines(manifests):
@@ -266,6 +274,14 @@ def test_environment_and_configuration_name_real_settings(manifests):
     assert set(config) <= set(Settings.model_fields)
     for pool in config["pools"].values():
         assert set(pool) <= set(PoolConfig.model_fields)
+
+
+def test_engines_are_started_with_options_the_engine_has(manifests):
+    for engine in manifests.component("engine"):
+        words = argv(pod_spec(engine)["containers"][0])
+        assert words[:2] == ["tollgate", "engine"]
+        flags = {word for word in words[2:] if word.startswith("-")}
+        assert flags - ENGINE_OPTIONS <= ENGINE_OPTIONS_TO_COME, engine["metadata"]["name"]
 
 
 def test_the_configuration_loads_into_the_settings(manifests, tmp_path, monkeypatch):

@@ -1,16 +1,26 @@
 """The Kubernetes deployment's scaling and hardware: the gateway's HPA on CPU, KEDA on each engine
 pool's queue depth (the batch pool down to zero and back), disruption budgets, GPUs only where the
-overlay asks for them, the scrape configuration KEDA's queries rely on, and where Postgres and Redis
-live (bundled, or external from Secrets)."""
+overlay asks for them (one per tensor-parallel rank, with the shared and host memory the ranks need),
+the scrape configuration KEDA's queries rely on, and where Postgres and Redis live (bundled, or external
+from Secrets)."""
 
 from __future__ import annotations
 
 import re
 
-from tests.deploy.manifests import argv, containers, option, pod_spec, selects
+from tests.deploy.manifests import (
+    argv,
+    containers,
+    option,
+    pod_spec,
+    quantity_gib,
+    selects,
+    tensor_parallel_size,
+)
 
-GPU_OVERLAYS = {"gpu", "external"}
-BUNDLED_OVERLAYS = {"minimal", "gpu"}
+GPU_OVERLAYS = {"gpu", "gpu-tp", "external"}
+TENSOR_PARALLEL_OVERLAYS = {"gpu-tp"}
+BUNDLED_OVERLAYS = {"minimal", "gpu", "gpu-tp"}
 APP = ("beat", "gateway", "worker")
 ENGINE_POOLS = {"engine-interactive": "interactive", "engine-batch": "batch"}
 
@@ -40,9 +50,10 @@ def test_gpus_only_where_the_overlay_asks_for_them(manifests):
     for workload in manifests.workloads():
         is_engine = workload["metadata"]["name"] in ENGINE_POOLS
         spec = pod_spec(workload)
+        gpus = tensor_parallel_size(argv(spec["containers"][0]))  # one GPU per rank
         for c in containers(workload):
             resources = c.get("resources", {})
-            wanted = {"nvidia.com/gpu": 1} if gpu and is_engine and c["name"] == "engine" else {}
+            wanted = {"nvidia.com/gpu": gpus} if gpu and is_engine and c["name"] == "engine" else {}
             for kind in ("requests", "limits"):
                 got = {k: v for k, v in resources.get(kind, {}).items() if k.startswith("nvidia.com/")}
                 where = f"{manifests.overlay}: {workload['metadata']['name']}/{c['name']} {kind}"
@@ -57,6 +68,43 @@ def test_gpus_only_where_the_overlay_asks_for_them(manifests):
             assert tolerated == gpu
         else:
             assert not spec.get("nodeSelector") and not spec.get("tolerations")
+
+
+def test_the_tensor_parallel_overlay_splits_each_replica_over_its_gpus(manifests):
+    for name in ENGINE_POOLS:
+        main = pod_spec(manifests.workload(name))["containers"][0]
+        size = tensor_parallel_size(argv(main))
+        if manifests.overlay not in TENSOR_PARALLEL_OVERLAYS:
+            assert size == 1, f"{manifests.overlay}: {name}"
+            continue
+        assert size in (4, 8), name  # a 70B model in bfloat16 (140 GB) over H100s of 80 GB
+        assert main["args"] == ["--tensor-parallel-size", str(size)]  # after the command's own flags
+        for kind in ("requests", "limits"):
+            assert main["resources"][kind]["nvidia.com/gpu"] == size, f"{name} {kind}"
+
+
+def test_tensor_parallel_ranks_get_shared_memory_host_memory_and_time_to_load(manifests):
+    for engine in manifests.component("engine"):
+        spec = pod_spec(engine)
+        main = spec["containers"][0]
+        words = argv(main)
+        size = tensor_parallel_size(words)
+        if size == 1:
+            continue
+        name = f"{manifests.overlay}: {engine['metadata']['name']}"
+        # NCCL between the ranks needs more /dev/shm than the runtime's 64 MB: a memory-backed emptyDir.
+        (shm,) = [m["name"] for m in main["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == shm]
+        assert volume["emptyDir"]["medium"] == "Memory", name
+        shm_gib = quantity_gib(volume["emptyDir"]["sizeLimit"])
+        assert shm_gib >= 1, name
+        # Every rank pins its own host tier (--host-kv-gb is per rank, in GiB); /dev/shm is pod memory.
+        pinned_gib = size * float(option(words, "--host-kv-gb"))
+        assert pinned_gib + shm_gib < quantity_gib(main["resources"]["requests"]["memory"]), name
+        assert quantity_gib(main["resources"]["limits"]["memory"]) >= quantity_gib(
+            main["resources"]["requests"]["memory"]), name
+        startup = main["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 900, name  # 140 GB to load
 
 
 def test_keda_scales_each_engine_pool_on_its_queue(manifests):

