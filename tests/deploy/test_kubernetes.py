@@ -54,9 +54,6 @@ SECRET_SETTINGS = {f"TOLLGATE_{name.upper()}" for name, field in Settings.model_
                    if SecretStr in (getattr(field.annotation, "__args__", None) or (field.annotation,))}
 SECRET_SETTINGS |= {"TOLLGATE_DATABASE_URL", "TOLLGATE_REDIS_URL"}
 ENGINE_OPTIONS = {opt for param in engine_command.params for opt in param.opts}
-# Engine options the manifests pass that the engine work beside this deployment adds (tensor
-# parallelism, engine/distributed.py). Empty this set once it has landed; the test then checks them too.
-ENGINE_OPTIONS_TO_COME = {"--tensor-parallel-size"}
 
 
 def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
@@ -281,7 +278,7 @@ def test_engines_are_started_with_options_the_engine_has(manifests):
         words = argv(pod_spec(engine)["containers"][0])
         assert words[:2] == ["tollgate", "engine"]
         flags = {word for word in words[2:] if word.startswith("-")}
-        assert flags - ENGINE_OPTIONS <= ENGINE_OPTIONS_TO_COME, engine["metadata"]["name"]
+        assert flags <= ENGINE_OPTIONS, engine["metadata"]["name"]
 
 
 def test_the_configuration_loads_into_the_settings(manifests, tmp_path, monkeypatch):

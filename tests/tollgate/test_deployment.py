@@ -110,14 +110,11 @@ def test_engines_are_started_with_options_the_engine_has():
     from tollgate.commands.model import engine as engine_command
 
     options = {opt for param in engine_command.params for opt in param.opts}
-    # Added by the engine's tensor parallelism (engine/distributed.py): drop it from this set once that
-    # has landed, and the test checks it too.
-    to_come = {"--tensor-parallel-size"}
     services = rendered(*TENSOR_PARALLEL)["services"]
     for name in ("engine-interactive", "engine-batch", "engine-tp"):
         command = services[name]["command"]
         assert command[:2] == ["tollgate", "engine"]
-        assert {w for w in command[2:] if w.startswith("-")} - options <= to_come, name
+        assert {w for w in command[2:] if w.startswith("-")} <= options, name
 
 
 def test_migrations_run_once_before_the_app(config):
