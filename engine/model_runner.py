@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model
 from engine.models.config import ModelArgs
-from engine.rank_workers import RankWorkers
+from engine.rank_workers import RankWorkers, serve, start_rank
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
 from engine.sequence import ScheduledBatch
 
@@ -147,7 +148,7 @@ class ModelRunner:
             if self.device.type == "cpu":  # the ranks share the host's cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
             if rank == 0:
-                self.workers = RankWorkers(config)
+                self.workers = RankWorkers(config, _run_rank)
                 init_method = self.workers.init_method
             assert init_method is not None
             self.tp.start(init_method, "nccl" if self.device.type == "cuda" else "gloo")
@@ -446,6 +447,12 @@ class ModelRunner:
                 finished[seq.seq_id] = vector
                 seq.pooled = None
         return finished
+
+
+def _run_rank(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
+    """A worker process of a tensor-parallel replica (``engine.rank_workers``): its runner, serving rank 0."""
+    start_rank(rank)
+    serve(ModelRunner(config, rank=rank, init_method=init_method), conn)
 
 
 def _worker_inputs(inputs: StepInputs) -> StepInputs:

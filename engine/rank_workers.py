@@ -27,9 +27,10 @@ import multiprocessing.connection
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -44,7 +45,9 @@ _START_TIMEOUT_S = 600.0
 class RankWorkers:
     """Rank 0's handle on ranks 1..N-1."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, target: Callable[..., None]) -> None:
+        """Spawn ranks 1..N-1, each running ``target(config, rank, init_method, conn)`` (a module-level
+        function that builds the rank's runner and calls ``serve``)."""
         size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="tollgate-tp-")
         self.init_method = Path(self._dir, "rendezvous").as_uri()
@@ -53,7 +56,7 @@ class RankWorkers:
         self._procs: list[Any] = []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(config, rank, self.init_method, theirs),
+            proc = ctx.Process(target=target, args=(config, rank, self.init_method, theirs),
                                name=f"tollgate-tp-rank-{rank}", daemon=True)  # fmt: skip
             proc.start()
             theirs.close()
@@ -129,7 +132,7 @@ class RankWorkers:
         os._exit(RANK_DIED_EXIT_CODE)
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """End this worker as soon as rank 0's process is gone (a collective would wait for it forever)."""
     parent = mp.parent_process()
     if parent is None:
@@ -142,13 +145,20 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str,
-                 conn: multiprocessing.connection.Connection) -> None:  # fmt: skip
-    _exit_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
-    from engine.model_runner import ModelRunner
+class RankRunner(Protocol):
+    def run_on_worker(self, kind: str, payload: object) -> None: ...
 
-    runner = ModelRunner(config, rank=rank, init_method=init_method)
+    def close(self) -> None: ...
+
+
+def start_rank(rank: int) -> None:
+    """First thing in a worker process: exit with rank 0, log under the rank's name."""
+    exit_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
+
+
+def serve(runner: RankRunner, conn: multiprocessing.connection.Connection) -> None:
+    """Run what rank 0 sends, in order, until it says stop or is gone; then close the runner."""
     try:
         while True:
             try:

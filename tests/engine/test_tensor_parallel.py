@@ -148,6 +148,21 @@ def test_logits_equal_the_single_rank_runner(arch: str, request: pytest.FixtureR
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"step {i}")
 
 
+@pytest.mark.slow  # a spawned rank, Triton's interpreter on a CPU
+def test_the_triton_kernels_run_unchanged_on_each_rank(tiny_llama_dir: Path) -> None:
+    config = dict(model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK)
+    whole = _steps(ModelRunner(EngineConfig(**config)))  # type: ignore[arg-type]
+    split_runner = ModelRunner(EngineConfig(**config, tensor_parallel_size=2,  # type: ignore[arg-type]
+                                            attention_backend="triton"))  # fmt: skip
+    try:
+        assert split_runner.attention_backend.name == "triton"
+        split = _steps(split_runner)
+    finally:
+        split_runner.close()
+    for i, (x, y) in enumerate(zip(whole, split, strict=True)):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4, msg=f"step {i}")
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # Five prompts, two sharing a 3-block prefix: run twice, the second round hits the prefix cache.
 PROMPTS = [[(31 * i + 7 * j) % 250 + 3 for j in range(20 + 9 * i)] for i in range(4)]
