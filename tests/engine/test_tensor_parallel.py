@@ -264,3 +264,17 @@ def test_the_other_ranks_exit_when_rank_0_dies(tiny_llama_dir: Path, tmp_path: P
         proc.kill()
         proc.wait()
         wait_until(lambda: not pid_alive(rank1), "rank 1 to exit after rank 0", timeout_s=30, interval_s=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_two_gpus_over_nccl_give_the_single_gpu_tokens(tiny_llama_dir: Path, enforce_eager: bool) -> None:
+    """On two GPUs: NCCL collectives, the Triton kernels on each rank, and decode steps replayed from
+    CUDA graphs that captured the collectives; float32, so the tokens must be the single GPU's."""
+    common = dict(device="cuda", dtype="float32", enforce_eager=enforce_eager, **TIGHT)
+    with LLM(str(tiny_llama_dir), **common) as whole:  # type: ignore[arg-type]
+        expected = _greedy_rounds(whole)
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common) as split:  # type: ignore[arg-type]
+        assert split.engine.runner.device == torch.device("cuda", 0)
+        assert _greedy_rounds(split) == expected
