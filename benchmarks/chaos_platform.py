@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tollgate.local_services import LocalPostgres, LocalRedis, find_server_binaries, free_port
-from tollgate.processes import group_alive, pid_alive, signal_group, spawn, stop
+from tollgate.processes import children, group_alive, pid_alive, signal_group, spawn, stop
 from tollgate.settings import Settings
 
 MODEL = "tiny"
@@ -68,20 +68,6 @@ SETTINGS: dict[str, Any] = {
     "tiers": TIERS,
 }
 KEY_PATTERN = re.compile(r"sk-tg-\S+")
-
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == pid and pid_alive(int(entry.name)):
-                out.append(int(entry.name))
-    return out
 
 
 def wait_for(
@@ -267,7 +253,7 @@ class ChaosPlatform:
     def gateway_workers_pids(self) -> list[int]:
         """The uvicorn worker processes (multiprocessing children; not its resource tracker)."""
         workers = []
-        for pid in _children(int(self.status()["gateway"]["pid"])):
+        for pid in children(int(self.status()["gateway"]["pid"])):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -127,6 +127,29 @@ def pid_alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state not in (b"Z", b"X")
+
+
+def running_processes() -> Iterator[tuple[int, int, int]]:
+    """``(pid, parent pid, process group)`` of every process that runs (zombies excluded), from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in (b"Z", b"X"):
+            yield int(entry.name), int(fields[1]), int(fields[2])
+
+
+def children(pid: int) -> list[int]:
+    """The running processes whose parent is ``pid``."""
+    return [child for child, parent, _ in running_processes() if parent == pid]
+
+
+def group_running(pgid: int) -> bool:
+    """True while a process of group ``pgid`` runs (zombies, which run no code, do not count)."""
+    return any(group == pgid for _, _, group in running_processes())
 
 
 def stop_pid(pid: int, *, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:

@@ -39,7 +39,7 @@ from tests.gateway.gateway_processes import LOOSE_TIERS
 from tests.polling import wait_until
 from tollgate.db import Database
 from tollgate.local_services import free_port
-from tollgate.processes import pid_alive, signal_group, spawn, stop
+from tollgate.processes import group_running, signal_group, spawn, stop
 from tollgate.settings import Settings
 
 MODEL = "tiny"  # the model `tollgate up` prices (its demo price) and the harness's engine serves
@@ -100,19 +100,6 @@ def read_env_file(path: Path) -> dict[str, str]:
             name, _, value = line.removeprefix("export ").partition("=")
             values[name] = shlex.split(value)[0]
     return values
-
-
-def _group_running(pgid: int) -> bool:
-    """True while a process of group ``pgid`` runs (zombies, which run no code, do not count)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[2]) == pgid and pid_alive(int(entry.name)):
-                return True
-    return False
 
 
 @dataclass
@@ -177,7 +164,7 @@ class Platform:
         pid once none of them runs any more."""
         pid = int(self.status()[name]["pid"])
         signal_group(pid, signal.SIGKILL)
-        wait_until(lambda: not _group_running(pid), f"every process of {name} (pid {pid}) to die")
+        wait_until(lambda: not group_running(pid), f"every process of {name} (pid {pid}) to die")
         return pid
 
     def wait_healthy(self, name: str, *, not_pid: int | None = None) -> int:

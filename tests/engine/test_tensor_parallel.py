@@ -34,7 +34,7 @@ from engine.sampling_params import SamplingParams as Params
 from engine.sequence import ScheduledBatch, ScheduledSeq, Sequence
 from tests.polling import wait_until
 from tollgate.local_services import free_port
-from tollgate.processes import pid_alive
+from tollgate.processes import children, pid_alive
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -219,11 +219,6 @@ def test_host_and_disk_tiers_hold_every_ranks_shard(tiny_llama_dir: Path, tmp_pa
     assert first.num_cached_tokens == 48 and stats.prefix_hit_tokens_by_tier["disk"] >= 48
 
 
-def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
 @contextlib.contextmanager
 def _split_replica(model_dir: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """``tollgate engine --tensor-parallel-size 2`` once it answers /health, and its rank 1's pid."""
@@ -240,7 +235,7 @@ def _split_replica(model_dir: Path, log: Path) -> Iterator[tuple[subprocess.Pope
             return False
 
         wait_until(healthy, "the 2-rank engine to answer /health", timeout_s=120, interval_s=0.2)
-        workers = [c for c in _children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        workers = [c for c in children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
         assert len(workers) == 1, workers
         yield proc, workers[0]
     finally:
