@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
+from tests.polling import wait_until
 from tollgate.processes import children, group_running
 
 
@@ -14,9 +14,9 @@ def test_children_and_group_running_read_proc_and_skip_zombies():
     try:
         assert child.pid in children(os.getpid())
         assert group_running(child.pid)
-        child.kill()
-        time.sleep(0.2)  # dead but not reaped yet: a zombie, which runs nothing
-        assert child.pid not in children(os.getpid()) and not group_running(child.pid)
+        child.kill()  # dead but not reaped yet: a zombie, which runs nothing
+        wait_until(lambda: not group_running(child.pid), "the killed child to be a zombie")
+        assert child.pid not in children(os.getpid())
     finally:
         child.kill()
         child.wait()
