@@ -49,7 +49,8 @@ class LedgerView(_ReadOnly, model=UsageEvent):
                    UsageEvent.model, UsageEvent.request_class, UsageEvent.tier, UsageEvent.status,
                    UsageEvent.prompt_tokens, UsageEvent.cached_tokens, UsageEvent.completion_tokens,
                    UsageEvent.cache_write_tokens, UsageEvent.cache_pinned_tokens,
-                   UsageEvent.cache_retained_tokens, UsageEvent.cost_pico_usd, UsageEvent.ttft_ms,
+                   UsageEvent.cache_retained_tokens, UsageEvent.accepted_prediction_tokens,
+                   UsageEvent.rejected_prediction_tokens, UsageEvent.cost_pico_usd, UsageEvent.ttft_ms,
                    UsageEvent.tpot_ms]
     column_searchable_list = [UsageEvent.request_id, UsageEvent.model]
     column_sortable_list = [UsageEvent.created_at, UsageEvent.tenant_id, UsageEvent.cost_pico_usd,
@@ -65,6 +66,7 @@ class HourlyView(_ReadOnly, model=UsageHourly):
                    UsageHourly.output_tokens, UsageHourly.cache_write_tokens, UsageHourly.cache_pinned_tokens,
                    UsageHourly.cache_retained_tokens, UsageHourly.cache_write_cost_pico_usd,
                    UsageHourly.cache_pinned_cost_pico_usd, UsageHourly.cache_retained_cost_pico_usd,
+                   UsageHourly.accepted_prediction_tokens, UsageHourly.rejected_prediction_tokens,
                    UsageHourly.cost_pico_usd]
     column_sortable_list = [UsageHourly.hour, UsageHourly.tenant_id, UsageHourly.cost_pico_usd]
     column_default_sort = [(UsageHourly.hour, True)]

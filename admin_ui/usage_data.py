@@ -7,6 +7,9 @@
   retained for 24h; counted in the input tokens too) come with their tokens from the ledger and their
   cost from the hourly rollups (``usage_hourly``, which ``billing.rollups`` keeps equal to the ledger and
   splits the ledger cost by kind in).
+- Predicted Outputs (``PREDICTION_TOKEN_FIELDS``): the accepted and rejected prediction tokens from the
+  ledger, output tokens counted in the output too (the rejected ones are billed as output); shown next
+  to the other counts, never priced apart.
 - Rejections are ``gateway.admission.rejections`` counts (kept ``RETENTION_S``; older hours read 0).
 - Every bucket of the range is present (zeros where nothing happened), so charts have a true time axis.
 - Costs stay integer pico-USD; the float USD in the chart data is for drawing only, totals and CSV carry
@@ -27,6 +30,7 @@ from redis.asyncio import Redis
 from sqlalchemy import Numeric, cast, func, literal_column, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.outbox import PREDICTION_TOKEN_FIELDS
 from billing.prices import CACHE_TOKEN_FIELDS
 from billing.rollups import CACHE_KINDS
 from gateway.admin import service
@@ -142,6 +146,11 @@ def _cache_fields(row: Any, costs: Sequence[int]) -> dict[str, int]:
     return {**tokens, **dict(zip(CACHE_COST_FIELDS, costs, strict=True)), "cache_cost_pico_usd": sum(costs)}
 
 
+def _prediction_fields(row: Any) -> dict[str, int]:
+    """The accepted and rejected prediction tokens of a ledger sum (0 without one)."""
+    return {name: getattr(row, name) if row else 0 for name in PREDICTION_TOKEN_FIELDS}
+
+
 def _sum_costs(costs: Iterable[Sequence[int]]) -> tuple[int, ...]:
     return tuple(sum(column) for column in zip(*costs, strict=True)) or (0,) * len(CACHE_KINDS)
 
@@ -173,7 +182,7 @@ async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, 
         series["cost_pico_usd"].append(str(cost))
         series["cost_usd"].append(cost / PICO_PER_USD)
         series["cache_hit_rate"].append(_hit_rate(cached, prompt))
-        for name in CACHE_TOKEN_FIELDS:
+        for name in (*CACHE_TOKEN_FIELDS, *PREDICTION_TOKEN_FIELDS):
             series[name].append(getattr(row, name) if row else 0)
         series["cache_cost_usd"].append(cache_cost_by_bucket[at] / PICO_PER_USD)
     present = [r for r in REASONS if any(rejected[at].get(r) for at in buckets)]
@@ -191,6 +200,7 @@ async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, 
             "cached_tokens": totals.cached_tokens, "output_tokens": totals.completion_tokens,
             "cost_pico_usd": totals.cost_pico_usd, "cost_usd": totals.cost_usd,
             "cache_hit_rate": _hit_rate(totals.cached_tokens, totals.prompt_tokens),
+            **_prediction_fields(totals),
             "rejections": total_rejections, "rejected": sum(total_rejections.values()),
             # Exact pico-USD as strings, like cost_pico_usd (sums can exceed 2^53).
             **{name: str(value) if name.endswith("_pico_usd") else value for name, value in cache.items()},
@@ -218,11 +228,11 @@ async def tenant_breakdown(session: AsyncSession, redis: Redis, settings: Settin
                         "cached_tokens": row.cached_tokens, "output_tokens": row.completion_tokens,
                         "cost_pico_usd": int(row.cost_pico_usd),
                         "cache_hit_rate": _hit_rate(row.cached_tokens, row.prompt_tokens),
-                        **_cache_fields(row, _sum_costs(cache_costs[tenant]))}
+                        **_cache_fields(row, _sum_costs(cache_costs[tenant])), **_prediction_fields(row)}
     for tenant in rejected:
         rows.setdefault(tenant, {"tenant_id": tenant, "requests": 0, "input_tokens": 0, "cached_tokens": 0,
                                  "output_tokens": 0, "cost_pico_usd": 0, "cache_hit_rate": None,
-                                 **_cache_fields(None, _sum_costs(()))})
+                                 **_cache_fields(None, _sum_costs(())), **_prediction_fields(None)})
     for tenant, entry in rows.items():
         entry["rejected"] = rejected.get(tenant, 0)
     top = sorted(rows.values(), key=lambda r: (-r["cost_pico_usd"], -r["rejected"], r["tenant_id"]))[:limit]
@@ -235,7 +245,7 @@ async def tenant_breakdown(session: AsyncSession, redis: Redis, settings: Settin
 
 CSV_COLUMNS = ("bucket_start", "tenant_id", "requests", "prompt_tokens", "input_tokens", "cached_tokens",
                "output_tokens", *CACHE_TOKEN_FIELDS, *CACHE_COST_FIELDS, "cache_hit_rate", "cost_pico_usd",
-               "cost_usd", *(f"rejected_{reason}" for reason in REASONS))
+               "cost_usd", *(f"rejected_{reason}" for reason in REASONS), *PREDICTION_TOKEN_FIELDS)
 
 
 async def usage_csv_rows(session: AsyncSession, redis: Redis, settings: Settings, rng: UsageRange,
@@ -261,5 +271,6 @@ async def usage_csv_rows(session: AsyncSession, redis: Redis, settings: Settings
             *(str(cache[name]) for name in (*CACHE_TOKEN_FIELDS, *CACHE_COST_FIELDS)),
             "" if rate is None else f"{rate:.6f}", str(cost), usd_string(cost),
             *(str(reasons.get(reason, 0)) for reason in REASONS),
+            *(str(value) for value in _prediction_fields(row).values()),
         ])
     return out

@@ -13,8 +13,12 @@ Invariants:
   ``<= prompt_tokens``, ``created_at`` is timezone-aware (UTC on the wire).
 - ``cached_host_tokens`` and ``cached_disk_tokens`` (the cached tokens the engine found in host memory
   and on disk, the rest were on the device) add up to at most ``cached_tokens``.
-- A record without the cache token counts or the tier counts (``OPTIONAL_COUNTS``, appended by a gateway
-  older than them) reads as 0 of each: such a gateway billed none.
+- ``accepted_prediction_tokens`` and ``rejected_prediction_tokens`` (Predicted Outputs: the request's
+  prediction tokens that made it into the output, and those thrown away) add up to at most
+  ``completion_tokens``: the rejected ones are counted, and billed, as completion tokens (as OpenAI
+  bills them), the accepted ones are output tokens. They are details of the output, never priced apart.
+- A record without the cache token counts, the tier counts or the prediction counts (``OPTIONAL_COUNTS``,
+  appended by a gateway older than them) reads as 0 of each: such a gateway billed none.
 - The stream is never trimmed by length: an entry leaves it only after its row is committed
   (``billing.ledger``), so nothing is dropped while Postgres is down.
 """
@@ -35,7 +39,8 @@ RECORD_FIELD = b"r"
 # How the request ended (a batch line that ran out of its window is "expired").
 REQUEST_STATUSES = ("completed", "failed", "cancelled", "expired")
 CACHED_TIER_FIELDS = ("cached_host_tokens", "cached_disk_tokens")
-OPTIONAL_COUNTS = (*CACHE_TOKEN_FIELDS, *CACHED_TIER_FIELDS)
+PREDICTION_TOKEN_FIELDS = ("accepted_prediction_tokens", "rejected_prediction_tokens")
+OPTIONAL_COUNTS = (*CACHE_TOKEN_FIELDS, *CACHED_TIER_FIELDS, *PREDICTION_TOKEN_FIELDS)
 _COUNTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cost_pico_usd", *OPTIONAL_COUNTS)
 
 
@@ -60,6 +65,8 @@ class UsageRecord:
     cache_retained_tokens: int = 0
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
@@ -77,6 +84,9 @@ class UsageRecord:
                 raise ValueError(f"{name} exceeds prompt_tokens")
         if self.cached_host_tokens + self.cached_disk_tokens > self.cached_tokens:
             raise ValueError("cached_host_tokens + cached_disk_tokens exceeds cached_tokens")
+        if self.accepted_prediction_tokens + self.rejected_prediction_tokens > self.completion_tokens:
+            raise ValueError("accepted_prediction_tokens + rejected_prediction_tokens exceeds "
+                             "completion_tokens")
         if self.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
 

@@ -5,7 +5,9 @@ input without its cached part, cached input, output, and the prompt-cache produc
 pinned, retained), the tokens and their exact pico-USD cost, plus the request count and the ledger cost
 (``cost_pico_usd``, the sum of ``usage_events.cost_pico_usd``). The cache kinds count prompt tokens the
 input kinds count too (they are charged on top, ``billing.prices``), so only the first three add up to
-the prompt and output tokens.
+the prompt and output tokens. ``DETAIL_COLUMNS`` are sums of ledger counts that no price applies to:
+the accepted and rejected prediction tokens (Predicted Outputs), part of the output tokens (the rejected
+ones are billed as output, as OpenAI bills them).
 
 Invariants:
 - Incremental: ``add_to_rollups`` runs in the ledger flusher's transaction with exactly the rows that
@@ -38,6 +40,7 @@ from sqlalchemy import Numeric, Select, and_, cast, delete, func, or_, select, t
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.outbox import PREDICTION_TOKEN_FIELDS
 from billing.prices import CACHE_TOKEN_FIELDS, Price
 from billing.repository import all_prices
 from tollgate.models import UsageEvent, UsageHourly
@@ -51,7 +54,9 @@ CACHE_KINDS = ("cache_write", "cache_pinned", "cache_retained")
 KINDS = ("input", "cached_input", "output", *CACHE_KINDS)
 KIND_TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "output_tokens", *CACHE_TOKEN_FIELDS)
 KIND_COST_COLUMNS = tuple(f"{kind}_cost_pico_usd" for kind in KINDS)
-_SUM_COLUMNS = ("requests", *KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS, "cost_pico_usd")
+# Ledger counts summed as they are (the same name in usage_events and usage_hourly), never priced apart.
+DETAIL_COLUMNS = PREDICTION_TOKEN_FIELDS
+_SUM_COLUMNS = ("requests", *KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS, "cost_pico_usd", *DETAIL_COLUMNS)
 
 Key = tuple[int, datetime, str, str]
 Split = tuple[int, ...]  # one per kind, in the order of KINDS
@@ -156,6 +161,8 @@ class Bucket:
             self.sums[name] += tokens
             self.sums[cost_name] += cost
         self.sums["cost_pico_usd"] += row["cost_pico_usd"]
+        for name in DETAIL_COLUMNS:
+            self.sums[name] += row.get(name) or 0
 
     def values(self) -> dict[str, int]:
         return dict(self.sums)
@@ -206,7 +213,8 @@ def _ledger_sums(start: datetime, end: datetime, tenant_ids: Sequence[int] | Non
                    func.sum(cast(UsageEvent.cached_tokens, Numeric)),
                    func.sum(cast(UsageEvent.completion_tokens, Numeric)),
                    *(func.sum(cast(getattr(UsageEvent, name), Numeric)) for name in CACHE_TOKEN_FIELDS),
-                   func.sum(cast(UsageEvent.cost_pico_usd, Numeric)))
+                   func.sum(cast(UsageEvent.cost_pico_usd, Numeric)),
+                   *(func.sum(cast(getattr(UsageEvent, name), Numeric)) for name in DETAIL_COLUMNS))
             .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
             .group_by(UsageEvent.tenant_id, hour, UsageEvent.model, UsageEvent.request_class))
     if tenant_ids is not None:
@@ -232,7 +240,7 @@ async def _compare(session: AsyncSession, start: datetime, end: datetime,
     rolled: dict[Key, tuple[int, ...]] = {}
     for r in (await session.scalars(stmt)).all():
         rolled[(r.tenant_id, hour_of(r.hour), r.model, r.request_class)] = tuple(
-            getattr(r, name) for name in ("requests", *KIND_TOKEN_COLUMNS, "cost_pico_usd"))
+            getattr(r, name) for name in ("requests", *KIND_TOKEN_COLUMNS, "cost_pico_usd", *DETAIL_COLUMNS))
     wrong = sorted(k for k, sums in ledger.items() if rolled.get(k) != sums)
     stale = sorted(k for k in rolled if k not in ledger)
     return len(ledger.keys() | rolled.keys()), wrong, stale
@@ -272,7 +280,8 @@ async def reconcile_rollups(session: AsyncSession, start: datetime, end: datetim
         rows = (await session.execute(select(
             UsageEvent.tenant_id, UsageEvent.model, UsageEvent.request_class, UsageEvent.prompt_tokens,
             UsageEvent.cached_tokens, UsageEvent.completion_tokens, UsageEvent.cost_pico_usd,
-            UsageEvent.created_at, *(getattr(UsageEvent, name) for name in CACHE_TOKEN_FIELDS))
+            UsageEvent.created_at, *(getattr(UsageEvent, name) for name in CACHE_TOKEN_FIELDS),
+            *(getattr(UsageEvent, name) for name in DETAIL_COLUMNS))
             .where(or_(*conditions)))).mappings().all()
         buckets = aggregate(rows, prices)
         values = [{"tenant_id": k[0], "hour": k[1], "model": k[2], "request_class": k[3], **b.values()}

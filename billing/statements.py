@@ -15,6 +15,11 @@ Invariants:
   prompt tokens: ``cache_write`` is prompt tokens newly written to the prompt cache, ``cache_pinned``
   those pinned in host memory (``prompt_cache_options.ttl``), ``cache_retained`` those kept on disk
   (``prompt_cache_retention: "24h"``).
+- Predicted Outputs: an ``output`` line also says how many of its tokens were accepted and rejected
+  prediction tokens (``accepted_prediction_tokens``, ``rejected_prediction_tokens``; in the JSON of that
+  line and in the CSV's last two columns, empty on other lines). They are part of the line's tokens and
+  amount, never lines of their own: rejected prediction tokens are billed as output, as OpenAI bills them.
+  The statement's totals of both are the sums over its lines.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ from typing import Any
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.rollups import KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
+from billing.rollups import DETAIL_COLUMNS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
 from billing.spend import month_bounds
 from tollgate.models import Tenant, UsageHourly
 
 PICO_PER_CENT = 10**10
 PICO_PER_USD = 10**12
 TOKEN_KINDS = KINDS
+OUTPUT_KIND = "output"  # the kind whose lines carry the prediction token counts
 _CLASS_ORDER = {"interactive": 0, "batch": 1}
 _MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
 
@@ -63,12 +69,22 @@ class StatementLine:
     tokens: int
     amount_pico_usd: int
     amount_cents: int
+    # Of an ``output`` line's tokens, the accepted and rejected prediction tokens (0 on other lines).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+    @property
+    def has_details(self) -> bool:
+        return self.token_kind == OUTPUT_KIND
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "request_class": self.request_class, "token_kind": self.token_kind,
-                "tokens": self.tokens, "amount_pico_usd": self.amount_pico_usd,
-                "amount_usd_exact": usd_exact(self.amount_pico_usd), "amount_cents": self.amount_cents,
-                "amount": format_cents(self.amount_cents)}
+        out = {"model": self.model, "request_class": self.request_class, "token_kind": self.token_kind,
+               "tokens": self.tokens, "amount_pico_usd": self.amount_pico_usd,
+               "amount_usd_exact": usd_exact(self.amount_pico_usd), "amount_cents": self.amount_cents,
+               "amount": format_cents(self.amount_cents)}
+        if self.has_details:
+            out.update({name: getattr(self, name) for name in DETAIL_COLUMNS})
+        return out
 
 
 @dataclass(slots=True)
@@ -83,24 +99,28 @@ class Statement:
     total_pico_usd: int = 0
     total_cents: int = 0
 
+    def detail_totals(self) -> dict[str, int]:
+        return {name: sum(getattr(line, name) for line in self.lines) for name in DETAIL_COLUMNS}
+
     def as_dict(self) -> dict[str, Any]:
         return {"object": "statement", "tenant_id": self.tenant_id, "tenant_name": self.tenant_name,
                 "month": self.month, "period_start": self.period_start.isoformat(),
                 "period_end": self.period_end.isoformat(), "currency": "usd", "requests": self.requests,
                 "lines": [line.as_dict() for line in self.lines], "total_pico_usd": self.total_pico_usd,
                 "total_usd_exact": usd_exact(self.total_pico_usd), "total_cents": self.total_cents,
-                "total": format_cents(self.total_cents)}
+                "total": format_cents(self.total_cents), **self.detail_totals()}
 
     def to_csv(self) -> str:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(["tenant", "month", "model", "request_class", "token_kind", "tokens",
-                         "amount_pico_usd", "amount_usd"])
+                         "amount_pico_usd", "amount_usd", *DETAIL_COLUMNS])
         for line in self.lines:
+            details = [getattr(line, name) if line.has_details else "" for name in DETAIL_COLUMNS]
             writer.writerow([self.tenant_name, self.month, line.model, line.request_class, line.token_kind,
-                             line.tokens, line.amount_pico_usd, format_cents(line.amount_cents)])
+                             line.tokens, line.amount_pico_usd, format_cents(line.amount_cents), *details])
         writer.writerow([self.tenant_name, self.month, "TOTAL", "", "", "", self.total_pico_usd,
-                         format_cents(self.total_cents)])
+                         format_cents(self.total_cents), *self.detail_totals().values()])
         return out.getvalue()
 
 
@@ -130,7 +150,7 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
     if tenant is None:
         raise StatementTenantNotFound(f"no tenant {tenant_id}")
     sums = [func.sum(cast(getattr(UsageHourly, name), Numeric))
-            for name in ("requests", *KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS)]
+            for name in ("requests", *KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS, *DETAIL_COLUMNS)]
     stmt = (select(UsageHourly.model, UsageHourly.request_class, *sums)
             .where(UsageHourly.tenant_id == tenant_id, UsageHourly.hour >= start, UsageHourly.hour < end)
             .group_by(UsageHourly.model, UsageHourly.request_class))
@@ -138,16 +158,19 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
                   key=lambda r: (r[0], _CLASS_ORDER.get(r[1], 9), r[1]))
     statement = Statement(tenant_id=tenant.id, tenant_name=tenant.name, month=month, period_start=start,
                           period_end=end)
-    raw: list[tuple[str, str, str, int, int]] = []
-    for model, klass, requests, *kind_sums in rows:
+    raw: list[tuple[str, str, str, int, int, dict[str, int]]] = []
+    kinds = len(TOKEN_KINDS)
+    for model, klass, requests, *sums_of_row in rows:
         statement.requests += int(requests)
-        tokens_by_kind, amounts = kind_sums[:len(TOKEN_KINDS)], kind_sums[len(TOKEN_KINDS):]
+        tokens_by_kind, amounts = sums_of_row[:kinds], sums_of_row[kinds:2 * kinds]
+        details = {name: int(v) for name, v in zip(DETAIL_COLUMNS, sums_of_row[2 * kinds:], strict=True)}
         for kind, tokens, amount in zip(TOKEN_KINDS, tokens_by_kind, amounts, strict=True):
             if int(tokens) or int(amount):
-                raw.append((model, klass, kind, int(tokens), int(amount)))
-    cents = carry_rounding([amount for *_, amount in raw])
-    statement.lines = [StatementLine(m, c, k, t, a, cent)
-                       for (m, c, k, t, a), cent in zip(raw, cents, strict=True)]
+                raw.append((model, klass, kind, int(tokens), int(amount),
+                            details if kind == OUTPUT_KIND else {}))
+    cents = carry_rounding([r[4] for r in raw])
+    statement.lines = [StatementLine(m, c, k, t, a, cent, **d)
+                       for (m, c, k, t, a, d), cent in zip(raw, cents, strict=True)]
     statement.total_pico_usd = sum(line.amount_pico_usd for line in statement.lines)
     statement.total_cents = cents_half_up(statement.total_pico_usd)
     return statement

@@ -180,6 +180,11 @@ class UsageEvent(Base):
             " AND cached_host_tokens + cached_disk_tokens <= cached_tokens",
             name="cached_tier_counts",
         ),
+        CheckConstraint(
+            "accepted_prediction_tokens >= 0 AND rejected_prediction_tokens >= 0"
+            " AND accepted_prediction_tokens + rejected_prediction_tokens <= completion_tokens",
+            name="prediction_token_counts",
+        ),
         CheckConstraint("cost_pico_usd >= 0", name="cost_non_negative"),
         Index("ix_usage_events_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_usage_events_created_at", "created_at"),
@@ -209,6 +214,10 @@ class UsageEvent(Base):
     # Of ``cached_tokens``, those the engine loaded from host memory and read from disk (revision 0007).
     cached_host_tokens: Mapped[int] = _zero(Integer)
     cached_disk_tokens: Mapped[int] = _zero(Integer)
+    # Predicted Outputs: of ``completion_tokens``, the prediction tokens accepted into the output and those
+    # rejected (counted and billed as output, as OpenAI bills them) (revision 0008).
+    accepted_prediction_tokens: Mapped[int] = _zero(Integer)
+    rejected_prediction_tokens: Mapped[int] = _zero(Integer)
 
 
 class UsageRequestId(Base):
@@ -223,8 +232,9 @@ class UsageRequestId(Base):
 class UsageHourly(Base):
     """Hourly rollup of the ledger per tenant × model × class; token kinds (input without the cached
     part, cached input, output, and the prompt-cache products: cache writes, pinned, retained) as
-    columns with their exact costs. Maintained by the ledger flusher in the insert's transaction and
-    proved equal to the ledger by ``billing.rollups.reconcile``."""
+    columns with their exact costs, and the output's accepted and rejected prediction tokens. Maintained
+    by the ledger flusher in the insert's transaction and proved equal to the ledger by
+    ``billing.rollups.reconcile``."""
 
     __tablename__ = "usage_hourly"
     __table_args__ = (
@@ -250,6 +260,10 @@ class UsageHourly(Base):
     cache_write_cost_pico_usd: Mapped[int] = _zero()
     cache_pinned_cost_pico_usd: Mapped[int] = _zero()
     cache_retained_cost_pico_usd: Mapped[int] = _zero()
+    # Predicted Outputs: the sums of the ledger's prediction counts, part of ``output_tokens`` (not priced
+    # apart: no cost columns).
+    accepted_prediction_tokens: Mapped[int] = _zero()
+    rejected_prediction_tokens: Mapped[int] = _zero()
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                  server_default=func.now())
 

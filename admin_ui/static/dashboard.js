@@ -50,6 +50,11 @@
       { label: "cost (USD)", data: data.cache_cost_usd, type: "line", yAxisID: "usd", borderColor: COLORS[3] },
     ] }, options: { scales: { y: { beginAtZero: true, ticks: { precision: 0 } },
       usd: { position: "right", beginAtZero: true, grid: { drawOnChartArea: false } } } } });
+    // Prediction tokens are output tokens the output bars count too: side by side, not stacked.
+    chart("chart-predictions", { type: "bar", data: { labels, datasets: [
+      { label: "accepted prediction", data: data.accepted_prediction_tokens, backgroundColor: COLORS[1] },
+      { label: "rejected prediction", data: data.rejected_prediction_tokens, backgroundColor: COLORS[4] },
+    ] }, options: { scales: { y: { beginAtZero: true, ticks: { precision: 0 } } } } });
     const datasets = [{ label: "requests", data: data.requests, backgroundColor: COLORS[0] }];
     Object.keys(data.rejections).forEach((reason, i) => {
       datasets.push({ label: REASON_LABELS[reason] || reason, data: data.rejections[reason],

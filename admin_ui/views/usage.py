@@ -1,6 +1,6 @@
 """Usage over time, overall or for one tenant: tokens (input / cached / output), cost, cache hit rate,
-prompt-cache products (tokens written / pinned / retained and their cost), requests and rejections by
-reason, for a date range; and the same as CSV.
+prompt-cache products (tokens written / pinned / retained and their cost), Predicted Outputs (accepted /
+rejected prediction tokens), requests and rejections by reason, for a date range; and the same as CSV.
 
 Numbers come from ``admin_ui.usage_data`` (the ledger through the admin service, plus the gateway's
 rejection counters). The chart data is embedded as JSON and drawn by ``static/dashboard.js`` with the

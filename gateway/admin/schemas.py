@@ -276,6 +276,11 @@ class UsageTotals(BaseModel):
     cache_write_tokens: int = Field(description="Prompt tokens newly written to the prompt cache.")
     cache_pinned_tokens: int = Field(description="Prompt tokens pinned in host memory (cache ttl).")
     cache_retained_tokens: int = Field(description="Prompt tokens kept on disk (cache retention).")
+    accepted_prediction_tokens: int = Field(
+        description="Predicted Outputs: prediction tokens accepted into the output (of completion_tokens).")
+    rejected_prediction_tokens: int = Field(
+        description="Predicted Outputs: prediction tokens thrown away; counted in completion_tokens and "
+                    "billed as output.")
     cost_pico_usd: str = Field(description="Exact integer pico-USD, as a string (sums can exceed 2^53).")
     cost_usd: str
 

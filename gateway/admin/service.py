@@ -43,6 +43,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing import repository as billing_repository
+from billing.outbox import PREDICTION_TOKEN_FIELDS
 from billing.prices import CACHE_TOKEN_FIELDS, OPTIONAL_PRICE_FIELDS, Price, new_price_start
 from billing.service import PriceConflict, set_price
 from gateway.admin import repository
@@ -388,7 +389,8 @@ class UsageResult:
     totals: UsageTotals
 
 
-_USAGE_COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", *CACHE_TOKEN_FIELDS)
+_USAGE_COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", *CACHE_TOKEN_FIELDS,
+                 *PREDICTION_TOKEN_FIELDS)
 
 
 def _totals(sums: Sequence[repository.UsageSum]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ request's tools, so the tokens admitted, routed and billed are exactly the token
 Predicted Outputs: ``prediction``'s text, tokenized as plain text (no template), goes to the engine as
 drafts for speculative decoding; the usage reports ``accepted_prediction_tokens`` and
 ``rejected_prediction_tokens``, and counts the rejected ones in ``completion_tokens`` (billed as output,
-as OpenAI does).
+as OpenAI does); the ledger records both counts (``billing.outbox``). A prediction longer than the model's
+context is a 400 naming ``prediction``, before admission.
 
 Structured output: ``response_format`` ``json_object``/``json_schema`` and forced tool calls
 (``tool_choice`` ``required`` or a named function) become the engine's constrained decoding, so the
@@ -43,6 +44,7 @@ from gateway.errors import InvalidRequestError
 from gateway.generation.requests import (
     breakpoint_tokens,
     check_context_length,
+    check_prediction_length,
     encode_text,
     lookup_model,
     render_chat,
@@ -93,6 +95,8 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
     n = body.n or 1
     tier = resolve_tier(runtime, principal, body.service_tier)
     prediction = (await encode_text(tokenizer, body.prediction.text)) if body.prediction is not None else None
+    if prediction is not None:
+        check_prediction_length(route, prediction)
     try:
         generation = await run_generation(runtime, principal, route, request_id, [prompt], sampling, n=n,
                                           max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key,

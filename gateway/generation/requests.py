@@ -1,7 +1,7 @@
 """What every endpoint decides about a request before it becomes a generation, the same way for chat,
 completions, responses and batch lines: the model (one this key may use), the tier (the tenant's, or a
 lower one it asks for), the engine's sampling arguments (OpenAI's defaults), the prompt's tokens from
-the model's chat template, and the context length."""
+the model's chat template, the context length, and a prediction's length."""
 
 from __future__ import annotations
 
@@ -141,3 +141,15 @@ def check_context_length(route: ModelRoute, prompt_tokens: int, max_tokens: int 
             f"({detail}). Please reduce the length of the {what} or completion.",
             param=param or ("messages" if what == "messages" else "prompt"), code="context_length_exceeded",
         )
+
+
+def check_prediction_length(route: ModelRoute, prediction: list[int]) -> None:
+    """400 naming ``prediction`` when the prediction has more tokens than the model's context (what the
+    engine refuses too): refused before admission reserves its length (``gateway.generation.service``),
+    so a batch line says so in its error record instead of waiting on a quota it can never fit."""
+    info = route.info()
+    if info is None or len(prediction) <= info.max_model_len:
+        return
+    raise InvalidRequestError(
+        f"Invalid 'prediction': it has {len(prediction)} tokens, more than this model's maximum context "
+        f"length of {info.max_model_len} tokens.", param="prediction", code="invalid_value")

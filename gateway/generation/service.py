@@ -31,6 +31,10 @@ Invariants:
 - An embeddings request (``sampling["pooling"]``) generates nothing: admission holds and the ledger bills
   its prompt tokens at the model's embedding input price (``billing.prices``, ``embedding=True``), while
   its token reservation still counts the one token per prompt the engine request asks for.
+- Predicted Outputs (``prediction``): the engine's rejected prediction tokens are added to
+  ``completion_tokens`` (billed as output, as OpenAI bills them), and the usage record carries the
+  accepted and rejected counts to the ledger, for chat completions and batch lines alike; its admission
+  reserves the prediction's length on top of ``max_tokens``.
 - After ``finish()``, ``cost_pico_usd`` is what the request was billed and ``served_pool`` the pool of
   the replica that ran it (what a batch line records); wire formats live with the endpoints.
 - The engine request id is the gateway request id (suffixed ``-<prompt index>`` for several prompts),
@@ -418,13 +422,18 @@ class Generation:
         cached = self.usage.cached_tokens
         host = min(self.usage.cached_host_tokens, cached)
         disk = min(self.usage.cached_disk_tokens, cached - host)
+        # Both prediction counts are part of the completion tokens (the ledger checks it).
+        completion = self.usage.completion_tokens
+        rejected = min(self.usage.rejected_prediction_tokens, completion)
+        accepted = min(self.usage.accepted_prediction_tokens, completion - rejected)
         record = UsageRecord(
             request_id=self.request_id, tenant_id=self.principal.tenant_id,
             api_key_id=self.principal.api_key_id, model=self.route.name, request_class=rt.request_class,
             tier=self.tier, prompt_tokens=self.usage.prompt_tokens, cached_tokens=cached,
             completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
             ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at, **cache_tokens,
-            cached_host_tokens=host, cached_disk_tokens=disk,
+            cached_host_tokens=host, cached_disk_tokens=disk, accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=rejected,
         )
         settle_error, append_error = await rt.admission.settle_and_append(
             self.admission, self.usage.total_tokens, cost, record)

@@ -16,7 +16,7 @@ from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.prices import CACHE_TOKEN_FIELDS
-from billing.rollups import KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS
+from billing.rollups import DETAIL_COLUMNS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS
 from tollgate.models import UsageEvent, UsageHourly
 
 
@@ -41,6 +41,9 @@ class UsageRow:
     cache_write_cost_pico_usd: int = 0
     cache_pinned_cost_pico_usd: int = 0
     cache_retained_cost_pico_usd: int = 0
+    # Predicted Outputs: of the output tokens, the prediction tokens accepted and rejected.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 def _n(column: Any) -> Any:
@@ -63,7 +66,8 @@ class UsageRepository:
             stmt = stmt.where(UsageHourly.request_class == request_class)
         rows = (await self.session.scalars(stmt.order_by(UsageHourly.hour))).all()
         return [UsageRow(r.hour, r.model, r.request_class, r.requests,
-                         **{name: getattr(r, name) for name in (*KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS)})
+                         **{name: getattr(r, name)
+                            for name in (*KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS, *DETAIL_COLUMNS)})
                 for r in rows]
 
     async def by_minute(self, start: datetime, end: datetime, *, models: Sequence[str] | None = None,
@@ -73,7 +77,7 @@ class UsageRepository:
         stmt = (select(minute, UsageEvent.model, UsageEvent.request_class, func.count(),
                        _n(UsageEvent.prompt_tokens - UsageEvent.cached_tokens), _n(UsageEvent.cached_tokens),
                        _n(UsageEvent.completion_tokens),
-                       *(_n(getattr(UsageEvent, name)) for name in CACHE_TOKEN_FIELDS))
+                       *(_n(getattr(UsageEvent, name)) for name in (*CACHE_TOKEN_FIELDS, *DETAIL_COLUMNS)))
                 .where(UsageEvent.tenant_id == self.tenant_id, UsageEvent.created_at >= start,
                        UsageEvent.created_at < end)
                 .group_by(minute, UsageEvent.model, UsageEvent.request_class))
@@ -81,6 +85,7 @@ class UsageRepository:
             stmt = stmt.where(UsageEvent.model.in_(list(models)))
         if request_class is not None:
             stmt = stmt.where(UsageEvent.request_class == request_class)
-        return [UsageRow(at, model, klass, int(n), int(i), int(c), int(o), cache_write_tokens=int(w),
-                         cache_pinned_tokens=int(p), cache_retained_tokens=int(r))
-                for at, model, klass, n, i, c, o, w, p, r in (await self.session.execute(stmt)).all()]
+        return [UsageRow(at, model, klass, int(n), int(i), int(c), int(o),
+                         **{name: int(v) for name, v in zip((*CACHE_TOKEN_FIELDS, *DETAIL_COLUMNS), counts,
+                                                            strict=True)})
+                for at, model, klass, n, i, c, o, *counts in (await self.session.execute(stmt)).all()]

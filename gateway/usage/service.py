@@ -17,6 +17,9 @@ Invariants:
   ``prompt_cache_options.ttl``) and ``input_cache_retained_tokens`` (kept on disk for
   ``prompt_cache_retention: "24h"``), prompt tokens counted in ``input_tokens`` too. Their costs are the
   line items ``cache write``, ``cache pin`` and ``cache retention``, listed only when there are some.
+- Predicted Outputs: Tollgate adds ``output_accepted_prediction_tokens`` and
+  ``output_rejected_prediction_tokens``, output tokens counted in ``output_tokens`` too (the rejected
+  ones are billed as output, as OpenAI bills them: no line item of their own).
 """
 
 from __future__ import annotations
@@ -154,7 +157,10 @@ async def completions_usage(repo: UsageRepository, *, start_time: int, end_time:
                 "input_uncached_tokens": max(0, uncached - written),
                 "input_cache_pinned_tokens": sum(r.cache_pinned_tokens for r in members),
                 "input_cache_retained_tokens": sum(r.cache_retained_tokens for r in members),
-                "output_tokens": sum(r.output_tokens for r in members), "input_audio_tokens": 0,
+                "output_tokens": sum(r.output_tokens for r in members),
+                "output_accepted_prediction_tokens": sum(r.accepted_prediction_tokens for r in members),
+                "output_rejected_prediction_tokens": sum(r.rejected_prediction_tokens for r in members),
+                "input_audio_tokens": 0,
                 "output_audio_tokens": 0, "num_model_requests": sum(r.requests for r in members),
                 "project_id": None, "user_id": None, "api_key_id": None, "model": model, "batch": is_batch,
                 "service_tier": None})

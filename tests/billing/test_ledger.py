@@ -1,5 +1,6 @@
 """Outbox → ledger against real Redis and Postgres: exactly one row per request, nothing lost while
-Postgres is unreachable, nothing doubled by redelivery or a dead consumer."""
+Postgres is unreachable, nothing doubled by redelivery or a dead consumer; every count of a record (cache
+products, cache tiers, accepted and rejected prediction tokens) reaches its ledger column."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from billing.ledger import DEAD_LETTER_STREAM, LEDGER_GROUP, LedgerUnavailable, UsageFlusher
-from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
+from billing.outbox import OPTIONAL_COUNTS, PREDICTION_TOKEN_FIELDS, USAGE_STREAM, UsageRecord, append_usage
 from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
 from billing.repository import insert_usage_events
 from tests.factories import create_tenant
@@ -26,14 +27,15 @@ PRICE = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cach
 
 def record(tenant_id: int, request_id: str, *, prompt: int = 1_000, cached: int = 200,
            completion: int = 50, status: str = "completed", host: int = 0, disk: int = 0,
-           **cache_tokens: int) -> UsageRecord:
+           accepted: int = 0, rejected: int = 0, **cache_tokens: int) -> UsageRecord:
     return UsageRecord(
         request_id=request_id, tenant_id=tenant_id, api_key_id=None, model="tiny",
         request_class="interactive", tier="default", prompt_tokens=prompt, cached_tokens=cached,
         completion_tokens=completion,
         cost_pico_usd=cost_pico_usd(PRICE, prompt, cached, completion, "interactive", **cache_tokens),
         status=status, ttft_ms=12.5, tpot_ms=3.0, created_at=datetime.now(UTC), **cache_tokens,
-        cached_host_tokens=host, cached_disk_tokens=disk,
+        cached_host_tokens=host, cached_disk_tokens=disk, accepted_prediction_tokens=accepted,
+        rejected_prediction_tokens=rejected,
     )
 
 
@@ -89,6 +91,26 @@ async def test_where_cached_tokens_came_from_reaches_the_ledger(db_session, redi
     with pytest.raises(IntegrityError, match="ck_usage_events_cached_tier_counts"):
         async with unit_of_work() as session:
             await insert_usage_events(session, [too_many])
+
+
+async def test_prediction_token_counts_reach_the_ledger(db_session, redis_client, unit_of_work) -> None:
+    tenant = await create_tenant(db_session)
+    # 50 completion tokens: 30 of them accepted from the prediction, 12 rejected ones billed as output.
+    predicted = record(tenant.id, "predicted-1", completion=50, accepted=30, rejected=12)
+    await append_usage(redis_client, predicted)
+    await append_usage(redis_client, record(tenant.id, "predicted-2"))
+    assert (await UsageFlusher(redis_client, unit_of_work, consumer="w1").flush()).inserted == 2
+    first, second = await ledger_rows(db_session, tenant.id)
+    assert [getattr(first, name) for name in PREDICTION_TOKEN_FIELDS] == [30, 12]
+    assert first.cost_pico_usd == 800 * 3_000_000 + 200 * 300_000 + 50 * 15_000_000
+    assert [getattr(second, name) for name in PREDICTION_TOKEN_FIELDS] == [0, 0]
+    for request_id, counts in (("predicted-3", {"accepted_prediction_tokens": 40,
+                                                "rejected_prediction_tokens": 11}),
+                               ("predicted-4", {"rejected_prediction_tokens": -1})):
+        row = record(tenant.id, request_id).row() | counts
+        with pytest.raises(IntegrityError, match="ck_usage_events_prediction_token_counts"):
+            async with unit_of_work() as session:
+                await insert_usage_events(session, [row])
 
 
 @pytest.mark.parametrize("name", CACHE_TOKEN_FIELDS)
@@ -189,12 +211,21 @@ async def test_records_validate_their_columns() -> None:
             record(1, "x", **{name: -1})
     with pytest.raises(ValueError, match="cached_host_tokens"):
         record(1, "x", cached=100, host=60, disk=41)
+    # Prediction tokens are completion tokens: non-negative integers, together at most the completion.
+    with pytest.raises(ValueError, match="accepted_prediction_tokens"):
+        record(1, "x", completion=50, accepted=40, rejected=11)
+    for counts in ({"accepted": -1}, {"rejected": -1}, {"accepted": 1.0}, {"rejected": True}):
+        with pytest.raises(ValueError, match="prediction_tokens must be a non-negative integer"):
+            record(1, "x", **counts)  # type: ignore[arg-type]
+    assert record(1, "x", completion=50, accepted=38, rejected=12).rejected_prediction_tokens == 12
     rec = record(1, "roundtrip", cache_write_tokens=16, cache_pinned_tokens=32, cache_retained_tokens=48,
-                 host=16, disk=32)
+                 host=16, disk=32, accepted=20, rejected=7)
     assert UsageRecord.from_json(rec.to_json()) == rec
-    optional = (*CACHE_TOKEN_FIELDS, "cached_host_tokens", "cached_disk_tokens")
+    assert orjson.loads(rec.to_json())["rejected_prediction_tokens"] == 7
+    optional = (*CACHE_TOKEN_FIELDS, "cached_host_tokens", "cached_disk_tokens", *PREDICTION_TOKEN_FIELDS)
+    assert set(optional) == set(OPTIONAL_COUNTS)
     older = {k: v for k, v in orjson.loads(rec.to_json()).items() if k not in optional}
-    # A gateway older than the cache and tier counts sent none: they read as 0.
+    # A gateway older than the cache, tier and prediction counts sent none: they read as 0.
     assert UsageRecord.from_json(orjson.dumps(older)) == replace(rec, **dict.fromkeys(optional, 0))
     newer = orjson.loads(rec.to_json()) | {"reasoning_tokens": 7}  # written by a newer gateway
     assert UsageRecord.from_json(orjson.dumps(newer)) == rec

@@ -1,7 +1,8 @@
 """Rollups equal the ledger after concurrent flushers (and a reconcile running among them), the reconcile
 repairs gaps, the kind split (the prompt-cache products included) is exact across a price change,
-statements add up to the ledger to the pico-USD with cents carried, and the monthly partitions take rows
-out of the default partition."""
+statements add up to the ledger to the pico-USD with cents carried, the accepted and rejected prediction
+tokens are summed like the other counts (rollups, reconcile, statements' output lines), and the monthly
+partitions take rows out of the default partition."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from sqlalchemy import Numeric, cast, delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.ledger import UsageFlusher
-from billing.outbox import UsageRecord, append_usage
+from billing.outbox import PREDICTION_TOKEN_FIELDS, UsageRecord, append_usage
 from billing.partitions import ensure_usage_partitions
 from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
 from billing.rollups import (
@@ -53,6 +54,10 @@ def make_records(tenant_ids: list[int], count: int, seed: int) -> list[UsageReco
         held = rng.choice([0, prompt // 16 * 16])
         cache_tokens = {"cache_write_tokens": (prompt - cached) // 16 * 16, "cache_pinned_tokens": held,
                         "cache_retained_tokens": rng.choice([0, held])}
+        # Some requests had a prediction: of the completion, some accepted and some rejected tokens.
+        rejected = rng.choice([0, rng.randint(0, completion)])
+        predicted = {"accepted_prediction_tokens": rng.choice([0, rng.randint(0, completion - rejected)]),
+                     "rejected_prediction_tokens": rejected}
         at = MONTH_START + timedelta(days=rng.choice([0, 14, 30]), hours=rng.randint(0, 3),
                                      seconds=rng.randint(0, 3599))
         records.append(UsageRecord(
@@ -60,7 +65,7 @@ def make_records(tenant_ids: list[int], count: int, seed: int) -> list[UsageReco
             request_class=klass, tier="default", prompt_tokens=prompt, cached_tokens=cached,
             completion_tokens=completion,
             cost_pico_usd=cost_pico_usd(PRICES[model], prompt, cached, completion, klass, **cache_tokens),
-            status="completed", ttft_ms=None, tpot_ms=None, created_at=at, **cache_tokens))
+            status="completed", ttft_ms=None, tpot_ms=None, created_at=at, **cache_tokens, **predicted))
     return records
 
 
@@ -72,7 +77,8 @@ async def ledger_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
                func.sum(UsageEvent.cached_tokens),
                func.sum(UsageEvent.completion_tokens),
                *(func.sum(getattr(UsageEvent, name)) for name in CACHE_TOKEN_FIELDS),
-               func.sum(cast(UsageEvent.cost_pico_usd, Numeric)))
+               func.sum(cast(UsageEvent.cost_pico_usd, Numeric)),
+               *(func.sum(getattr(UsageEvent, name)) for name in PREDICTION_TOKEN_FIELDS))
         .where(UsageEvent.tenant_id.in_(tenant_ids))
         .group_by(UsageEvent.tenant_id, hour, UsageEvent.model, UsageEvent.request_class))
     return {(t, hour_of(h), m, c): tuple(int(v) for v in rest) for t, h, m, c, *rest in rows.all()}
@@ -83,7 +89,8 @@ async def rollup_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
     for r in rows:  # the kind split always adds up to the ledger cost
         assert sum(getattr(r, name) for name in KIND_COST_COLUMNS) == r.cost_pico_usd
     return {(r.tenant_id, hour_of(r.hour), r.model, r.request_class):
-            tuple(getattr(r, name) for name in ("requests", *KIND_TOKEN_COLUMNS, "cost_pico_usd"))
+            tuple(getattr(r, name) for name in ("requests", *KIND_TOKEN_COLUMNS, "cost_pico_usd",
+                                                 *PREDICTION_TOKEN_FIELDS))
             for r in rows}
 
 
@@ -166,16 +173,25 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
         async with db.session() as session:
             ledger = await ledger_buckets(session, tenants)
             assert await rollup_buckets(session, tenants) == ledger
-            assert sum(v[-1] for v in ledger.values()) == sum(r.cost_pico_usd for r in records)
+            assert sum(v[-3] for v in ledger.values()) == sum(r.cost_pico_usd for r in records)
+            for i, name in enumerate(PREDICTION_TOKEN_FIELDS, start=-2):  # the prediction counts too
+                assert sum(v[i] for v in ledger.values()) == sum(getattr(r, name) for r in records) > 0
             assert await cache_costs_by_kind(session, tenants) == cache_costs
             clean = await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32),
                                             tenant_ids=tenants)
             assert (clean.repaired, clean.removed) == ([], [])
 
-        # A gap (a lost bucket), a wrong bucket and a stray one: the reconcile finds and repairs all three.
+        # A gap (a lost bucket), a wrong bucket, one wrong only in a prediction count and a stray one: the
+        # reconcile finds and repairs all four.
         async with db.session() as session:
             keys = sorted(ledger)
-            lost, wrong = keys[0], keys[1]
+            lost, wrong, mispredicted = keys[0], keys[1], keys[2]
+            rejected = UsageHourly.rejected_prediction_tokens
+            await session.execute(update(UsageHourly).where(UsageHourly.tenant_id == mispredicted[0],
+                                                            UsageHourly.hour == mispredicted[1],
+                                                            UsageHourly.model == mispredicted[2],
+                                                            UsageHourly.request_class == mispredicted[3])
+                                  .values(rejected_prediction_tokens=rejected + 1))
             await session.execute(delete(UsageHourly).where(UsageHourly.tenant_id == lost[0],
                                                             UsageHourly.hour == lost[1],
                                                             UsageHourly.model == lost[2],
@@ -191,10 +207,10 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
                                     output_cost_pico_usd=0, cost_pico_usd=5))
         async with db.session() as session:
             found = await find_rollup_mismatches(session, MONTH_START, MONTH_START + timedelta(days=32))
-            assert len(found) == 3
+            assert len(found) == 4
         async with db.session() as session:
             fixed = await reconcile_rollups(session, MONTH_START, MONTH_START + timedelta(days=32))
-            assert sorted(fixed.repaired) == sorted([lost, wrong])
+            assert sorted(fixed.repaired) == sorted([lost, wrong, mispredicted])
             assert [k[1] for k in fixed.removed] == [MONTH_START + timedelta(days=5)]
         async with db.session() as session:
             assert await rollup_buckets(session, tenants) == ledger
@@ -218,6 +234,24 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
                     assert sum(line.tokens for line in lines) == sum(
                         getattr(r, CACHE_TOKEN_FIELDS[i]) for r in records if r.tenant_id == tenant_id)
                 assert {line.request_class for line in statement.lines} <= {"interactive", "batch"}
+                # Output lines say how many of their tokens were accepted and rejected prediction tokens.
+                mine = [r for r in records if r.tenant_id == tenant_id]
+                outputs = {(line.model, line.request_class): line for line in statement.lines
+                           if line.token_kind == "output"}
+                for (model, klass), line in outputs.items():
+                    of_line = [r for r in mine if (r.model, r.request_class) == (model, klass)]
+                    assert line.tokens == sum(r.completion_tokens for r in of_line)
+                    for name in PREDICTION_TOKEN_FIELDS:
+                        assert getattr(line, name) == sum(getattr(r, name) for r in of_line)
+                        assert line.as_dict()[name] == getattr(line, name)
+                totals = {name: sum(getattr(r, name) for r in mine) for name in PREDICTION_TOKEN_FIELDS}
+                assert statement.detail_totals() == totals
+                assert {k: statement.as_dict()[k] for k in totals} == totals
+                assert all(name not in line.as_dict() for line in statement.lines
+                           if line.token_kind != "output" for name in PREDICTION_TOKEN_FIELDS)
+                assert rows[0][-2:] == list(PREDICTION_TOKEN_FIELDS)
+                assert [int(v) for v in rows[-1][-2:]] == list(totals.values())
+                assert sum(int(row[-1] or 0) for row in rows[1:-1]) == totals["rejected_prediction_tokens"]
     finally:
         await db.dispose()
 

@@ -17,11 +17,12 @@ from billing.usage_spool import UsageSpool
 from tollgate.local_services import free_port
 
 
-def _record(request_id: str, completion: int = 5) -> UsageRecord:
+def _record(request_id: str, completion: int = 5, accepted: int = 0, rejected: int = 0) -> UsageRecord:
     return UsageRecord(request_id=request_id, tenant_id=7, api_key_id=1, model="tiny",
                        request_class="interactive", tier="default", prompt_tokens=11, cached_tokens=0,
                        completion_tokens=completion, cost_pico_usd=123, status="completed", ttft_ms=None,
-                       tpot_ms=None, created_at=datetime.now(UTC))
+                       tpot_ms=None, created_at=datetime.now(UTC), accepted_prediction_tokens=accepted,
+                       rejected_prediction_tokens=rejected)
 
 
 async def _outbox(redis: Redis) -> list[UsageRecord]:
@@ -31,7 +32,7 @@ async def _outbox(redis: Redis) -> list[UsageRecord]:
 async def test_kept_records_reach_the_outbox_once_redis_answers(tmp_path: Path, redis_client: Redis) -> None:
     spool = UsageSpool(tmp_path / "spool")
     assert not spool.pending()
-    assert spool.keep(_record("a")) and spool.keep(_record("b", completion=9))
+    assert spool.keep(_record("a")) and spool.keep(_record("b", completion=9, accepted=4, rejected=3))
     assert spool.pending()
     down = Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)  # nothing listens there
     with pytest.raises(RedisError):
@@ -40,6 +41,8 @@ async def test_kept_records_reach_the_outbox_once_redis_answers(tmp_path: Path, 
     assert spool.pending(), "nothing leaves the spool while Redis refuses"
     assert await spool.drain(redis_client) == 2
     assert [(r.request_id, r.completion_tokens) for r in await _outbox(redis_client)] == [("a", 5), ("b", 9)]
+    assert [(r.accepted_prediction_tokens, r.rejected_prediction_tokens)
+            for r in await _outbox(redis_client)] == [(0, 0), (4, 3)]  # every count survives the spool
     assert not spool.pending() and not spool.path.exists()
     assert await spool.drain(redis_client) == 0
 

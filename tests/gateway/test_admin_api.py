@@ -21,6 +21,7 @@ import httpx
 import pytest
 from sqlalchemy import select, text
 
+from billing.outbox import PREDICTION_TOKEN_FIELDS
 from billing.prices import CACHE_TOKEN_FIELDS
 from gateway.admin import service
 from gateway.auth import Principal
@@ -455,8 +456,11 @@ async def test_usage_sums_equal_the_ledger_rows(api: AdminApi, client: httpx.Asy
             (first, "beta", "interactive", 7, 0, 3, day + timedelta(days=1, hours=2), (0, 0, 0)),
             (second, "alpha", "interactive", 50, 10, 5, day + timedelta(hours=3), (32, 48, 48)),
         ]
+        # Predicted Outputs: of each row's completion tokens, a third accepted and a seventh rejected.
         events = [await create_usage_event(session, tenant, model=model, request_class=klass, prompt_tokens=p,
                                            cached_tokens=c, completion_tokens=o, created_at=at,
+                                           accepted_prediction_tokens=o // 3,
+                                           rejected_prediction_tokens=o // 7,
                                            **dict(zip(CACHE_TOKEN_FIELDS, cache, strict=True)))
                   for tenant, model, klass, p, c, o, at, cache in rows]
         # Outside the window: must not count.
@@ -469,17 +473,21 @@ async def test_usage_sums_equal_the_ledger_rows(api: AdminApi, client: httpx.Asy
         return {"requests": len(selected), "prompt_tokens": sum(e.prompt_tokens for e in selected),
                 "cached_tokens": sum(e.cached_tokens for e in selected),
                 "completion_tokens": sum(e.completion_tokens for e in selected),
-                **{name: sum(getattr(e, name) for e in selected) for name in CACHE_TOKEN_FIELDS},
+                **{name: sum(getattr(e, name) for e in selected)
+                   for name in (*CACHE_TOKEN_FIELDS, *PREDICTION_TOKEN_FIELDS)},
                 "cost_pico_usd": str(cost), "cost_usd": format((Decimal(cost) / 10**12).normalize(), "f")}
 
     def totals(row: dict[str, Any]) -> dict[str, Any]:
         return {k: row[k] for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens",
-                                    *CACHE_TOKEN_FIELDS, "cost_pico_usd", "cost_usd")}
+                                    *CACHE_TOKEN_FIELDS, *PREDICTION_TOKEN_FIELDS, "cost_pico_usd",
+                                    "cost_usd")}
 
     mine = [e for e in events if e.tenant_id == first.id]
     report = (await client.get(f"/admin/v1/tenants/{first.id}/usage", params={**window,
                                                                                "group_by": "model"})).json()
     assert report["totals"] == expect(mine) and report["tenant_id"] == first.id
+    predicted = report["totals"]["accepted_prediction_tokens"], report["totals"]["rejected_prediction_tokens"]
+    assert predicted == (3 + 16 + 66 + 1, 1 + 7 + 28 + 0)
     assert {r["model"]: totals(r) for r in report["data"]} == {
         model: expect([e for e in mine if e.model == model]) for model in ("alpha", "beta")}
 

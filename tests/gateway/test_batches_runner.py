@@ -1,6 +1,7 @@
 """The batch runner in-process (the code the Celery tasks call) on the real gateway app, Postgres, Redis
-and an engine subprocess: line validation details, the window's expiry keeping finished lines, and the
-batch tokens-per-day quota deferring lines instead of failing them."""
+and an engine subprocess: line validation details, the window's expiry keeping finished lines, the
+batch tokens-per-day quota deferring lines instead of failing them, and Predicted Outputs in chat lines
+(their prediction tokens metered; a prediction the run refuses is the line's 400)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import httpx
 import pytest
 from sqlalchemy import select, update
 
+from billing.outbox import PREDICTION_TOKEN_FIELDS
 from gateway.batches.dispatch import BatchDispatcher, chain_key
 from gateway.batches.runner import BatchRunner
 from gateway.batches.runtime import BatchRuntime, tpd_key
 from gateway.files.storage import LocalFileStorage
 from tests.factories import create_price
-from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key
+from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key, usage_records, wait_for_usage
 from tests.gateway.test_files import _files_gateway, upload  # noqa: F401
 from tests.openai_schema import assert_conforms
 from tollgate.models import Batch, BatchItem
@@ -90,6 +92,8 @@ async def test_validation_names_each_bad_line(runner: BatchRunner, files_gateway
         line("bad-temperature", temperature=7),
         json.dumps({"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
                     "body": {"model": "tiny"}}),
+        line("prediction-of-a-file", prediction={"type": "file", "content": "x"}),
+        line("prediction-with-n", n=2, prediction={"type": "content", "content": "Hello"}),
     ]
     async with api_client(files_gateway, tenant) as client:
         batch_id = await start_batch(client, lines)
@@ -104,6 +108,8 @@ async def test_validation_names_each_bad_line(runner: BatchRunner, files_gateway
         (6, "model_not_found", "body.model"),
         (7, "invalid_value", "body.temperature"),
         (8, "missing_required_parameter", "body.messages"),
+        (9, "invalid_value", "body.prediction.type"),
+        (10, "unsupported_parameter", "body.n"),
     }
     assert await runner.validate(batch_id) == "failed"  # idempotent
 
@@ -193,3 +199,53 @@ async def test_embeddings_lines(runner: BatchRunner, files_gateway: GatewayUnder
         assert_conforms(record["response"]["body"], "CreateEmbeddingResponse")
         assert len(record["response"]["body"]["data"]) == 2
     assert all(i.completion_tokens == 0 and i.prompt_tokens and i.cost_pico_usd for i in items)
+
+
+async def test_prediction_lines_bill_their_prediction_tokens_and_a_bad_one_is_its_lines_400(
+        runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
+    """A chat line's ``prediction`` reaches the engine as the interactive API's does: its accepted and
+    rejected prediction tokens are in the line's usage and in its ledger record (class ``batch``). A
+    prediction only the run can refuse (longer than the model's context) is that line's 400 in the error
+    file; the other lines complete."""
+    plain = line("plain", max_tokens=16)
+    body = json.loads(plain)["body"]
+    tenant = await make_tenant_key(files_gateway)
+    async with api_client(files_gateway, tenant) as client:
+        first = await start_batch(client, [plain])
+        assert await runner.validate(first) == "in_progress" and await run_chunk(runner, first) == 1
+        await runner.finalize(first)
+        done = (await client.get(f"/batches/{first}")).json()
+        text = json.loads((await client.get(f"/files/{done['output_file_id']}/content")).text)[
+            "response"]["body"]["choices"][0]["message"]["content"]
+        prediction = {"type": "content", "content": text[: len(text) // 2] + "~" + text[len(text) // 2 + 1:]}
+        lines = [json.dumps({"custom_id": "predicted", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {**body, "prediction": prediction}}),
+                 # 2,100 tokens of the byte-level tokenizer: more than the tiny model's 2,048 of context.
+                 line("too-long", prediction={"type": "content", "content": "x" * 2100})]
+        batch_id = await start_batch(client, lines)
+        assert await runner.validate(batch_id) == "in_progress"
+        assert await run_chunk(runner, batch_id) == 2
+        assert await runner.finalize(batch_id) == "completed"
+        batch = (await client.get(f"/batches/{batch_id}")).json()
+        output = [json.loads(x) for x in
+                  (await client.get(f"/files/{batch['output_file_id']}/content")).text.splitlines()]
+        errors = [json.loads(x) for x in
+                  (await client.get(f"/files/{batch['error_file_id']}/content")).text.splitlines()]
+    assert batch["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    [predicted] = output
+    assert predicted["custom_id"] == "predicted" and predicted["response"]["status_code"] == 200
+    answer = predicted["response"]["body"]
+    assert_conforms(answer, "CreateChatCompletionResponse")
+    assert answer["choices"][0]["message"]["content"] == text  # a prediction changes no answer
+    details = answer["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0
+    [record] = await wait_for_usage(files_gateway.settings.redis_url, predicted["id"])
+    assert record["request_class"] == "batch"
+    assert record["completion_tokens"] == answer["usage"]["completion_tokens"]
+    assert {name: record[name] for name in PREDICTION_TOKEN_FIELDS} == {
+        name: details[name] for name in PREDICTION_TOKEN_FIELDS}
+    [refused] = errors
+    assert refused["custom_id"] == "too-long" and refused["response"]["status_code"] == 400
+    error = refused["response"]["body"]["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "prediction")
+    assert await usage_records(files_gateway.app.state.redis, refused["id"]) == []  # nothing billed

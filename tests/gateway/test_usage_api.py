@@ -62,7 +62,13 @@ def record(tenant_id: int, i: int, row: tuple) -> UsageRecord:
                        cost_pico_usd=cost_pico_usd(PRICES.get(model, PRICES["alpha"]), prompt, cached,
                                                    completion, klass, **cache_tokens),
                        status="completed", ttft_ms=None, tpot_ms=None,
-                       created_at=DAY + timedelta(hours=hour, minutes=13 + i), **cache_tokens)
+                       created_at=DAY + timedelta(hours=hour, minutes=13 + i), **cache_tokens,
+                       **predicted(completion))
+
+
+def predicted(completion: int) -> dict[str, int]:
+    """The prediction tokens of a row: a fifth of its output accepted, a tenth rejected."""
+    return {"accepted_prediction_tokens": completion // 5, "rejected_prediction_tokens": completion // 10}
 
 
 @asynccontextmanager
@@ -132,6 +138,13 @@ async def test_daily_usage_matches_the_ledger_and_shows_no_other_tenant(setup: S
     assert (day["input_cache_pinned_tokens"], day["input_cache_retained_tokens"]) == (992, 992 + 3984)
     assert (totals[1]["input_cache_write_tokens"], totals[1]["input_cache_pinned_tokens"]) == (64, 64)
     assert totals[2]["input_cache_write_tokens"] == totals[2]["input_cache_retained_tokens"] == 0
+    # Predicted Outputs: the output's accepted and rejected prediction tokens, per day.
+    for day_index, total in enumerate(totals):
+        rows = [r for r in MINE if r[2] // 24 == day_index]
+        for name in ("accepted_prediction_tokens", "rejected_prediction_tokens"):
+            assert total[f"output_{name}"] == sum(predicted(r[5])[name] for r in rows)
+    day0 = totals[0]
+    assert (day0["output_accepted_prediction_tokens"], day0["output_rejected_prediction_tokens"]) == (71, 35)
 
 
 async def test_hourly_grouped_usage_pagination_and_filters(setup: Setup) -> None:
@@ -161,6 +174,8 @@ async def test_hourly_grouped_usage_pagination_and_filters(setup: Setup) -> None
     # Minute buckets read the ledger's cache counts.
     assert [(r["input_cache_write_tokens"], r["input_cache_pinned_tokens"], r["input_cache_retained_tokens"])
             for b in minutes["data"] for r in b["results"]] == [row[6] for row in MINE[:3]]
+    assert [(r["output_accepted_prediction_tokens"], r["output_rejected_prediction_tokens"])
+            for b in minutes["data"] for r in b["results"]] == [(10, 5), (1, 0), (60, 30)]
 
 
 async def test_costs_equal_the_ledger_and_statements(setup: Setup) -> None:

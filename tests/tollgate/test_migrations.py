@@ -79,6 +79,8 @@ CONTRACT_COLUMNS = {
         "cache_retained_tokens",
         "cached_host_tokens",
         "cached_disk_tokens",
+        "accepted_prediction_tokens",
+        "rejected_prediction_tokens",
     },
     "admins": {"id", "email", "password_hash", "api_token_hash", "created_at"},
     "audit_log": {"id", "actor", "action", "tenant_id", "details", "created_at"},
@@ -244,4 +246,66 @@ def test_0006_gives_existing_rows_and_ledger_partitions_no_cache_products(new_da
         assert not set(CACHE_TOKENS) & (_columns(conn, "usage_events") | _columns(conn, "usage_hourly"))
         assert not set(CACHE_TOKENS) & _columns(conn, "usage_events_2031_05", "usage_partitions")
         assert conn.execute("SELECT count(*) FROM usage_events WHERE model = 'm6'").fetchone() == (3,)
+    schema.upgrade(new_database)
+
+
+PREDICTION_TOKENS = ("accepted_prediction_tokens", "rejected_prediction_tokens")
+
+
+def test_0008_gives_existing_ledger_rows_and_rollups_no_prediction_tokens(new_database):
+    schema.downgrade(new_database, "0007")
+    now = datetime.now(UTC)
+    with psycopg.connect(new_database, autocommit=True) as conn:
+        tenant_id = conn.execute("INSERT INTO tenants (name) VALUES ('m8') RETURNING id").fetchone()[0]
+        conn.execute(
+            "CREATE TABLE usage_partitions.usage_events_2032_03"
+            " (LIKE usage_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+        )
+        conn.execute(
+            "ALTER TABLE usage_events ATTACH PARTITION usage_partitions.usage_events_2032_03"
+            " FOR VALUES FROM ('2032-03-01T00:00:00+00:00') TO ('2032-04-01T00:00:00+00:00')"
+        )
+        for request_id, at in (("m8-now", now), ("m8-march", datetime(2032, 3, 2, tzinfo=UTC))):
+            conn.execute(
+                "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
+                " cached_tokens, completion_tokens, cost_pico_usd, status, created_at)"
+                " VALUES (%s, %s, 'm8', 'interactive', 'default', 100, 0, 5, 375, 'completed', %s)",
+                (request_id, tenant_id, at),
+            )
+        conn.execute(
+            "INSERT INTO usage_hourly (tenant_id, hour, model, request_class, requests, input_tokens,"
+            " cached_input_tokens, output_tokens, input_cost_pico_usd, cached_input_cost_pico_usd,"
+            " output_cost_pico_usd, cost_pico_usd) VALUES (%s, %s, 'm8', 'interactive', 1, 100, 0, 5, 300, 0,"
+            " 75, 375)",
+            (tenant_id, now.replace(minute=0, second=0, microsecond=0)),
+        )
+
+    schema.upgrade(new_database)
+    with psycopg.connect(new_database, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT request_id, accepted_prediction_tokens, rejected_prediction_tokens FROM usage_events"
+            " WHERE model = 'm8' ORDER BY created_at"
+        ).fetchall()
+        assert rows == [("m8-now", 0, 0), ("m8-march", 0, 0)]  # rows written before it had no prediction
+        hourly = conn.execute(
+            "SELECT accepted_prediction_tokens, rejected_prediction_tokens FROM usage_hourly"
+            " WHERE model = 'm8'"
+        ).fetchone()
+        assert hourly == (0, 0)
+        assert set(PREDICTION_TOKENS) <= _columns(conn, "usage_events_2032_03", "usage_partitions")
+        # The check reaches every partition: prediction tokens beyond the completion are refused in March.
+        with pytest.raises(psycopg.errors.CheckViolation, match="ck_usage_events_prediction_token_counts"):
+            conn.execute(
+                "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
+                " cached_tokens, completion_tokens, cost_pico_usd, status, created_at,"
+                " accepted_prediction_tokens, rejected_prediction_tokens) VALUES ('m8-too-many', %s, 'm8',"
+                " 'interactive', 'default', 10, 0, 5, 0, 'completed', '2032-03-03T00:00:00+00:00', 3, 3)",
+                (tenant_id,),
+            )
+
+    schema.downgrade(new_database, "0007")
+    with psycopg.connect(new_database) as conn:
+        assert not set(PREDICTION_TOKENS) & (_columns(conn, "usage_events") | _columns(conn, "usage_hourly"))
+        assert not set(PREDICTION_TOKENS) & _columns(conn, "usage_events_2032_03", "usage_partitions")
+        assert conn.execute("SELECT count(*) FROM usage_events WHERE model = 'm8'").fetchone() == (2,)
     schema.upgrade(new_database)

@@ -50,3 +50,7 @@ def statements(tenant: str, month: str, fmt: str) -> None:
                    f"{format_cents(line.amount_cents):>14}")
     click.echo(f"{'total':<66} {format_cents(statement.total_cents):>14}")
     click.echo(f"exact total: {statement.total_pico_usd} pico-USD")
+    details = statement.detail_totals()
+    if any(details.values()):
+        click.echo(f"of the output, prediction tokens accepted: {details['accepted_prediction_tokens']}, "
+                   f"rejected (billed as output): {details['rejected_prediction_tokens']}")
