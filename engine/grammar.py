@@ -24,6 +24,12 @@ Invariants:
   Likewise xgrammar admits UTF-8-encoded surrogates (``ED A0..BF ..``), which are not valid UTF-8:
   tokens containing one are masked, and after a token ending in the lead byte ``ED`` so are tokens
   starting with ``A0..BF``.
+- Speculative decoding: a sequence with ``k`` drafts has ``k + 1`` rows, and row ``j`` is masked with the
+  grammar state reached after drafts ``0..j-1``. ``fill_bitmask`` walks the matcher along the drafts
+  (accepting each that its row's final mask allows), then rolls it back: between steps a matcher has
+  accepted exactly the sequence's known output. Rows past a draft the grammar refuses (or past one that
+  completes the document) copy the last filled row: they are reached only if that draft stands, and it
+  cannot (its row forbids it) or the sequence stops there. Rollback is unbounded in xgrammar >= 0.1.23.
 
 Schemas and regular expressions are validated when ``SamplingParams`` is built, by
 ``engine.grammar_check`` (a schema xgrammar cannot compile raises ``ValueError``).
@@ -343,17 +349,26 @@ class GrammarBackend:
         seq.sampler_state = state
         return state
 
-    def fill_bitmask(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]] | None:
+    def fill_bitmask(self, states: list[GrammarState | None],
+                     drafts: dict[int, list[int]] | None = None) -> tuple[torch.Tensor, list[int]] | None:
         """A CPU int32 bitmask ``[len(states), ceil(V/32)]`` (rows not filled allow every token) and the
-        rows that need masking, or None."""
+        rows that need masking, or None. ``drafts``: the first row of a sequence with draft tokens -> its
+        drafts; its next ``len(drafts)`` rows hold the same state and verify them, each masked with the
+        state after the drafts before it (``_fill_drafts``)."""
         rows = [i for i, s in enumerate(states) if s is not None and not s.matcher.is_terminated()]
         if not rows:
             return None
         bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
         json_rows, after_ed_rows = [], []
+        drafted_until = -1  # the last row of the current sequence's drafts
         for i in rows:
             state = states[i]
-            if state is None:
+            if state is None or i <= drafted_until:
+                continue
+            group = drafts.get(i) if drafts else None
+            if group:
+                self._fill_drafts(state, group, bitmask, i)
+                drafted_until = i + len(group)
                 continue
             state.matcher.fill_next_token_bitmask(bitmask, i)
             if state.is_json:
@@ -365,6 +380,37 @@ class GrammarBackend:
         if after_ed_rows:
             bitmask[torch.tensor(after_ed_rows)] &= self._after_ed_allowed
         return bitmask, rows
+
+    def _fill_drafts(self, state: GrammarState, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
+        """Rows ``first .. first + len(drafts)`` of ``bitmask``: row ``j`` with the state after
+        ``drafts[:j]``, walked tentatively and rolled back. The walk stops at a draft its row forbids (it
+        will be rejected there) or one that completes the document (the stream stops there); the rows
+        after it, reachable only through it, copy its row (a valid, unused mask)."""
+        matcher = state.matcher
+        after_ed = state.after_ed
+        walked = 0
+        row = first
+        for j in range(len(drafts) + 1):
+            row = first + j
+            matcher.fill_next_token_bitmask(bitmask, row)
+            if state.is_json:
+                bitmask[row] &= self._json_allowed
+                if after_ed:
+                    bitmask[row] &= self._after_ed_allowed
+            if j == len(drafts):
+                break
+            token = drafts[j]
+            if not _allows(bitmask[row], token) or not matcher.accept_token(token):
+                break
+            walked += 1
+            after_ed = token in self._ends_with_ed
+            if matcher.is_terminated():
+                break
+        last = first + len(drafts)
+        if row < last:
+            bitmask[row + 1:last + 1] = bitmask[row]
+        if walked:
+            matcher.rollback(walked)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Set the logits of disallowed tokens to -inf in place (only ``rows`` are touched). On a GPU the
@@ -382,6 +428,12 @@ class GrammarBackend:
             return False
         state.after_ed = token_id in self._ends_with_ed
         return True
+
+
+def _allows(row: torch.Tensor, token_id: int) -> bool:
+    """Whether a bitmask row allows ``token_id`` (ids past the row are not allowed)."""
+    word = token_id >> 5
+    return 0 <= word < row.shape[0] and bool((int(row[word]) >> (token_id & 31)) & 1)
 
 
 def _pack_bitmask(allowed: list[bool], vocab_size: int) -> torch.Tensor:

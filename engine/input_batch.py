@@ -246,7 +246,7 @@ class InputBatch:
                         init.append((slot, seq.output_token_ids, list(seq.token_ids)))
             sampling = SamplingInputs(sampled, self.params[rows], rows,
                                       self._noise_seeds(sampled, rows, offsets), init,
-                                      np.flatnonzero(self.structured[rows]).tolist())
+                                      np.flatnonzero(self.structured[rows]).tolist(), drafts=drafts)
         return StepInputs(
             input_ids=np.asarray(ids, dtype=np.int64),
             positions=positions,

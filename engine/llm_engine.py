@@ -25,7 +25,9 @@ depend on what else is in each step's batch, as they always did):
 - Structured output needs the previous token on the host: a grammar matcher must accept it before the
   next token's mask is computed. A step with a constrained row whose previous token is still pending
   first processes the previous step (after submitting its own forward pass, which therefore still
-  overlaps), then fills the masks and submits its sampling. Only such steps wait; the others do not.
+  overlaps), then fills the masks and submits its sampling. Only such steps wait; the others do not. A
+  step that carries drafts processed the previous step before drafting (drafts continue known tokens),
+  so a constrained sequence's matcher can walk its drafts when the masks are filled.
 - Penalties count tokens on the device (``engine.sampler``), seeded noise depends on the position only,
   and nothing else in sampling reads a token on the host.
 
@@ -354,11 +356,13 @@ class LLMEngine:
 
     def _verify(self, step: Step, host: HostSampled, now: float) -> None:
         """Tokens of a step with drafts: per sequence, its drafts up to the first that differs from the
-        token drawn at its position, then that drawn token; each through the usual stop checks."""
-        inputs, scheduler, outputs = step.inputs, self.scheduler, self.outputs
+        token drawn at its position, then that drawn token; each through the usual stop checks. A
+        constrained sequence's matcher accepts exactly those tokens, in order (the rows past them were
+        masked from states it never reaches: ``GrammarBackend.fill_bitmask``)."""
+        inputs, scheduler, outputs, sampler = step.inputs, self.scheduler, self.outputs, self.sampler
         assert inputs.sampling is not None
         seqs, ids, groups = inputs.sampled, host.token_ids, inputs.drafts
-        logprobs, terminated = self.sampler.extras(host, seqs, inputs.sampling.structured)
+        logprobs, _ = sampler.extras(host, seqs, [])
         counters = self._stats.speculation
         row = 0
         while row < len(seqs):
@@ -369,6 +373,7 @@ class LLMEngine:
                 row += rows
                 continue
             accepted = accepted_prefix(drafts, ids[row:row + rows])
+            structured = seq.params.structured
             emitted = 0
             for j in range(accepted + 1):
                 token_id = ids[row + j]
@@ -377,7 +382,8 @@ class LLMEngine:
                 else:
                     scheduler.token_known(seq, token_id)
                 emitted += 1
-                reason = outputs.token(seq, token_id, logprobs.get(row + j), row + j in terminated, now)
+                complete = structured and sampler.accept(seq, token_id)
+                reason = outputs.token(seq, token_id, logprobs.get(row + j), complete, now)
                 if reason is not None:
                     seq.finished_time = now
                     scheduler.finish(seq, reason)

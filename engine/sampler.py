@@ -5,8 +5,8 @@ A step's sampling has three parts, so the engine can overlap them with other wor
 
 1. ``inputs(seqs)`` (host): the rows' parameters as arrays (``SamplingInputs``; the model runner builds
    them from its persistent batch instead, with the same ``param_row``), the grammar bitmask of the
-   constrained rows (their matchers must have accepted every earlier token), and the penalty rows to
-   (re)initialise.
+   constrained rows (their matchers must have accepted every earlier token; rows that verify draft
+   tokens are masked as if the drafts before them stood), and the penalty rows to (re)initialise.
 2. ``draw(logits, inputs)`` (device): ``Sampled``: the chosen ids and, for the rows that asked, logprobs,
    still on the device (the next step reads the ids there); ``Sampled.to_host()`` starts their one copy
    to the host without waiting.
@@ -98,7 +98,8 @@ class SamplingInputs:
     ``params`` is ``[N, len(PARAM_COLUMNS)]`` float64; ``slots`` the rows of the penalty counts;
     ``noise_seeds`` the noise key of the seeded rows (None: unseeded; ``Sampler.noise_seed``); ``init``:
     (slot, output ids, all ids) of penalty rows to reset first; ``structured`` the rows with a grammar,
-    and ``bitmask``/``mask_rows`` their mask (``Sampler.fill_grammar``)."""
+    and ``bitmask``/``mask_rows`` their mask (``Sampler.fill_grammar``); ``drafts``: the first row of a
+    sequence carrying draft tokens -> its drafts (its next ``len(drafts)`` rows verify them)."""
 
     seqs: list[Sequence]
     params: np.ndarray
@@ -108,6 +109,7 @@ class SamplingInputs:
     structured: list[int] = field(default_factory=list)  # rows with a grammar
     bitmask: torch.Tensor | None = None
     mask_rows: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def column(self, name: str) -> np.ndarray:
         return self.params[:, PARAM_COLUMNS.index(name)]
@@ -202,7 +204,8 @@ class Sampler:
         return seeded_noise_seed(seed, seq.index, position)
 
     def fill_grammar(self, inputs: SamplingInputs) -> None:
-        """The grammar bitmask of the constrained rows (their matchers know every earlier token)."""
+        """The grammar bitmask of the constrained rows (their matchers know every earlier token; a row
+        that verifies a draft is masked with the state after the drafts before it)."""
         if not inputs.structured:
             return
         if self.grammar is None:
@@ -210,7 +213,7 @@ class Sampler:
         states: list[GrammarState | None] = [None] * len(inputs.seqs)
         for i in inputs.structured:
             states[i] = self.grammar.state_for(inputs.seqs[i])
-        filled = self.grammar.fill_bitmask(states)
+        filled = self.grammar.fill_bitmask(states, inputs.drafts)
         if filled is not None:
             inputs.bitmask, inputs.mask_rows = filled
 

@@ -21,8 +21,9 @@ Proposers (per sequence, pure Python, nothing shared between requests, let alone
 ``SpeculationPolicy`` decides per step: nothing when more than ``max_batch`` sequences run (verifying k
 extra positions stops being free as the batch grows; at high load speculation only slows serving), and
 per sequence up to ``max_draft`` tokens, fewer as its measured acceptance falls, none below
-``min_acceptance`` (re-probed every ``probe_every`` steps). Sequences with penalties or structured output
-never speculate here.
+``min_acceptance`` (re-probed every ``probe_every`` steps). Sequences with penalties never speculate
+here. Structured output does: each row is masked with the grammar state after the drafts before it
+(``engine.grammar``), so a draft the grammar forbids is rejected like any draft the model would not draw.
 
 Torch-free: unit-tested on any machine.
 """
@@ -255,6 +256,6 @@ def accepted_prefix(drafts: list[int], drawn: list[int]) -> int:
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request may speculate: not with penalties (a draft's row would need the counts of the
-    drafts before it) nor structured output (its matcher would have to walk the drafts)."""
-    return not (params.structured or params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)
+    drafts before it, and the device counts every row's draw). Structured output may: its matcher walks
+    the drafts when the masks are filled."""
+    return not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)

@@ -211,6 +211,71 @@ def test_json_strings_never_get_control_chars_or_surrogates(backend):
     assert _allowed(bitmask[0], byte_token[0x9F])  # ED 9F BF is U+D7FF, valid
 
 
+def _mask_after(backend, params, prefix):
+    """The bitmask row of a fresh matcher that accepted ``prefix`` (no drafts involved)."""
+    state = backend.state_for(Sequence("fresh", [1], params))
+    for token_id in prefix:
+        assert backend.accept(state, token_id)
+    return backend.fill_bitmask([state])[0][0]
+
+
+def test_draft_rows_are_masked_with_the_state_after_the_drafts_before_them(backend, tokenizer):
+    """Speculative decoding: row j of a drafted sequence sees the grammar after drafts 0..j-1; past a
+    draft the grammar forbids, or one that completes the document, the rows copy its row; the matcher is
+    rolled back to the sequence's known output."""
+    params = SamplingParams(json_schema=BOUNDED_SCHEMAS[1])
+    ids = tokenizer.encode('{"name":"ab","color":"red","ok":true,"count":12}').ids
+    seq = Sequence("s", [1], params)
+    state = backend.state_for(seq)
+    for token_id in ids[:3]:  # {"name":"
+        assert backend.accept(state, token_id)
+    before = backend.fill_bitmask([state])[0][0].clone()
+    other = backend.state_for(Sequence("o", [1], params))
+    # A free row, the drafted sequence's 5 rows, another constrained row.
+    bitmask, rows = backend.fill_bitmask([None] + [state] * 5 + [other], {1: ids[3:7]})
+    assert rows == [1, 2, 3, 4, 5, 6]
+    for j in range(5):
+        assert torch.equal(bitmask[1 + j], _mask_after(backend, params, ids[:3 + j]))
+    assert torch.equal(bitmask[6], _mask_after(backend, params, []))
+    assert torch.equal(backend.fill_bitmask([state])[0][0], before) and not state.after_ed
+
+    # '12' where a property name starts: not in the (strict) schema. Its row forbids it; later rows copy.
+    wrong = [ids[3], ids[4], ids[5], ids[6], tokenizer.token_to_id("12"), ids[7]]
+    bitmask, _ = backend.fill_bitmask([state] * 7, {0: wrong})
+    for j in range(5):
+        assert torch.equal(bitmask[j], _mask_after(backend, params, ids[:3 + j]))
+    assert not _allowed(bitmask[4], wrong[4])
+    assert torch.equal(bitmask[5], bitmask[4]) and torch.equal(bitmask[6], bitmask[4])
+    assert torch.equal(backend.fill_bitmask([state])[0][0], before)
+
+    # Drafts through the end of the document and its stop token: rolled back from the terminated state.
+    for token_id in ids[3:-1]:
+        assert backend.accept(state, token_id)
+    bitmask, _ = backend.fill_bitmask([state] * 4, {0: [ids[-1], 0, ids[0]]})
+    assert _allowed(bitmask[1], 0) and not _allowed(bitmask[1], ids[0])  # only the stop token
+    assert torch.equal(bitmask[1], _mask_after(backend, params, ids))
+    assert torch.equal(bitmask[2], bitmask[1]) and torch.equal(bitmask[3], bitmask[1])
+    assert not state.matcher.is_terminated()
+    assert torch.equal(backend.fill_bitmask([state])[0][0], _mask_after(backend, params, ids[:-1]))
+
+
+def test_draft_rows_get_the_json_byte_masks_of_their_own_position(backend):
+    """The control-character and surrogate masks apply per draft row, and a draft only they forbid
+    stops the walk like one the grammar forbids."""
+    vocab = backend.tokenizer_info.decoded_vocab
+    byte_token = {t[0]: i for i, t in enumerate(vocab) if len(t) == 1}
+    state = backend.state_for(Sequence("s", [1], SamplingParams(json_schema={"type": "string",
+                                                                             "maxLength": 5})))
+    assert backend.accept(state, byte_token[ord('"')])
+    bitmask, _ = backend.fill_bitmask([state] * 3, {0: [byte_token[0xED], byte_token[0x9F]]})
+    assert torch.equal(bitmask[0], backend.fill_bitmask([state])[0][0])
+    assert not _allowed(bitmask[1], byte_token[0xA7]) and _allowed(bitmask[1], byte_token[0x9F])
+    assert not state.after_ed
+    bitmask, _ = backend.fill_bitmask([state] * 3, {0: [byte_token[0x11], byte_token[ord("a")]]})
+    assert not _allowed(bitmask[0], byte_token[0x11])
+    assert torch.equal(bitmask[1], bitmask[0]) and torch.equal(bitmask[2], bitmask[0])
+
+
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [

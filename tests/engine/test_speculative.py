@@ -1,15 +1,18 @@
 """Speculative decoding (``engine.speculative``): the proposers and the policy as pure Python; in the
 engine, outputs identical with and without drafts (greedy and seeded; predictions that match, that
 were edited, automatic prompt lookup; with stop strings, n > 1, logprobs, preemption and the overlapped
-loop); rejected drafts never reach the prefix cache or a tier; the verification is exact rejection
+loop; structured output, drafts masked by the grammar); rejected drafts never reach the prefix cache or
+a tier; the verification is exact rejection
 sampling (a draft stands as often as the model would draw it, and a fallen one leaves the model's
 distribution without it)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -79,7 +82,7 @@ def test_the_policy_speculates_only_on_small_batches_and_backs_off_on_poor_accep
     assert policy.state([1, 2]).from_prediction and policy.state(None) is not None  # type: ignore[union-attr]
     assert SpeculationPolicy(automatic=False).state(None) is None
     assert speculates(Params()) and not speculates(Params(presence_penalty=0.5))
-    assert not speculates(Params(json_object=True)) and not speculates(Params(repetition_penalty=1.1))
+    assert speculates(Params(json_object=True)) and not speculates(Params(repetition_penalty=1.1))
 
 
 def test_verification_is_exact_rejection_sampling() -> None:
@@ -172,6 +175,56 @@ def test_outputs_are_identical_with_drafts_from_predictions_and_prompt_lookup(ti
     assert usage["r1"].accepted_prediction_tokens >= 20 and usage["r1"].rejected_prediction_tokens > 0
     assert usage["r3"].accepted_prediction_tokens == usage["r3"].rejected_prediction_tokens == 0
     assert runs["off"]["r0"]["usage"].accepted_prediction_tokens == 0  # speculation off: not drafted
+
+
+LISTING = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 4},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_are_identical_with_drafts_through_the_grammar(tiny_llama_dir: Path) -> None:
+    """Drafts pass through the grammar's masks: greedy and seeded documents are the same tokens with and
+    without speculation (a perfect prediction, one with every fifth token wrong, prompt-lookup drafts
+    the grammar mostly forbids), and every document, unseeded ones included, validates."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=150, json_schema=LISTING)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=150, json_schema=LISTING)
+    with LLM(str(tiny_llama_dir), speculation="off") as plain:
+        refs = [r.token_ids for r in plain.generate([_prompt(1, 20), _prompt(2, 25), _prompt(3, 30)],
+                                                    [greedy, greedy, seeded])]
+    wrong = [t if i % 5 != 3 else (t + 1) % 2000 for i, t in enumerate(refs[1])]
+    requests = [
+        (_prompt(1, 20), greedy, refs[0]),
+        (_prompt(2, 25), greedy, wrong),
+        (_prompt(3, 30), seeded, refs[2]),
+        (_prompt(4, 16) * 3, greedy, None),  # prompt lookup drafts prompt tokens: mostly not JSON
+        (_prompt(5, 20), SamplingParams(temperature=1.0, max_tokens=150, json_schema=LISTING), None),
+    ]
+    runs = {}
+    for name, config in (("off", {"speculation": "off"}), ("sync", {"overlap": False}),
+                         ("overlap", {"overlap": True})):
+        with LLM(str(tiny_llama_dir), **config) as llm:  # type: ignore[arg-type]
+            runs[name] = _run(llm.engine, requests)
+            runs[name + "-stats"] = llm.stats
+        for rid, result in runs[name].items():
+            assert result["finish"] == ["stop"], (name, rid, result["text"])
+            jsonschema.validate(json.loads(result["text"][0]), LISTING)
+    seeded_only = {rid: r for rid, r in _visible(runs["off"]).items() if rid != "r4"}  # r4: unseeded
+    for name in ("sync", "overlap"):
+        assert {rid: r for rid, r in _visible(runs[name]).items() if rid != "r4"} == seeded_only
+        spec = runs[name + "-stats"].speculation
+        assert spec["drafted_tokens"] > spec["accepted_tokens"] > 0
+        usage = {rid: runs[name][rid]["usage"] for rid in ("r0", "r1")}
+        assert usage["r0"].accepted_prediction_tokens > 0.5 * len(refs[0])
+        assert usage["r0"].rejected_prediction_tokens == 0
+        assert usage["r1"].accepted_prediction_tokens > 0 and usage["r1"].rejected_prediction_tokens > 0
+    assert runs["off"]["r0"]["tokens"][0] == refs[0]
 
 
 def test_rejected_drafts_never_enter_the_prefix_cache_or_a_tier(tiny_llama_dir: Path) -> None:
