@@ -335,8 +335,6 @@ class ModelRunner:
         """Finish the device's work and the disk tier's queued writes (a restart finds every block
         demoted so far); stop the other ranks."""
         if self.kv_transfer is not None:
-            if self.workers is not None:
-                self.workers.send(("flush", None))
             self.executor.submit(self.kv_transfer.flush).result()
             self.executor.submit(self.kv_transfer.close).result()
         self.executor.close()
@@ -352,8 +350,6 @@ class ModelRunner:
         elif kind == "transfer":  # its reads are rank 0's to do (``engine.kv.transfer``)
             self.transfer(payload)  # type: ignore[arg-type]
             self._check_transfers()
-        elif kind == "flush":
-            self.flush_transfers()
         else:
             raise ValueError(f"unknown message from rank 0: {kind!r}")
 

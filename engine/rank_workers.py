@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -77,10 +78,7 @@ class RankWorkers:
         """Send every worker the same message (they run them in order). A dead worker's broken pipe is
         left to the watchdog."""
         for conn in self._conns:
-            try:
-                conn.send(message)
-            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                pass
+            _send(conn, message)
 
     def send_plan(self, plan: TransferPlan | None) -> None:
         """A step's tier copies to every worker: its own payload of each block read from disk (rank 0
@@ -89,10 +87,7 @@ class RankWorkers:
             mine = plan
             if plan is not None and (plan.fill or plan.read):
                 mine = replace(plan, read=[], fill=[(slot, data[rank]) for slot, data in plan.fill])  # type: ignore[index]
-            try:
-                conn.send(("transfer", mine))
-            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                pass
+            _send(conn, ("transfer", mine))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the workers (after the messages already sent) and wait for them."""
@@ -105,9 +100,7 @@ class RankWorkers:
                 proc.join(5)
         for conn in self._conns:
             conn.close()
-        for name in ("rendezvous",):
-            Path(self._dir, name).unlink(missing_ok=True)
-        Path(self._dir).rmdir()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _mark_closing(self) -> None:
         with self._lock:
@@ -130,6 +123,14 @@ class RankWorkers:
             if other.is_alive():
                 other.kill()
         os._exit(RANK_DIED_EXIT_CODE)
+
+
+def _send(conn: multiprocessing.connection.Connection, message: tuple[str, Any]) -> None:
+    """Send to one worker; a dead worker's broken pipe is left to the watchdog."""
+    try:
+        conn.send(message)
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        pass
 
 
 def exit_with_parent() -> None:
