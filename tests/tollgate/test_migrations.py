@@ -155,6 +155,17 @@ def _columns(conn: psycopg.Connection, table: str, schema_name: str = "public") 
     return {name for (name,) in rows}
 
 
+def _insert_hourly_rollup(conn: psycopg.Connection, tenant_id: int, model: str, hour: datetime) -> None:
+    """One interactive hour of ``model``: 1 request, 100 input and 5 output tokens, 375 pico-USD."""
+    conn.execute(
+        "INSERT INTO usage_hourly (tenant_id, hour, model, request_class, requests, input_tokens,"
+        " cached_input_tokens, output_tokens, input_cost_pico_usd, cached_input_cost_pico_usd,"
+        " output_cost_pico_usd, cost_pico_usd) VALUES (%s, %s, %s, 'interactive', 1, 100, 0, 5, 300, 0,"
+        " 75, 375)",
+        (tenant_id, hour, model),
+    )
+
+
 def test_0006_gives_existing_rows_and_ledger_partitions_no_cache_products(new_database):
     schema.downgrade(new_database, "0005")
     now = datetime.now(UTC)
@@ -183,13 +194,7 @@ def test_0006_gives_existing_rows_and_ledger_partitions_no_cache_products(new_da
         for request_id, at in (("now", now), ("march", datetime(2031, 3, 2, tzinfo=UTC)),
                                ("may", datetime(2031, 5, 2, tzinfo=UTC))):  # fmt: skip
             conn.execute(ledger, (request_id, tenant_id, at))
-        conn.execute(
-            "INSERT INTO usage_hourly (tenant_id, hour, model, request_class, requests, input_tokens,"
-            " cached_input_tokens, output_tokens, input_cost_pico_usd, cached_input_cost_pico_usd,"
-            " output_cost_pico_usd, cost_pico_usd) VALUES (%s, %s, 'm6', 'interactive', 1, 100, 0, 5, 300, 0,"
-            " 75, 375)",
-            (tenant_id, now.replace(minute=0, second=0, microsecond=0)),
-        )
+        _insert_hourly_rollup(conn, tenant_id, "m6", now.replace(minute=0, second=0, microsecond=0))
 
     schema.upgrade(new_database)
     with psycopg.connect(new_database, autocommit=True) as conn:
@@ -272,13 +277,7 @@ def test_0008_gives_existing_ledger_rows_and_rollups_no_prediction_tokens(new_da
                 " VALUES (%s, %s, 'm8', 'interactive', 'default', 100, 0, 5, 375, 'completed', %s)",
                 (request_id, tenant_id, at),
             )
-        conn.execute(
-            "INSERT INTO usage_hourly (tenant_id, hour, model, request_class, requests, input_tokens,"
-            " cached_input_tokens, output_tokens, input_cost_pico_usd, cached_input_cost_pico_usd,"
-            " output_cost_pico_usd, cost_pico_usd) VALUES (%s, %s, 'm8', 'interactive', 1, 100, 0, 5, 300, 0,"
-            " 75, 375)",
-            (tenant_id, now.replace(minute=0, second=0, microsecond=0)),
-        )
+        _insert_hourly_rollup(conn, tenant_id, "m8", now.replace(minute=0, second=0, microsecond=0))
 
     schema.upgrade(new_database)
     with psycopg.connect(new_database, autocommit=True) as conn:
