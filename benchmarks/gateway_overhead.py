@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -121,13 +121,15 @@ class Platform:
 def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[str, float] | None = None,
              model: str = MODEL, gateway_env: dict[str, str] | None = None,
              engine_env: dict[str, str] | None = None, replicas: int = 1,
-             gateway_workers: int = 1) -> Iterator[Platform]:
+             gateway_workers: int = 1, checkpoint: Callable[[Path], Path] | None = None
+             ) -> Iterator[Platform]:
     """Start everything in a temporary directory; stop everything at exit.
 
     The engine is the synthetic one with ``engine_extra`` timings, unless ``real_engine_args`` is given:
     then ``tollgate engine --model <tiny checkpoint> <real_engine_args>`` (the real CPU engine), as
     ``replicas`` replicas of the interactive pool (``{root}`` in an argument is the platform's directory,
-    ``{replica}`` the replica's number)."""
+    ``{replica}`` the replica's number). ``checkpoint`` writes the model into the directory it is given
+    (default: the tiny random-weight Llama)."""
     from engine.tiny import create_tiny_checkpoint
     from tests.factories import create_price
     from tollgate import schema
@@ -172,7 +174,7 @@ def platform(*, real_engine_args: list[str] | None = None, engine_extra: dict[st
                 await db.dispose()
 
         asyncio.run(price())
-        tiny = create_tiny_checkpoint(root / "tiny", arch="llama", seed=0)
+        tiny = (checkpoint or (lambda d: create_tiny_checkpoint(d, arch="llama", seed=0)))(root / "tiny")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "PROMETHEUS_"))}
         env["PYTHONUNBUFFERED"] = "1"
         engine_urls = []

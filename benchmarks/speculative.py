@@ -1,17 +1,29 @@
-"""Speculative decoding in the engine: a code-edit workload with and without Predicted Outputs, and a
-saturated replica with automatic speculation on and off.
+"""Speculative decoding through the whole platform, with the official ``openai`` SDK: Predicted Outputs on a
+code-edit workload, automatic speculation on an agent-loop workload, and a saturated replica.
 
-Engine-level (``engine.LLMEngine`` on the CPU, one torch thread, the tiny test model: Qwen3 shape of
-``engine.tiny``; through the whole platform is the next step). Every sequence decodes greedily with
-``ignore_eos``:
+Set-up (real processes, by ``benchmarks.gateway_overhead.platform``): a private Postgres and Redis, one
+gateway worker, one CPU engine replica (``tollgate engine``, ``--max-num-seqs 64``), requests through
+``AsyncOpenAI`` (non-streamed chat completions, greedy). Three platforms, one after the other:
 
-- **code edit**: the "file" is the model's own greedy output of ``--file-tokens`` tokens for a prompt;
-  the request regenerates it, its prediction that file with about ``--edit-share`` of its lines (16-token
-  stretches) edited (a token replaced, a stretch deleted or inserted, in turn). At 1 and ``--concurrent``
-  requests at once: output tok/s and forward passes (engine steps) per output token, with the
-  prediction and without, in one run.
-- **saturated**: ``--saturated`` requests of random prompts at once with speculation ``auto`` against
-  ``off`` (the policy stops speculating above ``speculative_max_batch`` sequences).
+- **code edit** (the tiny random-weight Qwen3 of ``engine.tiny``, speculation ``auto``, the default): the
+  "file" of each request is the model's own greedy answer of ``--file-tokens`` tokens to its prompt; the
+  request asks again with, as ``prediction``, that file with about ``--edit-share`` of its lines edited
+  (lines of about 64 characters: a word replaced, half the line deleted, words inserted, in turn). At 1 and
+  ``--concurrent`` requests at once, with the prediction and without: output tok/s (completion tokens
+  over the wall time of the batch of requests), forward passes (the engine's ``tollgate_engine_steps``)
+  per output token, and the accepted / rejected prediction tokens the clients were told.
+- **agent loop** (the copying model of ``engine.copying``, speculation ``auto`` against ``off``, two
+  platforms): each request is a system prompt and a tool's output (a one-line JSON document of ~300
+  tokens, new per request) that the model's answer quotes, as an agent relaying a tool's result does; one
+  request at a time, ``--agent-requests`` of them. Nothing is predicted by the client: the drafts are the
+  engine's prompt lookup.
+- **saturated**: ``--saturated`` agent-loop requests at once on the same two platforms (the policy stops
+  speculating above ``speculative_max_batch`` = 16 running sequences).
+
+Each figure is the best of ``--repeat`` runs; both sides of a comparison run on the same machine in the same
+invocation. "same answers" is the share of answers equal with and without speculation (greedy: all but
+where two continuations tie to within float rounding; the copying model ties where a stretch of its
+context repeats, and the batch's make-up and the prefix cache's hits change the rounding).
 
     python benchmarks/speculative.py --out benchmarks/out/speculative.json
 """
@@ -19,203 +31,211 @@ Engine-level (``engine.LLMEngine`` on the CPU, one torch thread, the tiny test m
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import random
+import re
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import format_table, machine_description, write_json  # noqa: E402
+from benchmarks.gateway_overhead import Platform, platform  # noqa: E402
+
+MODEL = "tiny-spec"
+WORDS = ("ledger invoice account tenant quota budget refund audit policy contract vendor payment review "
+         "approve reject escalate summary report quarter revenue expense forecast customer").split()
+SYSTEM = "You are a careful agent. Relay the tool's result to the user as it is."
 
 
-def _engine(model: Path, speculation: str, seqs: int) -> Any:
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-
-    return LLMEngine(
-        EngineConfig(
-            model=str(model),
-            max_num_seqs=max(seqs, 1),
-            num_kv_blocks=max(seqs, 1) * 64,
-            max_num_batched_tokens=4096,
-            speculation=speculation,
-        )
-    )
+def engine_steps(p: Platform) -> float:
+    text = httpx.get(f"{p.engine_url}/metrics", timeout=10).text
+    match = re.search(r"^tollgate_engine_steps_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
 
 
-def _run(engine: Any, requests: list[tuple[list[int], int, list[int] | None]]) -> dict[str, float]:
-    from engine.sampling_params import SamplingParams
+async def run_batch(p: Platform, key: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Send ``requests`` (chat completion arguments) at once; totals of what the clients were told."""
+    from openai import AsyncOpenAI
 
-    steps_before = engine.stats().num_steps
+    client = AsyncOpenAI(base_url=f"{p.gateway_url}/v1", api_key=key, max_retries=0, timeout=600)
+    steps_before = engine_steps(p)
     started = time.perf_counter()
-    for i, (prompt, n, prediction) in enumerate(requests):
-        engine.add_request(
-            f"b{i}-{time.monotonic_ns()}",
-            prompt,
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-            prediction=prediction,
-        )
-    produced = 0
-    while engine.has_unfinished():
-        for delta in engine.step():
-            produced += sum(len(c.token_ids) for c in delta.completions)
+    try:
+        answers = await asyncio.gather(*(
+            client.chat.completions.create(model=MODEL, temperature=0, **r) for r in requests
+        ))
+    finally:
+        await client.close()
     wall = time.perf_counter() - started
-    steps = engine.stats().num_steps - steps_before
+    steps = engine_steps(p) - steps_before
+    details = [a.usage.completion_tokens_details for a in answers]
+    rejected = sum((d.rejected_prediction_tokens or 0) if d else 0 for d in details)
+    # completion_tokens counts rejected prediction tokens too (billed as output, as OpenAI does).
+    tokens = sum(a.usage.completion_tokens for a in answers) - rejected
     return {
-        "output_tokens": produced,
-        "seconds": wall,
-        "tok_s": produced / wall,
-        "steps": steps,
-        "steps_per_token": steps / produced,
+        "requests": len(requests), "output_tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+        "steps": steps, "steps_per_token": steps / tokens,
+        "accepted_prediction_tokens": sum((d.accepted_prediction_tokens or 0) if d else 0 for d in details),
+        "rejected_prediction_tokens": rejected,
+        "texts": [a.choices[0].message.content or "" for a in answers],
     }
 
 
-def _edit(tokens: list[int], share: float, seed: int) -> list[int]:
-    """The file with about ``share`` of its 16-token lines edited: replaced, deleted or inserted."""
+def same_share(a: list[str], b: list[str]) -> float:
+    """The share of answers equal on both sides (greedy: all, but where two continuations tie to within
+    float rounding, which differs with the batch's make-up, the prefix cache's hits and the drafts)."""
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def best_of(repeat: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    runs = [run() for _ in range(repeat)]
+    return min(runs, key=lambda r: r["seconds"])
+
+
+def edit_lines(text: str, share: float, seed: int) -> str:
+    """``text`` with about ``share`` of its lines (newline-ended, or 64-character pieces of a longer
+    line) edited: a word replaced, half the line deleted, words inserted, in turn."""
     rng = random.Random(seed)
-    out: list[int] = []
-    for i, start in enumerate(range(0, len(tokens), 16)):
-        line = tokens[start : start + 16]
+    lines = [piece for line in text.splitlines(keepends=True) for piece in
+             (line[i : i + 64] for i in range(0, len(line), 64))]
+    out, edited = [], 0
+    for line in lines:
         if rng.random() < share:
-            kind = i % 3
+            kind = edited % 3
+            edited += 1
             if kind == 0:
-                line = line[:5] + [(line[5] + 1) % 2000] + line[6:] if len(line) > 6 else line
+                words = line.split(" ")
+                words[len(words) // 2] = rng.choice(WORDS)
+                line = " ".join(words)
             elif kind == 1:
                 line = line[: len(line) // 2]
             else:
-                line = line + [rng.randrange(100, 2000) for _ in range(4)]
-        out.extend(line)
-    return out
+                line = line + " " + " ".join(rng.choice(WORDS) for _ in range(3)) + " "
+        out.append(line)
+    return "".join(out)
+
+
+def tool_output(rng: random.Random) -> str:
+    """A search tool's result on one line: ten records of words and figures (no 10-token stretch in it
+    twice, where the copying model would fork; see ``engine.copying``)."""
+    records = [f"{rng.choice(WORDS)} {rng.randrange(10_000)} for {rng.choice(WORDS)} {rng.choice(WORDS)}: "
+               f"{round(rng.uniform(-50, 5000), 2)} EUR, {rng.choice(WORDS)} by {rng.choice(WORDS)}"
+               for _ in range(10)]
+    return json.dumps({"query": " ".join(rng.choice(WORDS) for _ in range(4)), "results": records})
+
+
+def code_edit(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from engine.tiny import create_tiny_checkpoint
+
+    results = []
+    engine_args = ["--max-num-seqs", "64", "--num-kv-blocks", "2048"]
+    with platform(real_engine_args=engine_args, model=MODEL,
+                  checkpoint=lambda d: create_tiny_checkpoint(d, arch="qwen3", seed=0)) as p:
+        key = p.create_tenant_key(rpm_limit=10**6, tpm_limit=10**9)
+        prompts = [[{"role": "user", "content": f"Write module number {i} of the billing service."}]
+                   for i in range(args.concurrent)]
+        first = asyncio.run(run_batch(p, key, [{"messages": m, "max_tokens": args.file_tokens}
+                                               for m in prompts]))
+        files = first["texts"]
+        predictions = [edit_lines(f, args.edit_share, i) for i, f in enumerate(files)]
+        for concurrent in (1, args.concurrent):
+            row: dict[str, Any] = {"workload": "code_edit", "concurrent": concurrent}
+            for side in ("without", "with"):
+                def one(side: str = side, concurrent: int = concurrent) -> dict[str, Any]:
+                    requests = [{"messages": prompts[i], "max_tokens": args.file_tokens,
+                                 **({"prediction": {"type": "content", "content": predictions[i]}}
+                                    if side == "with" else {})} for i in range(concurrent)]
+                    return asyncio.run(run_batch(p, key, requests))
+
+                row[side] = best_of(args.repeat, one)
+            row["speedup"] = row["with"]["tok_s"] / row["without"]["tok_s"]
+            row["same_answers"] = same_share(row["without"]["texts"], row["with"]["texts"])
+            results.append(row)
+    return results
+
+
+def agent_loop(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from engine.copying import create_copying_checkpoint
+
+    rng = random.Random(0)
+    documents = [tool_output(rng) for _ in range(max(args.agent_requests, args.saturated))]
+
+    def request(doc: str) -> dict[str, Any]:
+        return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc}],
+                "max_tokens": 512}
+
+    sides: dict[str, dict[str, Any]] = {}
+    for speculation in ("off", "auto"):
+        engine_args = ["--max-num-seqs", "64", "--num-kv-blocks", "2048", "--speculation", speculation]
+        with platform(real_engine_args=engine_args, model=MODEL, checkpoint=create_copying_checkpoint) as p:
+            key = p.create_tenant_key(rpm_limit=10**6, tpm_limit=10**9)
+            asyncio.run(run_batch(p, key, [request(documents[0])]))  # warm-up
+
+            def sequential(p: Platform = p, key: str = key) -> dict[str, Any]:
+                runs = [asyncio.run(run_batch(p, key, [request(d)]))
+                        for d in documents[: args.agent_requests]]
+                total = {k: sum(r[k] for r in runs) for k in ("output_tokens", "seconds", "steps",
+                                                              "accepted_prediction_tokens",
+                                                              "rejected_prediction_tokens")}
+                return {**total, "requests": len(runs), "tok_s": total["output_tokens"] / total["seconds"],
+                        "steps_per_token": total["steps"] / total["output_tokens"],
+                        "texts": [t for r in runs for t in r["texts"]]}
+
+            sides[speculation] = {
+                "agent": best_of(args.repeat, sequential),
+                "saturated": best_of(args.repeat, lambda p=p, key=key: asyncio.run(
+                    run_batch(p, key, [request(d) for d in documents[: args.saturated]]))),
+            }
+    results = []
+    for workload, concurrent in (("agent", 1), ("saturated", args.saturated)):
+        off, auto = sides["off"][workload], sides["auto"][workload]
+        quoted = sum(t in d for t, d in zip(off["texts"], documents, strict=False)) / len(off["texts"])
+        results.append({"workload": f"agent_loop_{workload}", "concurrent": concurrent, "without": off,
+                        "with": auto, "speedup": auto["tok_s"] / off["tok_s"], "answers_quoting": quoted,
+                        "same_answers": same_share(off["texts"], auto["texts"])})
+    return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--file-tokens", type=int, default=256)
     parser.add_argument("--edit-share", type=float, default=0.1)
     parser.add_argument("--concurrent", type=int, default=16)
+    parser.add_argument("--agent-requests", type=int, default=8)
     parser.add_argument("--saturated", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/out/speculative.json")
     args = parser.parse_args()
-    import torch
 
-    from engine.tiny import create_tiny_checkpoint
-
-    torch.set_num_threads(1)
-    rows, results = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        model = create_tiny_checkpoint(Path(tmp) / "tiny", arch="qwen3", seed=0)
-        rng = random.Random(0)
-        prompts = [[rng.randrange(100, 2000) for _ in range(40)] for _ in range(max(args.concurrent, 1))]
-        from engine.sampling_params import SamplingParams
-
-        plain = _engine(model, "off", args.concurrent)
-        for i, prompt in enumerate(prompts):  # each request's "file": the model's own greedy output
-            plain.add_request(
-                f"file-{i}",
-                prompt,
-                SamplingParams(temperature=0.0, max_tokens=args.file_tokens, ignore_eos=True),
-            )
-        outputs: dict[str, list[int]] = {}
-        while plain.has_unfinished():
-            for delta in plain.step():
-                for c in delta.completions:
-                    outputs.setdefault(delta.request_id, []).extend(c.token_ids)
-        files = [outputs[f"file-{i}"] for i in range(len(prompts))]
-        predictions = [_edit(f, args.edit_share, i) for i, f in enumerate(files)]
-        plain.close()
-        engines = {
-            name: _engine(model, name, max(args.concurrent, args.saturated)) for name in ("off", "auto")
-        }
-        for engine in engines.values():  # warm-up: first-use allocations and compiles out of the timings
-            _run(engine, [(p, 32, files[i][:32]) for i, p in enumerate(prompts)])
-        for concurrent in (1, args.concurrent):
-            best: dict[str, dict[str, float]] = {}
-            for _ in range(args.repeat):
-                for name, with_prediction in (("off", False), ("auto", True)):
-                    requests = [
-                        (prompts[i], args.file_tokens, predictions[i] if with_prediction else None)
-                        for i in range(concurrent)
-                    ]
-                    run = _run(engines[name], requests)
-                    key = "prediction" if with_prediction else "plain"
-                    if key not in best or run["seconds"] < best[key]["seconds"]:
-                        best[key] = run
-            speedup = best["prediction"]["tok_s"] / best["plain"]["tok_s"]
-            rows.append(
-                [
-                    f"code edit, {concurrent} at once",
-                    f"{best['plain']['tok_s']:.0f}",
-                    f"{best['prediction']['tok_s']:.0f}",
-                    f"{speedup:.2f}x",
-                    f"{best['plain']['steps_per_token'] * concurrent:.2f}",
-                    f"{best['prediction']['steps_per_token'] * concurrent:.2f}",
-                ]
-            )
-            results.append(
-                {
-                    "workload": "code_edit",
-                    "concurrent": concurrent,
-                    **{k: v for k, v in best.items()},
-                    "speedup": speedup,
-                }
-            )
-        saturated_prompts = [[rng.randrange(100, 2000) for _ in range(40)] for _ in range(args.saturated)]
-        best = {}
-        for _ in range(args.repeat):
-            for name in ("off", "auto"):
-                run = _run(engines[name], [(p, 64, None) for p in saturated_prompts])
-                if name not in best or run["seconds"] < best[name]["seconds"]:
-                    best[name] = run
-        ratio = best["auto"]["tok_s"] / best["off"]["tok_s"]
-        rows.append(
-            [
-                f"saturated, {args.saturated} at once (auto vs off)",
-                f"{best['off']['tok_s']:.0f}",
-                f"{best['auto']['tok_s']:.0f}",
-                f"{ratio:.3f}x",
-                f"{best['off']['steps_per_token'] * args.saturated:.2f}",
-                f"{best['auto']['steps_per_token'] * args.saturated:.2f}",
-            ]
-        )
-        results.append({"workload": "saturated", "concurrent": args.saturated, **best, "ratio": ratio})
-        for engine in engines.values():
-            engine.close()
-    print(
-        f"Speculative decoding, engine-level, tiny Qwen3-shaped model, {machine_description('cpu')}, "
-        f"file {args.file_tokens} tokens, {args.edit_share:.0%} of lines edited, best of {args.repeat}"
-    )
-    print(
-        format_table(
-            [
-                "workload",
-                "tok/s without",
-                "tok/s with",
-                "speed-up",
-                "steps per token/request without",
-                "with",
-            ],
-            rows,
-        )
-    )
-    write_json(
-        args.out,
-        {
-            "benchmark": "speculative",
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": machine_description("cpu"),
-            "file_tokens": args.file_tokens,
-            "edit_share": args.edit_share,
-            "repeat": args.repeat,
-            "results": results,
-        },
-    )
+    results = code_edit(args) + agent_loop(args)
+    labels = {"code_edit": "code edit, prediction vs none", "agent_loop_agent": "agent loop, auto vs off",
+              "agent_loop_saturated": "saturated agent loop, auto vs off"}
+    rows = [[f"{labels[r['workload']]}, {r['concurrent']} at once", f"{r['without']['tok_s']:,.0f}",
+             f"{r['with']['tok_s']:,.0f}", f"{r['speedup']:.2f}x",
+             f"{r['without']['steps_per_token'] * r['concurrent']:.2f}",
+             f"{r['with']['steps_per_token'] * r['concurrent']:.2f}",
+             f"{r['with']['accepted_prediction_tokens']} / {r['with']['rejected_prediction_tokens']}",
+             f"{r['same_answers']:.0%}"]
+            for r in results]
+    print(f"Speculative decoding through the platform (official openai SDK), {machine_description('cpu')}, "
+          f"best of {args.repeat}")
+    print(format_table(["workload", "tok/s without", "tok/s with", "speed-up", "steps/token/request without",
+                        "with", "accepted / rejected", "same answers"], rows))
+    for r in results:
+        for side in ("without", "with"):
+            r[side].pop("texts")
+    write_json(args.out, {"benchmark": "speculative", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                          "machine": machine_description("cpu"), "file_tokens": args.file_tokens,
+                          "edit_share": args.edit_share, "repeat": args.repeat, "results": results})
 
 
 if __name__ == "__main__":

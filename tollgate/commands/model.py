@@ -33,6 +33,19 @@ def create_tiny(directory: Path, arch: str, seed: int) -> None:
     click.echo(f"wrote tiny {arch} checkpoint (seed {seed}) to {out}")
 
 
+@model.command("create-copying")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the token embeddings (same seed, same files).")
+def create_copying(directory: Path, seed: int) -> None:
+    """Write a tiny Llama checkpoint that quotes its context (an induction circuit; same tokenizer as
+    create-tiny) into DIRECTORY: the model automatic speculation is measured with."""
+    from engine.copying import create_copying_checkpoint
+
+    out = create_copying_checkpoint(directory, seed=seed)
+    click.echo(f"wrote copying checkpoint (seed {seed}) to {out}")
+
+
 @click.command()
 @click.option("--model", "model_path", required=True,
               help='Hugging Face checkpoint directory, or "synthetic" (a model-less stand-in for '
