@@ -1,4 +1,5 @@
-"""The chaos benchmark's faults, injected one at a time on a schedule while the load runs, each timed.
+"""The chaos benchmark's faults, injected on a schedule while the load runs (one at a time, or overlapping
+in the short run), each timed.
 
 Kinds (``FAULTS``):
 - ``engine``: SIGKILL of one engine replica's process group (replicas in turn); the supervisor restarts it,
@@ -86,7 +87,9 @@ class Faults:
             await asyncio.sleep(PROBE_INTERVAL_S)
         return False
 
-    async def inject(self, kind: str) -> FaultRecord:
+    async def inject(self, kind: str, injected: asyncio.Event | None = None) -> FaultRecord:
+        """Inject one fault and wait until the component is back and tenants are served again;
+        ``injected`` is set once the kill (and, for Redis and Postgres, the restart) was done."""
         record = FaultRecord(kind, "", time.monotonic() - self.started_at)
         killed_at = time.monotonic()
         p = self.platform
@@ -126,6 +129,8 @@ class Faults:
         else:
             raise ValueError(f"unknown fault {kind!r}")
         record.killed_at = killed_at
+        if injected is not None:
+            injected.set()
 
         async def component() -> None:
             if await self._until(back):
@@ -151,15 +156,26 @@ class Faults:
         counts = answer.json().get("request_counts") or {}
         return answer.json()["status"] == "in_progress" and counts.get("completed", 0) > 0
 
-    async def run(self, schedule: list[str], interval_s: float, stop: asyncio.Event) -> None:
-        """Inject ``schedule`` in order, one every ``interval_s`` (after the previous one recovered)."""
+    async def run(self, schedule: list[str], interval_s: float, stop: asyncio.Event,
+                  overlap: bool = False) -> None:  # fmt: skip
+        """Inject ``schedule`` in order, one every ``interval_s`` after the previous one recovered, or
+        (``overlap``) after the previous one was injected: faults then combine (a replica still
+        restarting when Redis dies, Postgres down while the Celery worker is killed)."""
+        pending: list[asyncio.Task[FaultRecord]] = []
         for kind in schedule:
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
-                return
+                break
             except TimeoutError:
                 pass
-            await self.inject(kind)
+            injected = asyncio.Event()
+            task = asyncio.create_task(self.inject(kind, injected))
+            if overlap:
+                await injected.wait()
+                pending.append(task)
+            else:
+                await task
+        await asyncio.gather(*pending)
 
 
 def wait_platform_quiet(platform: ChaosPlatform) -> None:

@@ -103,7 +103,7 @@ class GatewayRuntime:
 
     async def start(self) -> None:
         """Price book, tokenizers, replica polling and, where requests authenticate, the key cache."""
-        await self.prices.refresh()
+        await self.prices.start()
         await asyncio.gather(*(self._load_tokenizer(route) for route in self.router.models.values()))
         await self.router.start()
         if self.authenticates:

@@ -61,6 +61,7 @@ from typing import Any
 import anyio
 
 from billing.outbox import UsageRecord
+from billing.price_cache import PricesNotLoaded
 from billing.prices import CACHE_TOKEN_FIELDS, PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.kv.block_hash import prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
@@ -162,6 +163,10 @@ class Generation:
             raise ServiceUnavailableError(
                 f"The model `{self.route.name}` has no price configured and cannot be served.",
                 code="model_not_priced", headers={"x-should-retry": "false"}) from None
+        except PricesNotLoaded:
+            raise ServiceUnavailableError(
+                "The gateway is still loading its prices from the database; retry shortly.",
+                code="prices_unavailable", headers={"retry-after": "1"}) from None
         per_completion = self.max_tokens
         if per_completion is None:
             per_completion = settings.default_max_tokens_reservation

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 
 from billing import tasks
 from billing.outbox import USAGE_STREAM, UsageRecord, append_usage
-from billing.price_cache import PriceBookCache, load_price_book
+from billing.price_cache import PriceBookCache, PricesNotLoaded, load_price_book
 from billing.prices import Price, PriceNotFound
 from billing.service import DEMO_PRICE, EPOCH, PriceConflict, ensure_price, reconcile_month_spend, set_price
 from billing.spend import (
@@ -26,6 +26,7 @@ from billing.spend import (
 )
 from billing.tasks import beat_schedule, flush_usage_once, reconcile_spend_once
 from tests.factories import create_tenant, create_usage_event
+from tests.polling import eventually
 from tollgate.cli import main as cli
 from tollgate.db import Database
 from tollgate.models import UsageEvent
@@ -66,12 +67,37 @@ async def test_ensure_price_seeds_only_an_unpriced_model(db_session) -> None:
 async def test_price_book_cache_refreshes(db_sessionmaker) -> None:
     async with db_sessionmaker() as session:
         cache = PriceBookCache(lambda: db_sessionmaker(), refresh_interval_s=3600)
+        await cache.start()
         with pytest.raises(PriceNotFound):
             cache.price_for("cached-model")
         await set_price(session, "cached-model", Price.of(input=9, output=9))
         await session.flush()
         await cache.refresh()
         assert cache.price_for("cached-model").input == 9
+
+
+async def test_a_price_book_cache_started_without_its_database_prices_nothing_until_it_loads(
+        db_sessionmaker) -> None:  # fmt: skip
+    unreachable = Database("postgresql+psycopg://nobody@127.0.0.1:1/none", pool_size=1)
+    factory = {"sessions": unreachable.session}
+    cache = PriceBookCache(lambda: factory["sessions"](), refresh_interval_s=3600, retry_interval_s=0.05)
+    try:
+        await cache.start()  # logs, does not raise: a gateway worker starting in an outage comes up
+        assert not cache.loaded
+        with pytest.raises(PricesNotLoaded):  # never an empty book mistaken for a loaded one
+            cache.price_for("anything")
+        async with db_sessionmaker() as session:
+            await set_price(session, "retried-model", Price.of(input=5, output=5))
+            await session.commit()
+        runner = asyncio.create_task(cache.run())
+        await asyncio.sleep(0.2)
+        assert not cache.loaded  # still retrying against the unreachable database
+        factory["sessions"] = db_sessionmaker  # the database is back
+        await eventually(lambda: cache.loaded, "the retried first load")
+        assert cache.price_for("retried-model").input == 5
+        runner.cancel()
+    finally:
+        await unreachable.dispose()
 
 
 async def test_reconcile_raises_spend_to_the_ledger_and_never_lowers_it(db_session, redis_client) -> None:

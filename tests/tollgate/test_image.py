@@ -125,6 +125,8 @@ def _run_installed(venv: Path, args: list[str], cwd: Path, **env: str) -> subpro
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
+# Both tests use one virtualenv: one xdist worker builds it (~1 min), not each.
+@pytest.mark.xdist_group("image")
 @pytest.mark.slow  # a fresh virtualenv (~1 min) and the sm_90 compiles
 def test_the_installed_kernels_compile_for_sm90(image, tmp_path):
     where = _run_installed(image, ["-c", "import kernels; print(kernels.__file__)"], tmp_path,
@@ -136,6 +138,7 @@ def test_the_installed_kernels_compile_for_sm90(image, tmp_path):
     assert re.search(r"\d+ specialisations compiled, 0 unfit to launch", proc.stdout)
 
 
+@pytest.mark.xdist_group("image")
 @pytest.mark.slow  # a fresh virtualenv and ~100 s of compiles
 def test_the_installed_triton_builds_its_cuda_driver_stub(image, tmp_path):
     """The C build Triton runs at a GPU's first launch (``CudaUtils``), with the installed Triton and
