@@ -3,7 +3,8 @@
 Invariants:
 - Each child is spawned by ``tollgate.processes.spawn``: its own process group, stdout/stderr appended
   to its log file, sent its stop signal if we die. ``stop_all`` stops children in reverse start order (clients
-  before the servers they use) and signals whole groups, so no process of ours survives it.
+  before the servers they use), consecutive children of one ``stop_group`` together (the engine replicas,
+  the data stores), and signals whole groups, so no process of ours survives it.
 - A child that exits is always reported (name, pid, status, log). One whose spec says ``restart`` is
   started again after an exponential backoff (``restart_backoff_s`` doubling up to
   ``restart_backoff_max_s``; the count resets once it has been healthy that long); any other child's
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,9 @@ class ProcessSpec:
     # How long a stop waits before SIGKILL; None: the supervisor's stop_timeout_s. A gateway gets its
     # drain timeout (plus a margin) so that stopping the platform does not cut its streams short.
     stop_timeout_s: float | None = None
+    # Children started one after the other with the same group are stopped at once (their stops wait in
+    # parallel); None: alone.
+    stop_group: str | None = None
     user: str | None = None
     cwd: Path | None = None
     env: dict[str, str] | None = None
@@ -308,12 +313,23 @@ class Supervisor:
 
     def stop_all(self) -> None:
         self.ready = False
+        stages: list[list[Child]] = []
         for child in reversed(list(self.children.values())):
-            if child.proc is not None and child.state != "stopped":
-                timeout = child.spec.stop_timeout_s or self.stop_timeout_s
-                stop(child.proc, sig=child.spec.stop_signal, timeout=timeout)
-            child.state = "stopped"
+            group = child.spec.stop_group
+            if stages and group is not None and stages[-1][0].spec.stop_group == group:
+                stages[-1].append(child)
+            else:
+                stages.append([child])
+        for stage in stages:
+            with ThreadPoolExecutor(max_workers=len(stage)) as pool:
+                list(pool.map(self._stop_child, stage))
         self.write_status()
+
+    def _stop_child(self, child: Child) -> None:
+        if child.proc is not None and child.state != "stopped":
+            timeout = child.spec.stop_timeout_s or self.stop_timeout_s
+            stop(child.proc, sig=child.spec.stop_signal, timeout=timeout)
+        child.state = "stopped"
 
     def write_status(self) -> None:
         if self.status_path is None:

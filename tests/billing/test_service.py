@@ -80,7 +80,13 @@ async def test_a_price_book_cache_started_without_its_database_prices_nothing_un
         db_sessionmaker) -> None:  # fmt: skip
     unreachable = Database("postgresql+psycopg://nobody@127.0.0.1:1/none", pool_size=1)
     factory = {"sessions": unreachable.session}
-    cache = PriceBookCache(lambda: factory["sessions"](), refresh_interval_s=3600, retry_interval_s=0.05)
+    tries: list[int] = []
+
+    def sessions():  # noqa: ANN202
+        tries.append(1)
+        return factory["sessions"]()
+
+    cache = PriceBookCache(sessions, refresh_interval_s=3600, retry_interval_s=0.05)
     try:
         await cache.start()  # logs, does not raise: a gateway worker starting in an outage comes up
         assert not cache.loaded
@@ -90,7 +96,7 @@ async def test_a_price_book_cache_started_without_its_database_prices_nothing_un
             await set_price(session, "retried-model", Price.of(input=5, output=5))
             await session.commit()
         runner = asyncio.create_task(cache.run())
-        await asyncio.sleep(0.2)
+        await eventually(lambda: len(tries) >= 4, "three retries")
         assert not cache.loaded  # still retrying against the unreachable database
         factory["sessions"] = db_sessionmaker  # the database is back
         await eventually(lambda: cache.loaded, "the retried first load")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -76,7 +77,7 @@ async def test_a_gateway_started_in_a_postgres_outage_serves_once_postgres_is_ba
                               tokenizer_dir=tiny_model_dir)
             port = free_port()
             log = tmp_path / "gateway.log"
-            proc = spawn(["python", "-m", "tollgate", "gateway", "--port", str(port), "--workers", "2"],
+            proc = spawn([sys.executable, "-m", "tollgate", "gateway", "--port", str(port), "--workers", "2"],
                          log_path=log, env=env)
             url = f"http://127.0.0.1:{port}"
             try:

@@ -157,6 +157,34 @@ def test_a_child_gets_its_own_stop_timeout_to_drain(supervisor, tmp_path):
     assert child.proc.returncode == 0  # drained and exited by itself, not killed
 
 
+# A drainer that logs when it got SIGTERM and when it exits (CLOCK_MONOTONIC is system-wide).
+STAMPED_DRAINER = [sys.executable, "-c", "import signal, sys, time\n"
+                   "def drain(*_):\n    print('term', time.monotonic(), flush=True)\n    time.sleep(0.3)\n"
+                   "    print('exit', time.monotonic(), flush=True)\n    sys.exit(0)\n"
+                   "signal.signal(signal.SIGTERM, drain)\nprint('ready', flush=True)\ntime.sleep(120)"]
+
+
+def test_consecutive_children_of_one_stop_group_stop_together_after_the_later_ones(supervisor, tmp_path):
+    names = ("store", "engine-0", "engine-1", "gateway")
+    groups = {"engine-0": "engines", "engine-1": "engines"}
+    for name in names:
+        supervisor.start(spec(tmp_path, name, STAMPED_DRAINER, stop_group=groups.get(name)))
+    for name in names:
+        wait_until(lambda n=name: "ready" in (tmp_path / f"{n}.log").read_text(), f"{name}'s SIGTERM handler")
+    supervisor.stop_all()
+
+    def stamp(name: str, event: str) -> float:
+        line = next(x for x in (tmp_path / f"{name}.log").read_text().splitlines() if x.startswith(event))
+        return float(line.split()[1])
+
+    # Reverse start order; the two engines signalled before either finished draining.
+    assert stamp("gateway", "exit") <= stamp("engine-0", "term")
+    assert max(stamp("engine-0", "term"), stamp("engine-1", "term")) < min(stamp("engine-0", "exit"),
+                                                                            stamp("engine-1", "exit"))
+    assert max(stamp("engine-0", "exit"), stamp("engine-1", "exit")) <= stamp("store", "term")
+    assert all(supervisor.children[n].state == "stopped" for n in names)
+
+
 def test_stop_signal_interrupts_waits(supervisor, tmp_path):
     supervisor.start(spec(tmp_path, "slow", health=never))
     os.kill(os.getpid(), signal.SIGTERM)

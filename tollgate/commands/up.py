@@ -175,6 +175,7 @@ class LocalPlatform:
                     lambda _p: pg.is_ready(),
                     restart=False,
                     stop_signal=POSTGRES_STOP_SIGNAL,
+                    stop_group="data",
                     user=pg.user,
                     cwd=pg.root,
                 )
@@ -195,6 +196,7 @@ class LocalPlatform:
                     lambda _p: rd.is_ready(),
                     restart=False,
                     stop_signal=REDIS_STOP_SIGNAL,
+                    stop_group="data",
                     cwd=rd.root,
                 )
             )
@@ -380,6 +382,7 @@ class LocalPlatform:
                     http_probe(f"http://127.0.0.1:{port}/health", timeout),
                     env=env,
                     stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
+                    stop_group="engines",
                 )
             )
         return specs
@@ -420,6 +423,7 @@ class LocalPlatform:
                 http_probe(f"http://127.0.0.1:{self.port}/health", timeout),
                 env=env,
                 stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
+                stop_group="front",
             ),
             ProcessSpec(
                 "worker",
@@ -441,6 +445,7 @@ class LocalPlatform:
                 heartbeat("worker", worker_name()),
                 env=env,
                 cwd=self.run_dir,
+                stop_group="front",
             ),
             ProcessSpec(
                 "beat",
@@ -460,6 +465,7 @@ class LocalPlatform:
                 heartbeat("beat", beat_name()),
                 env=env,
                 cwd=self.run_dir,
+                stop_group="front",
             ),
         ]
         engines = [spec.name for spec in specs if spec.name.startswith("engine")]
