@@ -111,5 +111,5 @@ async def test_a_gateway_started_in_a_postgres_outage_serves_once_postgres_is_ba
                             assert answer.status_code == 200, answer.text
                 assert proc.poll() is None
                 assert "failed to start" not in log.read_text()
-            finally:
-                stop(proc, timeout=30)
+            finally:  # in a thread: the proxy's connections live in this loop, and the gateway closes them
+                await asyncio.to_thread(stop, proc, timeout=30)
