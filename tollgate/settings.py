@@ -118,6 +118,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     health_poll_interval_s: float = 1.0
+    # tollgate up's supervisor: how often it probes its children once every one is healthy (it probes
+    # every health_poll_interval_s otherwise; exits are noticed at once).
+    supervisor_idle_poll_interval_s: float = Field(default=5.0, gt=0)
     # How often a pool's ``dns`` name is resolved again (replicas appear and vanish between two).
     replica_discovery_interval_s: float = Field(default=5.0, gt=0)
     # Sent by gateways and workers to every engine (``Authorization: Bearer``); engines started with it

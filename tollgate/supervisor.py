@@ -10,7 +10,9 @@ Invariants:
   ``restart_backoff_max_s``; the count resets once it has been healthy that long); any other child's
   exit makes ``run`` return 1, so the caller stops everything instead of running half a platform.
 - Health is a probe per child (HTTP ``/health``, a heartbeat, a connection), polled every
-  ``health_poll_interval_s``; transitions between healthy and unhealthy are reported once each.
+  ``health_poll_interval_s`` while any child is not healthy and every ``idle_poll_interval_s`` once all
+  are (an idle platform costs its supervisor little; an exit is noticed at once either way);
+  transitions between healthy and unhealthy are reported once each.
 - SIGINT/SIGTERM (and SIGCHLD, to notice exits at once) wake the loop through a self-pipe
   (``signal.set_wakeup_fd``); a stop request interrupts a health wait as well as ``run``.
 - ``status_path``, when given, always holds the current table as JSON (pids, states, restarts).
@@ -166,7 +168,7 @@ class StopSignals:
 class Supervisor:
     def __init__(self, *, signals: StopSignals, report: Callable[[str], None], health_poll_interval_s: float,
                  restart_backoff_s: float, restart_backoff_max_s: float, stop_timeout_s: float,
-                 status_path: Path | None = None) -> None:
+                 status_path: Path | None = None, idle_poll_interval_s: float | None = None) -> None:
         if health_poll_interval_s <= 0 or restart_backoff_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("poll interval, restart backoff and stop timeout must be positive")
         if restart_backoff_max_s < restart_backoff_s:
@@ -174,6 +176,7 @@ class Supervisor:
         self.signals = signals
         self.report = report
         self.poll_s = health_poll_interval_s
+        self.idle_poll_s = max(idle_poll_interval_s or health_poll_interval_s, health_poll_interval_s)
         self.backoff_s = restart_backoff_s
         self.backoff_max_s = restart_backoff_max_s
         self.stop_timeout_s = stop_timeout_s
@@ -254,10 +257,14 @@ class Supervisor:
         for child in self.children.values():
             if not self._check_exit(child, now):
                 return False
+        settled = all(child.state == "healthy" for child in self.children.values())
+        if not settled:  # a child exited or turned unhealthy during an idle interval: probe at the usual pace
+            self._next_probe = min(self._next_probe, now + self.poll_s)
         if now >= self._next_probe:
             for child in self.children.values():
                 self._probe(child)
-            self._next_probe = now + self.poll_s
+            settled = all(child.state == "healthy" for child in self.children.values())
+            self._next_probe = now + (self.idle_poll_s if settled else self.poll_s)
         return True
 
     def _next_wake(self, next_probe: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,27 @@ def test_unhealthy_transition_is_reported_once(supervisor, tmp_path):
     assert probes.count(False) >= 6  # one transition, however many probes failed
     assert sum("fails its health check" in m for m in supervisor.messages) == 1
     assert sum("healthy again" in m for m in supervisor.messages) == 1
+
+
+def test_probes_slow_down_once_every_child_is_healthy_and_speed_up_when_one_is_not(supervisor, tmp_path):
+    supervisor.idle_poll_s = 3600.0  # never, within this test
+    healthy = {"ok": True}
+    probes = []
+
+    def probe(_proc) -> bool:
+        probes.append(healthy["ok"])
+        return healthy["ok"]
+
+    child = supervisor.start(spec(tmp_path, "gateway", health=probe))
+    supervisor.wait_healthy(["gateway"], 5)
+    step_until(supervisor, lambda: supervisor._next_probe > time.monotonic() + 60, "the idle pace")
+    before = len(probes)
+    for _ in range(20):
+        assert supervisor.step()
+    assert len(probes) == before  # idle: no probe for an hour
+    child.state = "unhealthy"  # as a probe that failed would leave it (or an exit)
+    healthy["ok"] = False
+    step_until(supervisor, lambda: len(probes) > before, "a probe at the usual pace again")
 
 
 def test_stop_all_stops_whole_process_groups(supervisor, tmp_path):

@@ -521,6 +521,7 @@ class LocalPlatform:
                 restart_backoff_max_s=s.restart_backoff_max_s,
                 stop_timeout_s=s.stop_timeout_s,
                 status_path=self.run_dir / "status.json",
+                idle_poll_interval_s=s.supervisor_idle_poll_interval_s,
             )
             try:
                 endpoints = self._start_servers(sup, state)
