@@ -29,6 +29,7 @@ from tests.e2e.platform_harness import read_env_file
 from tests.polling import wait_until
 from tollgate.commands.up import Endpoints, LocalPlatform
 from tollgate.local_services import free_port
+from tollgate.platform_children import engine_specs
 from tollgate.processes import pid_alive
 from tollgate.settings import Settings
 from tollgate.worker import beat_name, read_heartbeat, worker_name
@@ -347,7 +348,9 @@ def test_engine_replicas_split_the_model_over_the_configured_ranks(tmp_path):
     settings = Settings(engine_tensor_parallel_size=2)
     platform = LocalPlatform(settings, tmp_path / "data", port=8000, engine_port=9100, model=model,
                              with_engine=True, gateway_workers=1, engine_replicas=2)
-    for spec in platform._engine_specs({}):
+    specs = engine_specs(platform._layout(), platform._model_dir()[1], {})
+    assert [spec.name for spec in specs] == ["engine-0", "engine-1"]
+    for spec in specs:
         argv = spec.argv
         assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
         assert argv[argv.index("--model") + 1] == str(model.resolve())

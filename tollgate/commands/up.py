@@ -6,6 +6,8 @@ existing ones) → migrations → demo tenant and key (first start) → tiny mod
 ``engine-0``, ``engine-1``, ... on consecutive ports, each with a disk tier of its own), gateway, Celery
 worker and beat → wait for every health check → write
 ``DATA_DIR/env`` and print it. Then supervise until SIGINT/SIGTERM, and stop everything, servers last.
+This module starts the servers and prepares the data dir; the supervised children's specs (commands,
+probes, stop stages) are ``tollgate.platform_children``.
 
 Data dir layout (default ``./.tollgate``; see docs/operations.md):
 - ``state.json`` (0600): ports and generated passwords of the private servers, the demo API key, the
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
+from tollgate.platform_children import ChildLayout, engine_specs, service_specs
 from tollgate.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -333,141 +336,18 @@ class LocalPlatform:
             )
         return env
 
+    def _layout(self) -> ChildLayout:
+        return ChildLayout(self.settings, self.data_dir, self.logs, self.run_dir, port=self.port,
+                           engine_port=self.engine_port, engine_replicas=self.engine_replicas,
+                           gateway_workers=self.gateway_workers)
+
     def _engines(self) -> list[tuple[str, int, Path]]:
-        """(supervisor name, port, disk-tier directory) of each engine replica."""
-        if self.engine_replicas == 1:
-            return [("engine", self.engine_port, self.data_dir / "kv")]
-        return [
-            (f"engine-{i}", self.engine_port + i, self.data_dir / ("kv" if i == 0 else f"kv-{i}"))
-            for i in range(self.engine_replicas)
-        ]
-
-    def _engine_specs(self, env: dict[str, str]) -> list[Any]:
-        """The supervisor's specs of the engine replicas (``tollgate engine`` each)."""
-        from tollgate.supervisor import ProcessSpec, http_probe
-
-        timeout = self.settings.health_check_timeout_s
-        py = sys.executable
-        _, model_dir = self._model_dir()
-        specs = []
-        for name, port, kv_dir in self._engines():
-            specs.append(
-                ProcessSpec(
-                    name,
-                    [
-                        py,
-                        "-m",
-                        "tollgate",
-                        "engine",
-                        "--model",
-                        str(model_dir),
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--pool",
-                        "interactive",
-                        "--host-kv-gb",
-                        str(self.settings.engine_host_kv_gb),
-                        "--disk-kv-gb",
-                        str(self.settings.engine_disk_kv_gb if self.settings.engine_host_kv_gb else 0),
-                        "--kv-disk-dir",
-                        str(kv_dir),
-                        "--drain-timeout-s",
-                        str(self.settings.drain_timeout_s),
-                        "--tensor-parallel-size",
-                        str(self.settings.engine_tensor_parallel_size),
-                    ],
-                    self.logs / f"{name}.log",
-                    http_probe(f"http://127.0.0.1:{port}/health", timeout),
-                    env=env,
-                    stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
-                    stop_group="engines",
-                )
-            )
-        return specs
+        return self._layout().engines()
 
     def _start_platform(self, sup: Supervisor, env: dict[str, str], heartbeat_client: Redis) -> list[str]:
-        from tollgate.supervisor import ProcessSpec, http_probe
-        from tollgate.worker import beat_name, read_heartbeat, worker_name
-
-        timeout = self.settings.health_check_timeout_s
-        py = sys.executable
-
-        def heartbeat(role: str, name: str) -> Any:
-            def probe(proc: Any) -> bool:
-                try:
-                    return read_heartbeat(heartbeat_client, role, name) == proc.pid
-                except Exception:  # Redis down: the worker is not healthy either way
-                    return False
-
-            return probe
-
-        specs = self._engine_specs(env) if self.with_engine else []
-        specs += [
-            ProcessSpec(
-                "gateway",
-                [
-                    py,
-                    "-m",
-                    "tollgate",
-                    "gateway",
-                    "--host",
-                    self.settings.host,
-                    "--port",
-                    str(self.port),
-                    "--workers",
-                    str(self.gateway_workers),
-                ],
-                self.logs / "gateway.log",
-                http_probe(f"http://127.0.0.1:{self.port}/health", timeout),
-                env=env,
-                stop_timeout_s=max(self.settings.stop_timeout_s, self.settings.drain_timeout_s + 5.0),
-                stop_group="front",
-            ),
-            ProcessSpec(
-                "worker",
-                [
-                    py,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "tollgate.worker",
-                    "worker",
-                    "-n",
-                    worker_name(),
-                    "-c",
-                    str(self.settings.worker_concurrency),
-                    "-l",
-                    "info",
-                ],
-                self.logs / "worker.log",
-                heartbeat("worker", worker_name()),
-                env=env,
-                cwd=self.run_dir,
-                stop_group="front",
-            ),
-            ProcessSpec(
-                "beat",
-                [
-                    py,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "tollgate.worker",
-                    "beat",
-                    "-l",
-                    "info",
-                    "-s",
-                    str(self.run_dir / "celerybeat-schedule"),
-                ],
-                self.logs / "beat.log",
-                heartbeat("beat", beat_name()),
-                env=env,
-                cwd=self.run_dir,
-                stop_group="front",
-            ),
-        ]
+        layout = self._layout()
+        specs = engine_specs(layout, self._model_dir()[1], env) if self.with_engine else []
+        specs += service_specs(layout, env, heartbeat_client)
         engines = [spec.name for spec in specs if spec.name.startswith("engine")]
         for spec in specs:
             sup.start(spec)
