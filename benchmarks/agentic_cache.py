@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -47,8 +46,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -125,19 +122,9 @@ def ideal_hits(prompts: list[tuple[int, list[int]]], block_size: int) -> int:
     return hits
 
 
-def engine_counters(p: Platform, name: str) -> list[float]:
-    """One counter of each replica's ``/metrics``."""
-    values = []
-    for url in p.engine_urls:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        match = re.search(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.MULTILINE)
-        values.append(float(match.group(1)) if match else 0.0)
-    return values
-
-
 def computed_prefill(p: Platform) -> float:
     """Prompt tokens the replicas computed so far (recompute after preemption included)."""
-    return sum(engine_counters(p, "tollgate_engine_computed_prefill_tokens_total"))
+    return sum(p.engine_counters("tollgate_engine_computed_prefill_tokens_total"))
 
 
 async def workload(p: Platform, args: argparse.Namespace,
@@ -193,7 +180,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         turns, prompts = asyncio.run(workload(p, args, keys))
         elapsed = time.perf_counter() - started
         prefill = computed_prefill(p) - before
-        by_replica = engine_counters(p, "tollgate_engine_prompt_tokens_total")
+        by_replica = p.engine_counters("tollgate_engine_prompt_tokens_total")
         records = p.usage_records()
     prompt = sum(t.prompt_tokens for t in turns)
     cached = sum(t.cached_tokens for t in turns)

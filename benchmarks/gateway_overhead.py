@@ -36,6 +36,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import secrets
 import shutil
 import statistics
@@ -98,6 +99,17 @@ class Platform:
                 await db.dispose()
 
         return asyncio.run(main())
+
+    def engine_counters(self, name: str) -> list[float]:
+        """One counter of each replica's ``/metrics`` (0 where it has none yet)."""
+        import httpx
+
+        values = []
+        for url in self.engine_urls:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE)
+            values.append(float(match.group(1)) if match else 0.0)
+        return values
 
     def usage_records(self) -> list[Any]:
         """Every usage record in the outbox (nothing flushes it here)."""

@@ -34,15 +34,12 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,18 +52,12 @@ WORDS = ("ledger invoice account tenant quota budget refund audit policy contrac
 SYSTEM = "You are a careful agent. Relay the tool's result to the user as it is."
 
 
-def engine_steps(p: Platform) -> float:
-    text = httpx.get(f"{p.engine_url}/metrics", timeout=10).text
-    match = re.search(r"^tollgate_engine_steps_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
 async def run_batch(p: Platform, key: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
     """Send ``requests`` (chat completion arguments) at once; totals of what the clients were told."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{p.gateway_url}/v1", api_key=key, max_retries=0, timeout=600)
-    steps_before = engine_steps(p)
+    steps_before = sum(p.engine_counters("tollgate_engine_steps_total"))
     started = time.perf_counter()
     try:
         answers = await asyncio.gather(*(
@@ -75,7 +66,7 @@ async def run_batch(p: Platform, key: str, requests: list[dict[str, Any]]) -> di
     finally:
         await client.close()
     wall = time.perf_counter() - started
-    steps = engine_steps(p) - steps_before
+    steps = sum(p.engine_counters("tollgate_engine_steps_total")) - steps_before
     details = [a.usage.completion_tokens_details for a in answers]
     rejected = sum((d.rejected_prediction_tokens or 0) if d else 0 for d in details)
     # completion_tokens counts rejected prediction tokens too (billed as output, as OpenAI does).
