@@ -155,6 +155,29 @@ def _columns(conn: psycopg.Connection, table: str, schema_name: str = "public") 
     return {name for (name,) in rows}
 
 
+def _attach_march_partition(conn: psycopg.Connection, year: int) -> None:
+    """A monthly ledger partition for March of ``year``, made the way billing.partitions makes them."""
+    conn.execute(
+        f"CREATE TABLE usage_partitions.usage_events_{year}_03"
+        " (LIKE usage_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+    )
+    conn.execute(
+        f"ALTER TABLE usage_events ATTACH PARTITION usage_partitions.usage_events_{year}_03"
+        f" FOR VALUES FROM ('{year}-03-01T00:00:00+00:00') TO ('{year}-04-01T00:00:00+00:00')"
+    )
+
+
+def _insert_ledger_row(conn: psycopg.Connection, request_id: str, tenant_id: int, model: str,
+                       at: datetime) -> None:  # fmt: skip
+    """A completed ledger row of 100 prompt and 5 completion tokens, as written before the migration."""
+    conn.execute(
+        "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
+        " cached_tokens, completion_tokens, cost_pico_usd, status, created_at)"
+        " VALUES (%s, %s, %s, 'interactive', 'default', 100, 0, 5, 375, 'completed', %s)",
+        (request_id, tenant_id, model, at),
+    )
+
+
 def _insert_hourly_rollup(conn: psycopg.Connection, tenant_id: int, model: str, hour: datetime) -> None:
     """One interactive hour of ``model``: 1 request, 100 input and 5 output tokens, 375 pico-USD."""
     conn.execute(
@@ -177,23 +200,10 @@ def test_0006_gives_existing_rows_and_ledger_partitions_no_cache_products(new_da
             " VALUES ('m6', %s, 3, 0, 15, 1, 0, 7, 3, 1)",
             (now,),
         )
-        # A monthly partition made the way billing.partitions makes them, before the migration.
-        conn.execute(
-            "CREATE TABLE usage_partitions.usage_events_2031_03"
-            " (LIKE usage_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-        )
-        conn.execute(
-            "ALTER TABLE usage_events ATTACH PARTITION usage_partitions.usage_events_2031_03"
-            " FOR VALUES FROM ('2031-03-01T00:00:00+00:00') TO ('2031-04-01T00:00:00+00:00')"
-        )
-        ledger = (
-            "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
-            " cached_tokens, completion_tokens, cost_pico_usd, status, created_at)"
-            " VALUES (%s, %s, 'm6', 'interactive', 'default', 100, 0, 5, 375, 'completed', %s)"
-        )
+        _attach_march_partition(conn, 2031)  # before the migration
         for request_id, at in (("now", now), ("march", datetime(2031, 3, 2, tzinfo=UTC)),
                                ("may", datetime(2031, 5, 2, tzinfo=UTC))):  # fmt: skip
-            conn.execute(ledger, (request_id, tenant_id, at))
+            _insert_ledger_row(conn, request_id, tenant_id, "m6", at)
         _insert_hourly_rollup(conn, tenant_id, "m6", now.replace(minute=0, second=0, microsecond=0))
 
     schema.upgrade(new_database)
@@ -262,21 +272,9 @@ def test_0008_gives_existing_ledger_rows_and_rollups_no_prediction_tokens(new_da
     now = datetime.now(UTC)
     with psycopg.connect(new_database, autocommit=True) as conn:
         tenant_id = conn.execute("INSERT INTO tenants (name) VALUES ('m8') RETURNING id").fetchone()[0]
-        conn.execute(
-            "CREATE TABLE usage_partitions.usage_events_2032_03"
-            " (LIKE usage_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-        )
-        conn.execute(
-            "ALTER TABLE usage_events ATTACH PARTITION usage_partitions.usage_events_2032_03"
-            " FOR VALUES FROM ('2032-03-01T00:00:00+00:00') TO ('2032-04-01T00:00:00+00:00')"
-        )
+        _attach_march_partition(conn, 2032)
         for request_id, at in (("m8-now", now), ("m8-march", datetime(2032, 3, 2, tzinfo=UTC))):
-            conn.execute(
-                "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
-                " cached_tokens, completion_tokens, cost_pico_usd, status, created_at)"
-                " VALUES (%s, %s, 'm8', 'interactive', 'default', 100, 0, 5, 375, 'completed', %s)",
-                (request_id, tenant_id, at),
-            )
+            _insert_ledger_row(conn, request_id, tenant_id, "m8", at)
         _insert_hourly_rollup(conn, tenant_id, "m8", now.replace(minute=0, second=0, microsecond=0))
 
     schema.upgrade(new_database)

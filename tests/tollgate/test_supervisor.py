@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,14 +113,20 @@ def test_startup_timeout_names_the_unhealthy_process(supervisor, tmp_path):
         supervisor.wait_healthy(["worker"], 0.3)
 
 
-def test_unhealthy_transition_is_reported_once(supervisor, tmp_path):
+def switchable_probe() -> tuple[dict[str, bool], list[bool], Any]:
+    """A health probe that answers ``healthy["ok"]`` and records each answer in ``probes``."""
     healthy = {"ok": True}
-    probes = []
+    probes: list[bool] = []
 
     def probe(_proc) -> bool:
         probes.append(healthy["ok"])
         return healthy["ok"]
 
+    return healthy, probes, probe
+
+
+def test_unhealthy_transition_is_reported_once(supervisor, tmp_path):
+    healthy, probes, probe = switchable_probe()
     child = supervisor.start(spec(tmp_path, "beat", health=probe))
     supervisor.wait_healthy(["beat"], 5)
     healthy["ok"] = False
@@ -135,13 +142,7 @@ def test_unhealthy_transition_is_reported_once(supervisor, tmp_path):
 
 def test_probes_slow_down_once_every_child_is_healthy_and_speed_up_when_one_is_not(supervisor, tmp_path):
     supervisor.idle_poll_s = 3600.0  # never, within this test
-    healthy = {"ok": True}
-    probes = []
-
-    def probe(_proc) -> bool:
-        probes.append(healthy["ok"])
-        return healthy["ok"]
-
+    healthy, probes, probe = switchable_probe()
     child = supervisor.start(spec(tmp_path, "gateway", health=probe))
     supervisor.wait_healthy(["gateway"], 5)
     step_until(supervisor, lambda: supervisor._next_probe > time.monotonic() + 60, "the idle pace")
