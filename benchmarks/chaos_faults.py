@@ -170,8 +170,10 @@ class Faults:
                 pass
             injected = asyncio.Event()
             task = asyncio.create_task(self.inject(kind, injected))
-            if overlap:
-                await injected.wait()
+            if overlap:  # on to the next once this one's kill is done (or its injection failed)
+                waiter = asyncio.create_task(injected.wait())
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
                 pending.append(task)
             else:
                 await task
