@@ -7,9 +7,10 @@ spool empty; then runs the spend reconciliation beat runs. ``judge`` reads the c
 checks, per request the clients made:
 - ``ok`` (the client got the whole answer and its usage): exactly one row, ``completed``, with the client's
   prompt, cached and completion tokens; a missing row is **lost**;
-- ``abandoned``: one row, ``cancelled`` (or ``completed``: it ended before the gateway saw the client go),
-  billed at least what the client read; none when the gateway worker serving it was killed meanwhile (no
-  process was left to settle it: the platform's loss, counted apart, never the tenant's);
+- ``abandoned``: one row, ``cancelled`` (or ``completed``: it ended before the gateway saw the client go;
+  or ``failed``, when its replica was killed meanwhile: the stream failed midway before the gateway saw
+  the client go), billed at least what the client read; none when the gateway worker serving it was
+  killed meanwhile (no process was left to settle it: the platform's loss, counted apart, never the tenant's);
 - an error (``http_error``, ``broken``): the status is a documented one (never 500), and its row, if any, is
   ``failed``/``cancelled`` (a non-streamed error bills nothing; a broken stream at most what it computed);
 - ``transport`` (no answer): no client-known id; such rows show up as unattributed below;
@@ -184,9 +185,9 @@ async def _background_finals(platform: ChaosPlatform, log: LoadLog,
     return finals
 
 
-def _during_worker_kill(outcome: Outcome, worker_kills: list[float]) -> bool:
-    """Whether a gateway worker was killed while the request ran (its usage could not be settled)."""
-    return any(outcome.started <= at <= outcome.ended + 1.0 for at in worker_kills)
+def _during(outcome: Outcome, kills: list[float]) -> bool:
+    """Whether one of these kills happened while the request ran (or just after the client left it)."""
+    return any(outcome.started <= at <= outcome.ended + 1.0 for at in kills)
 
 
 async def judge(
@@ -204,6 +205,7 @@ async def judge(
         "status_500",
         "undocumented_status",
         "abandoned_underbilled",
+        "abandoned_status",
         "error_billed_completed",
         "unattributed_completed",
         "cost_wrong",
@@ -262,6 +264,7 @@ async def judge(
     statuses: collections.Counter[str] = collections.Counter()
     unbilled_by_worker_kill = 0
     worker_kills = [f.killed_at for f in faults if f.kind == "gateway_worker"]
+    engine_kills = [f.killed_at for f in faults if f.kind == "engine"]
     for outcome in log.outcomes:
         outcomes_by_kind[(outcome.op, outcome.kind)] += 1
         if outcome.status is not None and outcome.status != 200:
@@ -289,16 +292,20 @@ async def judge(
                     f"{outcome.op} {outcome.request_id}: row {row.status} {_row_usage(row)} told {told}",
                 )
         elif outcome.kind == "abandoned":
-            if not mine and _during_worker_kill(outcome, worker_kills):
+            if not mine and _during(outcome, worker_kills):
                 unbilled_by_worker_kill += 1  # the platform's loss: nothing settled it
             elif not mine:
                 verdict.fail("lost", f"abandoned {outcome.request_id}")
-            elif mine[0].status not in ("cancelled", "completed") or mine[0].completion_tokens < outcome.read:
+            elif mine[0].completion_tokens < outcome.read:
                 verdict.fail(
                     "abandoned_underbilled",
-                    f"{outcome.request_id}: {mine[0].status} "
-                    f"{mine[0].completion_tokens} < read {outcome.read}",
+                    f"{outcome.request_id}: {mine[0].status}, billed {mine[0].completion_tokens} "
+                    f"< read {outcome.read}",
                 )
+            elif mine[0].status not in ("cancelled", "completed") and not (
+                mine[0].status == "failed" and _during(outcome, engine_kills)
+            ):
+                verdict.fail("abandoned_status", f"{outcome.request_id}: {mine[0].status}")
         elif mine and mine[0].status == "completed":
             verdict.fail("error_billed_completed", f"{outcome.op} {outcome.kind} {outcome.request_id}")
 
