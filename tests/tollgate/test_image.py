@@ -8,7 +8,10 @@ the build of Triton's CUDA driver stub with the installed Triton.
 
 The replay installs the CPU build of torch (``TORCH_CONSTRAINTS=constraints/cpu.txt``, the image's
 documented CPU variant): PyPI's CUDA build is gigabytes. Triton, which does the compiling, is the same
-version in both constraint files (checked below).
+version in both constraint files (checked below). The virtualenv starts with the project's runtime
+dependencies (and nothing else: not the test extras) linked from this environment
+(``tests.installed_dists``), so the ``pip install`` line resolves against them rather than an index;
+``scripts/bootstrap.sh`` resolves the same requirements and constraints from the index on every run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+
+from tests.installed_dists import link_dependencies
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,6 +112,10 @@ def image(tmp_path_factory) -> Path:
                 shutil.copy(src, target / src.name)
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    site_packages = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; "
+                                    "print(sysconfig.get_path('purelib'))"], capture_output=True, text=True,
+                                   check=True).stdout.strip()  # fmt: skip
+    link_dependencies(Path(site_packages), "tollgate")
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "TORCH_CONSTRAINTS": "constraints/cpu.txt"}  # fmt: skip
     env.pop("PYTHONPATH", None)
@@ -116,6 +125,9 @@ def image(tmp_path_factory) -> Path:
     proc = subprocess.run(["bash", "-c", f"{step} -q --no-compile"], cwd=app, env=env, capture_output=True,
                           text=True, timeout=1200)  # fmt: skip
     assert proc.returncode == 0, f"{step} failed:\n{proc.stderr[-4000:]}"
+    check = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], capture_output=True,
+                           text=True)  # fmt: skip
+    assert check.returncode == 0, check.stdout
     return venv
 
 
@@ -125,9 +137,9 @@ def _run_installed(venv: Path, args: list[str], cwd: Path, **env: str) -> subpro
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
-# Both tests use one virtualenv: one xdist worker builds it (~1 min), not each.
+# Both tests use one virtualenv: one xdist worker builds it, not each.
 @pytest.mark.xdist_group("image")
-@pytest.mark.slow  # a fresh virtualenv (~1 min) and the sm_90 compiles
+@pytest.mark.slow  # a fresh virtualenv and the sm_90 compiles
 def test_the_installed_kernels_compile_for_sm90(image, tmp_path):
     where = _run_installed(image, ["-c", "import kernels; print(kernels.__file__)"], tmp_path,
                            TRITON_INTERPRET="0")  # fmt: skip
