@@ -4,6 +4,7 @@ blocks it lives in, and whatever else shares the step, it yields the logits of o
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, _zeros_on_huge_pages
 from engine.sampling_params import SamplingParams
 from engine.sequence import ScheduledBatch, ScheduledSeq, Sequence
 
@@ -167,6 +168,25 @@ def test_kv_blocks_sized_from_memory_and_max_model_len(tiny_qwen3_dir: Path) -> 
         r.run(ScheduledBatch([ScheduledSeq(seq, 520)]))
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         ModelRunner(EngineConfig(model=str(tiny_qwen3_dir), num_kv_blocks=4, max_model_len=4096))
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_cpu_kv_cache_is_zeros_that_cost_memory_only_once_written(dtype: torch.dtype) -> None:
+    # 64-128 MiB: above the 32 MiB from which a CPU runner has malloc map fresh pages (as a layer's cache is)
+    shape = (2, 8192, BLOCK, 4, 64)
+    before = _resident_bytes()
+    cache = _zeros_on_huge_pages(shape, dtype, torch.device("cpu"))
+    assert _resident_bytes() - before < 4 << 20  # nothing written yet: no page of it is resident
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert cache.data_ptr() % (2 << 20) == 0  # on a huge-page boundary
+    assert not cache.any()
+    cache[1, 7].fill_(3.0)
+    assert cache.sum() == 3.0 * BLOCK * 4 * 64
 
 
 def test_bfloat16_runner_tracks_float32(tiny_qwen2_dir: Path, qwen2_runner: ModelRunner) -> None:
