@@ -524,7 +524,9 @@ class StoredResponse(Base):
     request's own input items, with their ids (``input_items``). A follow-up's conversation is the chain of
     ``previous_response_id``s within one tenant (no foreign key: a deleted or expired link ends it).
     Rows past ``expires_at`` are gone to every query and deleted by beat. A ``background`` response is
-    stored ``queued`` with the ``request`` a worker runs (as the key ``api_key_id``)."""
+    stored ``queued`` with the ``request`` a worker runs (as the key ``api_key_id``); its worker stores
+    its final state with the usage record it meters next (``usage_pending``), and clears it once metered:
+    a record still there after its worker's lease expired is metered by the requeue sweep."""
 
     __tablename__ = "responses"
     __table_args__ = (
@@ -546,5 +548,6 @@ class StoredResponse(Base):
     request: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False)
     body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    usage_pending: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
     created_at: Mapped[datetime] = _created_at()
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

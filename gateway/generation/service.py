@@ -127,6 +127,7 @@ class Generation:
     _generated: int = 0
     _finished: bool = False
     _void: bool = False
+    _record: UsageRecord | None = None  # built once: final_record() or finish()
     _started_at: float = field(default_factory=time.monotonic)
     _created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     _first_token_at: float | None = None
@@ -401,47 +402,21 @@ class Generation:
         if self.admission is None:
             return
         rt = self.runtime
-        # The cache products billed: none for an embedding request, never more than the prompt.
-        cache_limit = 0 if self.embedding else self.usage.prompt_tokens
-        cache_tokens = {name: min(getattr(self.usage, name), cache_limit) for name in CACHE_TOKEN_FIELDS}
-        try:
-            cost = cost_pico_usd(rt.prices.price_for(self.route.name), self.usage.prompt_tokens,
-                                 self.usage.cached_tokens, self.usage.completion_tokens, rt.request_class,
-                                 embedding=self.embedding, **cache_tokens)
-        except Exception:
-            logger.exception("pricing request %s failed", self.request_id)
-            cost = 0
-        self.cost_pico_usd = cost
         # A batch line's attempt that bills nothing leaves no ledger row: the line's request id is the same
         # on every attempt, and the ledger keeps a request id's first row, so a void attempt's row would
         # shadow the retry that answers (and bills) the line.
         if not self._streams or (self._void and rt.request_class == "batch"):
+            self.cost_pico_usd = self._cost()[0]
             try:
-                await rt.admission.settle(self.admission, self.usage.total_tokens, cost)
+                await rt.admission.settle(self.admission, self.usage.total_tokens, self.cost_pico_usd)
             except Exception:
                 logger.exception("settling request %s failed (its lease will expire)", self.request_id)
             return
-        ttft = self._ttft_ms
-        if ttft is None and self._first_token_at is not None:
-            ttft = (self._first_token_at - self._started_at) * 1000.0
-        cached = self.usage.cached_tokens
-        host = min(self.usage.cached_host_tokens, cached)
-        disk = min(self.usage.cached_disk_tokens, cached - host)
-        # Both prediction counts are part of the completion tokens (the ledger checks it).
-        completion = self.usage.completion_tokens
-        rejected = min(self.usage.rejected_prediction_tokens, completion)
-        accepted = min(self.usage.accepted_prediction_tokens, completion - rejected)
-        record = UsageRecord(
-            request_id=self.request_id, tenant_id=self.principal.tenant_id,
-            api_key_id=self.principal.api_key_id, model=self.route.name, request_class=rt.request_class,
-            tier=self.tier, prompt_tokens=self.usage.prompt_tokens, cached_tokens=cached,
-            completion_tokens=self.usage.completion_tokens, cost_pico_usd=cost, status=self.status,
-            ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at, **cache_tokens,
-            cached_host_tokens=host, cached_disk_tokens=disk, accepted_prediction_tokens=accepted,
-            rejected_prediction_tokens=rejected,
-        )
+        record = self._record if self._record is not None and not self._void else self._usage_record()
+        self.cost_pico_usd = record.cost_pico_usd
+        host, disk = record.cached_host_tokens, record.cached_disk_tokens
         settle_error, append_error = await rt.admission.settle_and_append(
-            self.admission, self.usage.total_tokens, cost, record)
+            self.admission, self.usage.total_tokens, record.cost_pico_usd, record)
         if settle_error is not None:
             logger.error("settling request %s failed (its lease will expire): %r", self.request_id,
                          settle_error)
@@ -459,6 +434,52 @@ class Generation:
                 logger.error("USAGE NOT RECORDED for request %s: %r (%r)", self.request_id, record,
                              append_error)
 
+    def final_record(self) -> UsageRecord | None:
+        """The usage record ``finish`` will meter, once every stream ended with its final record and
+        nothing failed (None before that, or for a request that failed or bills nothing). A background
+        response stores it with its final state, so that a worker killed before metering loses no usage
+        (``gateway.responses.background``); ``finish`` then meters this very record."""
+        if (self._record is None and self.admission is not None and self._streams and not self._void
+                and self.error is None and self._finals == len(self._streams)):
+            self._record = self._usage_record()
+        return self._record
+
+    def _cost(self) -> tuple[int, dict[str, int]]:
+        """The request's cost and the cache products billed: none for an embedding request, never more
+        than the prompt."""
+        cache_limit = 0 if self.embedding else self.usage.prompt_tokens
+        cache_tokens = {name: min(getattr(self.usage, name), cache_limit) for name in CACHE_TOKEN_FIELDS}
+        try:
+            cost = cost_pico_usd(self.runtime.prices.price_for(self.route.name), self.usage.prompt_tokens,
+                                 self.usage.cached_tokens, self.usage.completion_tokens,
+                                 self.runtime.request_class, embedding=self.embedding, **cache_tokens)
+        except Exception:
+            logger.exception("pricing request %s failed", self.request_id)
+            cost = 0
+        return cost, cache_tokens
+
+    def _usage_record(self) -> UsageRecord:
+        cost, cache_tokens = self._cost()
+        ttft = self._ttft_ms
+        if ttft is None and self._first_token_at is not None:
+            ttft = (self._first_token_at - self._started_at) * 1000.0
+        cached = self.usage.cached_tokens
+        host = min(self.usage.cached_host_tokens, cached)
+        disk = min(self.usage.cached_disk_tokens, cached - host)
+        # Both prediction counts are part of the completion tokens (the ledger checks it).
+        completion = self.usage.completion_tokens
+        rejected = min(self.usage.rejected_prediction_tokens, completion)
+        accepted = min(self.usage.accepted_prediction_tokens, completion - rejected)
+        assert self.admission is not None
+        return UsageRecord(
+            request_id=self.request_id, tenant_id=self.principal.tenant_id,
+            api_key_id=self.principal.api_key_id, model=self.route.name,
+            request_class=self.runtime.request_class, tier=self.tier, prompt_tokens=self.usage.prompt_tokens,
+            cached_tokens=cached, completion_tokens=completion, cost_pico_usd=cost, status=self.status,
+            ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at, **cache_tokens,
+            cached_host_tokens=host, cached_disk_tokens=disk, accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=rejected,
+        )
 
 async def run_generation(runtime: GatewayRuntime, principal: Principal, route: ModelRoute, request_id: str,
                          prompts: list[list[int]], sampling: dict[str, Any], *, n: int,

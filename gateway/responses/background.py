@@ -23,6 +23,13 @@ until the broker's visibility timeout, an hour). Every run of a response
 has the same request id (``request_id_of``), the ledger's idempotency key, so a response run twice (its
 first worker died after billing, before storing) is billed once. As a last resort the retention sweep
 still fails a response ``in_progress`` after ``request_timeout_s`` (a response never runs longer).
+
+The final state is stored before the run is metered (a tenant must find its answer once billed), so a
+worker killed in between would leave a response its tenant reads, with its usage, and no ledger row. The
+final update therefore also stores the usage record about to be metered (``usage_pending``), which the
+worker clears once metered; the same sweep meters a record left on a response whose lease expired
+(``meter_pending``). A cancelled response, whose engine count comes after its final update, is not
+covered: its worker meters it as before.
 """
 
 from __future__ import annotations
@@ -35,11 +42,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import orjson
 from redis.asyncio import Redis
 from sqlalchemy import select, type_coerce, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.outbox import UsageRecord, append_usage
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.errors import GatewayError
@@ -127,6 +136,11 @@ async def _run(runtime: GatewayRuntime, response_id: str, principal: Principal, 
     except GatewayError:
         pass  # stored as failed by the response itself
     async with runtime.sessions() as session:
+        # Metered (or kept in the usage spool) by now: the copy stored with the final state is done with.
+        await session.execute(update(StoredResponse).where(StoredResponse.id == response_id,
+                                                           StoredResponse.usage_pending.is_not(None))
+                              .values(usage_pending=None))
+        await session.commit()
         return await session.scalar(select(StoredResponse.status).where(StoredResponse.id == response_id))
 
 
@@ -149,7 +163,7 @@ async def requeue_orphans(sessions: SessionFactory, redis: Redis, send: Callable
         waiting = (await session.scalars(select(StoredResponse.id).where(
             StoredResponse.status == STATUS_QUEUED, StoredResponse.request.is_not(None),
             StoredResponse.created_at < datetime.now(UTC) - timedelta(milliseconds=resend_after_ms)))).all()
-    counts = {"requeued": 0, "failed": 0, "resent": 0}
+    counts = {"requeued": 0, "failed": 0, "resent": 0, "metered": await meter_pending(sessions, redis)}
     for response_id in waiting:
         # Its task may be held, unacknowledged, by a worker that died (the broker gives it back only after
         # its visibility timeout, an hour): send it again, at most once per lease period. A duplicate task
@@ -179,8 +193,33 @@ async def requeue_orphans(sessions: SessionFactory, redis: Redis, send: Callable
             counts["failed"] += 1
     if any(counts.values()):
         logger.warning("background responses of dead workers: %(requeued)d queued again, %(failed)d failed, "
-                       "%(resent)d tasks sent again", counts)
+                       "%(resent)d tasks sent again, %(metered)d metered", counts)
     return counts
+
+
+async def meter_pending(sessions: SessionFactory, redis: Redis) -> int:
+    """Meter the usage records that workers stored with a background response's final state and died
+    before metering (the row ended, its lease gone): each is appended to the usage outbox, then cleared.
+    One its worker did append (it died before clearing) is appended again: the ledger keeps a request id
+    once. Returns how many were appended."""
+    async with sessions() as session:
+        pending = (await session.execute(select(StoredResponse.id, StoredResponse.usage_pending).where(
+            StoredResponse.usage_pending.is_not(None),
+            StoredResponse.status.not_in((STATUS_QUEUED, STATUS_IN_PROGRESS))))).all()
+    metered = 0
+    for response_id, raw in pending:
+        if await redis.exists(lease_key(response_id)):
+            continue  # its worker is still at it
+        record = UsageRecord.from_json(orjson.dumps(raw))
+        await append_usage(redis, record)  # Redis down: raises; the next sweep tries again
+        async with sessions() as session:
+            await session.execute(update(StoredResponse).where(StoredResponse.id == response_id)
+                                  .values(usage_pending=None))
+            await session.commit()
+        logger.warning("metered background response %s (request %s) for its worker, which died first",
+                       response_id, record.request_id)
+        metered += 1
+    return metered
 
 
 async def _set_orphan_status(sessions: SessionFactory, redis: Redis,

@@ -275,7 +275,7 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
                               created_at)
     save = None
     if body.store is not False:
-        save = _saver(runtime, principal, body.previous_response_id, plan.items, builder,
+        save = _saver(runtime, principal, body.previous_response_id, plan.items, builder, generation,
                       queued=response_id is not None)
     output = _Output(generation, builder, plan.parser, plan.tokenizer, plan.logprobs, save)
     return Answer(generation, body=output.complete, frames=output.stream)
@@ -321,11 +321,13 @@ def _row(runtime: GatewayRuntime, principal: Principal, previous_response_id: st
 
 
 def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: str | None,
-           items: list[dict[str, Any]], builder: ResponseBuilder,
+           items: list[dict[str, Any]], builder: ResponseBuilder, generation: Generation,
            queued: bool) -> Callable[[], Awaitable[None]]:
     """Stores the response as it ended: one INSERT, or for a ``queued`` (background) one an update of
     its row under the row lock, where a cancel that came meanwhile keeps it ``cancelled`` (with what was
-    generated until the worker noticed)."""
+    generated until the worker noticed). A background response's update also keeps the usage record its
+    worker meters next (``usage_pending``, until the worker cleared it or the requeue sweep metered it:
+    ``gateway.responses.background``)."""
     tenant_id = principal.tenant_id
 
     async def save() -> None:
@@ -341,6 +343,8 @@ def _saver(runtime: GatewayRuntime, principal: Principal, previous_response_id: 
             if row.status == RESPONSE_CANCELLED:
                 response["status"] = RESPONSE_CANCELLED
             row.status, row.body = response["status"], response
+            record = generation.final_record()
+            row.usage_pending = orjson.loads(record.to_json()) if record is not None else None
 
     return save
 

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.gateway.conftest import MODEL, GatewayUnderTest, TenantKey, wait_for_usage
+from tests.gateway.conftest import MODEL, GatewayUnderTest, TenantKey, usage_records, wait_for_usage
 from tests.openai_schema import assert_conforms
 
 pytestmark = pytest.mark.slow
@@ -350,7 +350,10 @@ async def test_expired_responses_are_gone_and_deleted_by_retention(
 
 async def test_background_is_queued_then_run_by_a_worker(client: httpx.AsyncClient,
                                                          gateway: GatewayUnderTest) -> None:
+    from sqlalchemy import select
+
     from gateway.responses.background import run_background
+    from tollgate.models import StoredResponse
 
     queued = await client.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4,
                                                     "background": True})
@@ -361,6 +364,9 @@ async def test_background_is_queued_then_run_by_a_worker(client: httpx.AsyncClie
     assert (await client.get(f"/responses/{body['id']}")).json()["status"] == "queued"
     assert await run_background(gateway.runtime, body["id"]) in ("completed", "incomplete")
     assert await run_background(gateway.runtime, body["id"]) is None  # claimed once
+    async with gateway.db.session() as session:  # metered: the copy kept with the final state is gone
+        assert await session.scalar(select(StoredResponse.usage_pending)
+                                    .where(StoredResponse.id == body["id"])) is None
     done = (await client.get(f"/responses/{body['id']}")).json()
     assert_conforms(done, "Response")
     assert done["id"] == body["id"] and done["created_at"] == body["created_at"]
@@ -462,6 +468,67 @@ async def test_a_background_response_whose_worker_died_runs_again(client: httpx.
     failed = (await client.get(f"/responses/{alive}")).json()
     assert failed["status"] == "failed" and "stopped" in failed["error"]["message"]
     assert sent.count(alive) == MAX_ATTEMPTS - 1
+
+
+class _Killed(BaseException):
+    """The worker's death, right where it raises (no ``except Exception`` stops it)."""
+
+
+class _DiesBeforeMetering:
+    """The runtime's admission, except that metering kills the worker."""
+
+    def __init__(self, admission: Any) -> None:
+        self._admission = admission
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._admission, name)
+
+    async def settle_and_append(self, *args: Any) -> Any:
+        raise _Killed
+
+
+async def test_a_worker_killed_between_storing_and_metering_loses_no_usage(client: httpx.AsyncClient,
+                                                                           gateway: GatewayUnderTest) -> None:
+    """The end of a background response is stored with the usage record its worker meters next. A worker
+    killed in between leaves a response its tenant reads, with its usage: the requeue sweep meters the
+    record once the worker's lease is gone, once."""
+    import dataclasses
+
+    import redis.asyncio as aioredis
+
+    from gateway.responses.background import lease_key, request_id_of, requeue_orphans, run_background
+
+    queued = (await client.post("/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4,
+                                                     "background": True})).json()
+    doomed = dataclasses.replace(gateway.runtime, admission=_DiesBeforeMetering(gateway.runtime.admission))
+    with pytest.raises(_Killed):
+        await run_background(doomed, queued["id"])
+    stored = (await client.get(f"/responses/{queued['id']}")).json()
+    assert stored["status"] in ("completed", "incomplete") and stored["usage"]["output_tokens"] > 0
+    redis = aioredis.Redis.from_url(gateway.settings.redis_url)
+    try:
+        assert await usage_records(redis, request_id_of(queued["id"])) == []  # not metered
+        sent: list[str] = []
+
+        async def send(response_id: str) -> None:
+            sent.append(response_id)
+
+        # While the worker's lease lives, the sweep leaves the record to it.
+        await redis.set(lease_key(queued["id"]), "the worker, not yet known dead", px=60_000)
+        assert (await requeue_orphans(gateway.db.session, redis, send))["metered"] == 0
+        await redis.delete(lease_key(queued["id"]))
+        assert (await requeue_orphans(gateway.db.session, redis, send))["metered"] == 1
+        assert (await requeue_orphans(gateway.db.session, redis, send))["metered"] == 0  # once
+        assert sent == []  # it ended: nothing to run again
+        records = await usage_records(redis, request_id_of(queued["id"]))
+    finally:
+        await redis.aclose()
+    assert len(records) == 1
+    record = records[0]
+    assert record["status"] == "completed" and record["request_class"] == "interactive"
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (stored["usage"]["input_tokens"],
+                                                                      stored["usage"]["output_tokens"])
+    assert record["cost_pico_usd"] > 0
 
 
 async def test_only_background_responses_can_be_cancelled(client: httpx.AsyncClient) -> None:
