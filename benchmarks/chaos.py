@@ -82,7 +82,8 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         await load_task
         load_s = time.monotonic() - started
         await asyncio.to_thread(wait_platform_quiet, platform)
-        finals = await settle(platform, load, tenants)
+        last_fault_at = max((r.killed_at for r in faults.records), default=started)
+        finals = await settle(platform, load, tenants, last_fault_at)
         settle_s = time.monotonic() - started - load_s
         verdict = await judge(platform, load.log, tenants, finals, faults.records)
         judge_s = time.monotonic() - started - load_s - settle_s

@@ -74,8 +74,10 @@ async def _poll(
         await asyncio.sleep(interval_s)
 
 
-async def settle(platform: ChaosPlatform, load: Load, tenants: list[Tenant]) -> dict[str, Any]:
-    """Wait until the platform is quiet; returns the batches' final objects by id."""
+async def settle(platform: ChaosPlatform, load: Load, tenants: list[Tenant], last_fault_at: float
+                 ) -> dict[str, Any]:  # fmt: skip
+    """Wait until the platform is quiet; returns the batches' final objects by id. ``last_fault_at``:
+    ``time.monotonic()`` of the last kill."""
     finals: dict[str, Any] = {}
     by_name = {t.name: t for t in tenants}
     async with httpx.AsyncClient(base_url=platform.base_url, timeout=30.0) as client:
@@ -99,9 +101,11 @@ async def settle(platform: ChaosPlatform, load: Load, tenants: list[Tenant]) -> 
                 return False
 
             await _poll(ended, f"batch {batch.batch_id} to end")
-        # Leases of requests whose gateway worker died expire after the lease TTL; one request per tenant
-        # then prunes them (admission prunes inside its script).
-        await asyncio.sleep(float(platform.env.get("TOLLGATE_STREAM_LEASE_TTL_S", "6")) + 1.0)
+        # A lease left behind (its gateway or Celery worker killed, or its release lost with Redis) was
+        # last refreshed before that fault: it has expired a TTL after the last kill. One request per
+        # tenant then prunes them (admission prunes inside its script). Every other lease was released.
+        ttl_s = float(platform.env.get("TOLLGATE_STREAM_LEASE_TTL_S", "6"))
+        await asyncio.sleep(max(0.0, last_fault_at + ttl_s + 1.0 - time.monotonic()))
         for tenant in tenants:
             outcome = Outcome(
                 op="settle_probe", tenant=tenant.name, kind="transport", started=time.monotonic()
