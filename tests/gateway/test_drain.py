@@ -69,8 +69,8 @@ async def _refuses(url: str) -> bool:
     async with httpx.AsyncClient(timeout=1.0) as client:
         try:
             await client.get(f"{url}/health")
-        except (httpx.ConnectError, httpx.RemoteProtocolError):
-            return True
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            return True  # refused, or queued by the kernel before the listener closed and then reset
     return False
 
 
