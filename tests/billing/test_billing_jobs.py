@@ -11,13 +11,14 @@ from sqlalchemy import select
 
 from billing import jobs, tasks
 from billing.rollups import hour_of
+from billing.spend import spend_key
 from billing.stripe_billing import attach_tenant, make_client, setup_stripe
 from tests.billing.fake_stripe import FakeStripe
 from tests.billing.invalidations import next_invalidation
 from tests.factories import create_tenant, create_usage_event
 from tollgate.db import Database
 from tollgate.models import BudgetAlert, Tenant
-from tollgate.redis import INVALIDATE_CHANNEL
+from tollgate.redis import INVALIDATE_CHANNEL, create_redis
 from tollgate.settings import Settings, get_settings
 
 
@@ -66,12 +67,17 @@ def test_celery_tasks_for_budgets_rollups_and_partitions(new_database, service_s
 
     async def seed() -> int:
         db = Database(new_database, pool_size=1)
+        redis = create_redis(service_settings)
         try:
             async with db.session() as session:
                 tenant = await create_tenant(session, monthly_budget_pico_usd=1_000)
                 await create_usage_event(session, tenant, cost_pico_usd=900, created_at=datetime.now(UTC))
-                return tenant.id
+            # The worker's Redis database is shared with tests on other databases, whose tenant may have
+            # had this id: its spend counter (which check_budgets reads beside the ledger) starts empty.
+            await redis.delete(spend_key(tenant.id))
+            return tenant.id
         finally:
+            await redis.aclose()
             await db.dispose()
 
     async def alerts(tenant_id: int) -> list[tuple[int, str]]:
