@@ -90,6 +90,32 @@ def _has_group_suffix(nodeid: str) -> bool:
     return nodeid.rfind("@") > nodeid.rfind("]")  # xdist's own test (scheduler/loadgroup.py)
 
 
+# Package-scoped fixtures that start servers (an engine process, a gateway) or a shared database: every
+# test using one is grouped, so one worker starts them, once, and stops them when it leaves the package
+# (a session-scoped server idled on for the rest of the run: the e2e platform alone used ~20% of a core).
+SHARED_FIXTURES = {name: "gateway_session" for name in ("gateway", "engine_url", "api_database_url",
+                                                          "model_price")}  # fmt: skip
+SHARED_FIXTURES["files_gateway"] = "files_gateway"
+
+
+def _implicit_group(item: pytest.Item) -> str | None:
+    """The group of a test without an ``xdist_group`` mark: that of a shared fixture it uses,
+    else its module's when it uses a module-scoped fixture of its module (which exists to be set up
+    once). Without one, xdist spreads a module's tests over the workers and each sets it up again."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    for name in info.names_closure:
+        if name in SHARED_FIXTURES:
+            return SHARED_FIXTURES[name]
+    module_id = item.nodeid.split("::", 1)[0]
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name, ())
+        if defs and defs[-1].scope == "module" and defs[-1].baseid == module_id:
+            return "module_" + module_id.removesuffix(".py").replace("/", "_")
+    return None
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``xdist_group`` for every test: under ``pytest -n N --dist loadgroup`` (``make test``) a group's
@@ -97,7 +123,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     compiles) is set up once. pytest 9.2 keeps node ids in ``Item._id``; pytest-xdist 3.8 still appends
     the group to the retired ``_nodeid``, so ``--dist loadgroup`` sees no group (pytest-dev/pytest-xdist
     #1386). This appends it the way xdist meant to (its pending fix, #1388, does the same), and does
-    nothing where xdist's own suffix took effect.
+    nothing where xdist's own suffix took effect. Tests without a mark get ``_implicit_group``'s.
 
     Modules holding a ``slow`` test also move to the front (whole, in their order): xdist hands out
     ungrouped tests in collection order, so a minute-long test collected last kept one worker busy
@@ -113,6 +139,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                          for m in item.iter_markers("xdist_group")})
+        implicit = None if groups else _implicit_group(item)
+        if implicit:
+            groups = [implicit]
         if groups and not _has_group_suffix(item.nodeid):
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")  # type: ignore[attr-defined]
 
