@@ -90,9 +90,10 @@ def _has_group_suffix(nodeid: str) -> bool:
     return nodeid.rfind("@") > nodeid.rfind("]")  # xdist's own test (scheduler/loadgroup.py)
 
 
-# Package-scoped fixtures that start servers (an engine process, a gateway) or a shared database: every
-# test using one is grouped, so one worker starts them, once, and stops them when it leaves the package
-# (a session-scoped server idled on for the rest of the run: the e2e platform alone used ~20% of a core).
+# Session fixtures that start servers (an engine process, a gateway) or a shared database: every test
+# using one is grouped, so one worker starts them, not each. (They still idle on until the session ends:
+# ``scope="package"`` would stop them earlier, but these test directories have no ``__init__.py``, and
+# pytest then keeps such a fixture for the whole session.)
 SHARED_FIXTURES = {name: "gateway_session" for name in ("gateway", "engine_url", "api_database_url",
                                                           "model_price")}  # fmt: skip
 SHARED_FIXTURES["files_gateway"] = "files_gateway"

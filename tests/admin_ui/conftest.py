@@ -2,7 +2,7 @@
 a real CPU engine with the tiny model, real Postgres and Redis, and Debian's chromium driven by
 Playwright.
 
-Started once by the worker that runs the ``admin_ui`` group, and stopped when it leaves this package:
+Started once per test session (by the worker that runs the ``admin_ui`` group) and shared:
 - ``dashboard``: the gateway app under uvicorn (``tests.gateway.conftest.run_gateway``) on an engine
   subprocess (``run_engine``), with a database of its own (the app commits) and a Redis database index of
   its own (``REDIS_INDEX_BASE`` - worker index), so no other test's outbox entries or ``flushdb`` meet it.
@@ -62,14 +62,14 @@ def dashboard_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_checkpoint(tmp_path_factory.mktemp("admin_ui_tiny"), arch="llama", seed=0)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def dashboard_engine(dashboard_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     log = tmp_path_factory.mktemp("admin_ui_engine") / "engine.log"
     with run_engine(dashboard_tiny_model, log) as (url, _):
         yield url
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def dashboard_database(shared_servers: Any) -> Any:
     name = f"tollgate_admin_ui_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{uuid.uuid4().hex[:6]}"
     with shared_servers.migrated_database(name) as url:
@@ -83,7 +83,7 @@ def dashboard_redis_url(shared_servers: Any) -> str:
     return shared_servers.redis.url(index)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 async def dashboard(dashboard_engine: str, dashboard_tiny_model: Path, dashboard_database: str,
                     dashboard_redis_url: str) -> AsyncIterator[Dashboard]:
     from gateway.admin import service
@@ -108,7 +108,7 @@ async def dashboard(dashboard_engine: str, dashboard_tiny_model: Path, dashboard
     await redis.aclose()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 async def browser() -> AsyncIterator[Any]:
     from playwright.async_api import async_playwright
 

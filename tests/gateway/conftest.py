@@ -1,8 +1,8 @@
 """Fixtures for the OpenAI API tests: a real engine replica, a real gateway, real Postgres and Redis.
 
-Started once by the worker that runs their tests (they are one xdist group: ``tests/conftest.py``), and
-stopped when it leaves this package:
-- ``tiny_model_dir`` (per session): a random-weight llama checkpoint (``engine.tiny``).
+Started once per test session by the worker that runs their tests (one xdist group: ``tests/conftest.py``)
+and shared:
+- ``tiny_model_dir``: a random-weight llama checkpoint (``engine.tiny``).
 - ``engine_url``: ``tollgate engine --model <tiny>`` as a subprocess on a free port (CPU), with a host
   and a disk tier under its prefix cache (what cache lifetimes pin and retain in).
 - ``api_database_url``: a database of its own (the gateway commits; other tests roll back), migrated.
@@ -92,14 +92,14 @@ def tiered(kv_dir: Path) -> tuple[str, ...]:
             "--kv-disk-dir", str(kv_dir))
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with run_engine(tiny_model_dir, tmp_path_factory.mktemp("engine_log") / "engine.log",
                     options=tiered(tmp_path_factory.mktemp("engine_kv"))) as (url, _):
         yield url
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def api_database_url(shared_servers: Any) -> Iterator[str]:
     name = f"tollgate_api_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{uuid.uuid4().hex[:6]}"
     with shared_servers.migrated_database(name) as url:
@@ -164,7 +164,7 @@ async def run_gateway(settings: Settings, resolver: Any = None) -> AsyncIterator
         await db.dispose()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 async def model_price(api_database_url: str) -> None:
     """The model's price in the session's API database (a gateway serves only priced models)."""
     db = Database(api_database_url, pool_size=1)
@@ -173,7 +173,7 @@ async def model_price(api_database_url: str) -> None:
     await db.dispose()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 async def gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str, redis_url: str,
                   model_price: None) -> AsyncIterator[GatewayUnderTest]:
     # A dead replica next to the live one: the router must take it out and never send work there.

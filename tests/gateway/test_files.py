@@ -29,7 +29,7 @@ MAX_API_BODY_BYTES = 2048
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\n'
 
 
-@pytest.fixture(scope="package", name="files_gateway")
+@pytest.fixture(scope="session", name="files_gateway")
 async def _files_gateway(shared_servers: Any, redis_url: str,
                          tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GatewayUnderTest]:
     from tollgate import schema
