@@ -533,6 +533,8 @@ class StoredResponse(Base):
         CheckConstraint(f"status IN {RESPONSE_STATUSES!r}", name="status"),
         Index("ix_responses_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_responses_expires_at", "expires_at"),
+        # The requeue sweep looks for left-behind usage records every few seconds: only those rows.
+        Index("ix_responses_usage_pending", "id", postgresql_where=text("usage_pending IS NOT NULL")),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
