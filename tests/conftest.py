@@ -84,6 +84,12 @@ TEST_ENV = {
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "settings(**fields): override Settings fields for this test")
+    # ``Settings.data_dir`` defaults to ``./.tollgate``: what the apps that tests build write there
+    # (uploaded files, spooled usage) goes to a directory of this run's own (xdist workers inherit it),
+    # not into the working tree, where a later run's gateway would find (and replay) it.
+    if "TOLLGATE_DATA_DIR" not in os.environ:
+        os.environ["TOLLGATE_DATA_DIR"] = data_dir = tempfile.mkdtemp(prefix="tollgate-test-data-")
+        config.add_cleanup(partial(shutil.rmtree, data_dir, ignore_errors=True))
 
 
 def _has_group_suffix(nodeid: str) -> bool:
@@ -91,9 +97,8 @@ def _has_group_suffix(nodeid: str) -> bool:
 
 
 # Session fixtures that start servers (an engine process, a gateway) or a shared database: every test
-# using one is grouped, so one worker starts them, not each. (They still idle on until the session ends:
-# ``scope="package"`` would stop them earlier, but these test directories have no ``__init__.py``, and
-# pytest then keeps such a fixture for the whole session.)
+# using one is grouped, so one worker starts them, not each (and ``STOPPED_AFTER_LAST_USER`` stops them
+# once that worker is done with them).
 SHARED_FIXTURES = {name: "gateway_session" for name in ("gateway", "engine_url", "api_database_url",
                                                           "model_price")}  # fmt: skip
 SHARED_FIXTURES["files_gateway"] = "files_gateway"
@@ -145,6 +150,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             groups = [implicit]
         if groups and not _has_group_suffix(item.nodeid):
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")  # type: ignore[attr-defined]
+
+
+# Session fixtures that start processes or servers which work while they idle (health polls, Celery beat,
+# a browser): torn down as soon as a test is followed by one that does not use them, not at the end of
+# the session. Each still starts once: in one process it stops after the last test of the run that uses
+# it; an xdist worker runs a fixture's tests one after the other (one group each, ``SHARED_FIXTURES`` and
+# the marks), and a later user would start it again.
+STOPPED_AFTER_LAST_USER = ("platform", "gateway", "engine_url", "files_gateway", "dashboard",
+                           "dashboard_engine", "browser")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the ``STOPPED_AFTER_LAST_USER`` fixtures ``item`` used and ``nextitem`` does not. An idle
+    e2e platform alone (gateway, Celery worker and beat at the tests' short intervals, a two-rank engine)
+    used about a fifth of a core for the rest of the run."""
+    info = getattr(item, "_fixtureinfo", None)
+    if nextitem is None or info is None:  # the session's end stops everything anyway
+        return
+    following = set(getattr(nextitem, "fixturenames", ()))
+    later = _last_users(item.session) if "PYTEST_XDIST_WORKER" not in os.environ else {}
+    for name in STOPPED_AFTER_LAST_USER:
+        defs = info.name2fixturedefs.get(name, ())
+        if (name in info.names_closure and name not in following and defs
+                and later.get(name) in (None, item.nodeid)):
+            defs[-1].finish(item._request)  # type: ignore[attr-defined]  # dependents first, as pytest does
+
+
+_LAST_USERS = pytest.StashKey[dict[str, str]]()
+
+
+def _last_users(session: pytest.Session) -> dict[str, str]:
+    """The node id of the last test in this process to use each ``STOPPED_AFTER_LAST_USER`` fixture. An
+    xdist worker does not know its later tests (the scheduler hands them out as it goes); its groups
+    keep each fixture's tests contiguous instead."""
+    if _LAST_USERS not in session.stash:
+        session.stash[_LAST_USERS] = {name: item.nodeid for item in session.items
+                                      for name in getattr(item, "fixturenames", ())
+                                      if name in STOPPED_AFTER_LAST_USER}
+    return session.stash[_LAST_USERS]
 
 
 def worker_id() -> str:
