@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import secrets
@@ -53,8 +54,14 @@ LOGIN_MAX_FAILURES = 10
 LOGIN_FAILURE_WINDOW_S = 15 * 60
 _SALT = "tollgate-admin-session"
 _HASHER = PasswordHasher()
-# Checked for unknown emails so that a miss takes as long as a wrong password.
-_DUMMY_HASH = _HASHER.hash(secrets.token_urlsafe(16))
+
+
+@functools.cache
+def _dummy_hash() -> str:
+    """Checked for unknown emails so that a miss takes as long as a wrong password. Made on first use,
+    not on import: an argon2 hash costs ~0.3 s of CPU in every process that imports the gateway app
+    (each gateway worker), most of which never see a login."""
+    return _HASHER.hash(secrets.token_urlsafe(16))
 
 
 class LoginRequired(Exception):
@@ -203,7 +210,7 @@ async def authenticate_password(request: Request, email: str, password: str) -> 
         raise LoginFailed("Too many failed logins for this email; try again in a few minutes.", status=429)
     async with request.app.state.db.session() as session:
         admin = await AdminRepository(session).get_by_email(email)
-    stored = admin.password_hash if admin is not None and admin.password_hash else _DUMMY_HASH
+    stored = admin.password_hash if admin is not None and admin.password_hash else _dummy_hash()
     # argon2 is deliberately slow (tens of ms of CPU): off the event loop that serves /v1 traffic.
     ok = await asyncio.to_thread(_verify, stored, password) and admin is not None \
         and admin.password_hash is not None
