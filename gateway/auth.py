@@ -38,6 +38,7 @@ from gateway.admission.limits import TenantLimits
 from gateway.errors import AuthenticationError, ServiceUnavailableError
 from gateway.tenants.keys import bearer_token, parse_key, verify_key
 from gateway.tenants.repository import ApiKeyRepository
+from tollgate.background import cancel_and_wait
 from tollgate.models import ApiKey, Tenant
 from tollgate.redis import INVALIDATE_CHANNEL
 from tollgate.settings import Settings
@@ -153,10 +154,7 @@ class Authenticator:
                        asyncio.create_task(self._flush_last_used_forever(), name="tollgate-auth-last-used")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks, what="the key cache")
         self._tasks = []
         await self.flush_last_used()
 

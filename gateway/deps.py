@@ -31,6 +31,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
 from gateway.replicas import Resolver
 from gateway.routing import ModelRoute, Router
+from tollgate.background import cancel_and_wait
 from tollgate.process_runtime import ProcessRuntime
 from tollgate.settings import Settings
 from tollgate.task_sender import TaskSender
@@ -115,9 +116,7 @@ class GatewayRuntime:
                                                    name=f"tollgate-{self.request_class}-usage-spool"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, what=f"the {self.request_class} runtime")
         self._tasks.clear()
         if self.authenticates:
             await self.auth.stop()

@@ -77,6 +77,7 @@ from gateway.errors import ServiceUnavailableError
 from gateway.kv_index import GapError, ReplicaKVIndex
 from gateway.metrics import forget_kv_index, observe_kv_index
 from gateway.replicas import PoolDiscovery, Resolver, diff, static_urls
+from tollgate.background import cancel_and_wait
 from tollgate.settings import ModelConfig, Settings
 
 logger = logging.getLogger("tollgate.gateway.routing")
@@ -219,12 +220,7 @@ class Router:
 
     async def stop(self) -> None:
         self._running = False
-        tasks = [*self._tasks, *self._followers.values()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([*self._tasks, *self._followers.values()], what="the router")
         self._tasks.clear()
         self._followers.clear()
 
