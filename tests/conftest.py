@@ -86,7 +86,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "settings(**fields): override Settings fields for this test")
     # ``Settings.data_dir`` defaults to ``./.tollgate``: what the apps that tests build write there
     # (uploaded files, spooled usage) goes to a directory of this run's own (xdist workers inherit it),
-    # not into the working tree, where a later run's gateway would find (and replay) it.
+    # not into the working tree, where a later run's gateway would find (and replay) it. Each test gets
+    # a directory of its own (``_data_dir``); this one is for the session fixtures, set up before it.
     if "TOLLGATE_DATA_DIR" not in os.environ:
         os.environ["TOLLGATE_DATA_DIR"] = data_dir = tempfile.mkdtemp(prefix="tollgate-test-data-")
         config.add_cleanup(partial(shutil.rmtree, data_dir, ignore_errors=True))
@@ -372,8 +373,18 @@ def redis_url(shared_servers: SharedServers) -> str:
 # --------------------------------------------------------------------------- settings
 
 
+@pytest.fixture(autouse=True)
+def _data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TOLLGATE_DATA_DIR`` of the test's own (and of the processes it starts): what one test's apps leave
+    there is not another's. A gateway killed in an outage test leaves its spooled usage, which any later
+    gateway would adopt and append to its own Redis: another test's ledger."""
+    monkeypatch.setenv("TOLLGATE_DATA_DIR", str(tmp_path_factory.mktemp("data")))
+
+
 def _settings_env(request: pytest.FixtureRequest) -> dict[str, str]:
     env = dict(TEST_ENV)
+    if "TOLLGATE_DATA_DIR" in os.environ:  # _data_dir's: kept by the settings fixtures
+        env["TOLLGATE_DATA_DIR"] = os.environ["TOLLGATE_DATA_DIR"]
     for marker in reversed(list(request.node.iter_markers("settings"))):
         for field, value in marker.kwargs.items():
             if field not in Settings.model_fields:
