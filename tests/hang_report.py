@@ -41,44 +41,46 @@ def report(title: str) -> str:
             continue
         out.write(f"--- thread {names.get(ident, ident)}\n")
         out.write("".join(traceback.format_stack(frame)))
-    objects = gc.get_objects()
-    for loop in (obj for obj in objects if isinstance(obj, asyncio.AbstractEventLoop)):
-        if loop.is_closed():
-            continue
-        tasks = _tasks(loop)
-        out.write(f"--- event loop {loop!r}: {len(tasks)} pending task(s)\n")
-        for task in tasks:
-            out.write(f"task {task.get_name()}\n")
-            _write_awaits(out, task.get_coro())
-    # An async generator fixture's teardown awaits its generator through an ``asend`` object, which does
-    # not lead on to the generator: the running ones, with what they await.
-    running = [obj for obj in objects if isinstance(obj, types.AsyncGeneratorType) and obj.ag_running]
-    for agen in running:
-        out.write(f"running async generator {agen.ag_code.co_qualname}\n")
-        _write_awaits(out, agen)
+    tasks = _tasks()
+    out.write(f"--- {len(tasks)} pending asyncio task(s)\n")
+    for task in tasks:
+        out.write(f"task {task.get_name()}\n")
+        _write_awaits(out, task.get_coro())
     return out.getvalue()
 
 
 def _write_awaits(out: io.StringIO, awaitable: object) -> None:
     """The frames of a coroutine (or async generator) and of what it awaits, down to the innermost
-    awaited object (a future, another task)."""
+    awaited object (a future, another task). An ``asend`` object (an async generator fixture's teardown
+    awaits one) and a future's iterator lead on only through the garbage collector's referents."""
     for _ in range(64):
         frame = next((getattr(awaitable, a) for a in ("cr_frame", "gi_frame", "ag_frame")
                       if getattr(awaitable, a, None) is not None), None)
-        if frame is None:
-            out.write(f"    awaiting {awaitable!r}\n"[:600])
-            return
-        out.write(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
-        awaitable = next((getattr(awaitable, a) for a in ("cr_await", "gi_yieldfrom", "ag_await")
-                          if getattr(awaitable, a, None) is not None), None)
+        if frame is not None:
+            out.write(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+            awaitable = next((getattr(awaitable, a) for a in ("cr_await", "gi_yieldfrom", "ag_await")
+                              if getattr(awaitable, a, None) is not None), None)
+        else:
+            inner = [r for r in gc.get_referents(awaitable)
+                     if isinstance(r, types.CoroutineType | types.AsyncGeneratorType | asyncio.Future)]
+            if not inner:
+                out.write(f"    awaiting {awaitable!r}"[:600] + "\n")
+                return
+            awaitable = inner[0]
+            if isinstance(awaitable, asyncio.Future):
+                out.write(f"    awaiting {awaitable!r}"[:600] + "\n")
+                return
         if awaitable is None:
             return
 
 
-def _tasks(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[object]]:
-    for _ in range(5):  # the loop's thread may add a task while the set is copied
+def _tasks() -> list[asyncio.Task[object]]:
+    """Every pending task of every event loop, from asyncio's own registry (a walk of the garbage
+    collector's objects would miss a loop or generator that ``gc.freeze()`` moved out of its sight: the
+    gateway's lifespan freezes everything it finds)."""
+    for _ in range(5):  # a loop's thread may add or drop a task while the set is copied
         try:
-            return [t for t in asyncio.all_tasks(loop) if not t.done()]
+            return [t for t in list(asyncio.tasks._all_tasks) if not t.done()]
         except RuntimeError:
             time.sleep(0.01)  # not a wait: a retry of a copy that raced
     return []
