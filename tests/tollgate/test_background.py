@@ -17,7 +17,7 @@ async def _swallows_cancellations(times: int, stopped: list[str]) -> None:
     swallowed = 0
     while True:
         try:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # not a wait: idles until cancelled
         except asyncio.CancelledError:
             swallowed += 1
             if swallowed > times:
@@ -28,7 +28,7 @@ async def _swallows_cancellations(times: int, stopped: list[str]) -> None:
 async def test_a_task_that_swallows_its_cancellation_is_cancelled_again(caplog) -> None:
     stopped: list[str] = []
     task = asyncio.create_task(_swallows_cancellations(2, stopped), name="stubborn")
-    polite = asyncio.create_task(asyncio.sleep(3600), name="polite")
+    polite = asyncio.create_task(asyncio.sleep(3600), name="polite")  # not a wait: idles until cancelled
     await asyncio.sleep(0)  # not a wait: both reach their await
     with caplog.at_level(logging.WARNING, logger="tollgate.background"):
         await cancel_and_wait([task, polite], what="the test", retry_s=0.01)
