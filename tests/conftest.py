@@ -102,7 +102,8 @@ def _has_group_suffix(nodeid: str) -> bool:
 # once that worker is done with them).
 SHARED_FIXTURES = {name: "gateway_session" for name in ("gateway", "engine_url", "api_database_url",
                                                           "model_price")}  # fmt: skip
-SHARED_FIXTURES["files_gateway"] = "files_gateway"
+# Some of the files gateway's tests use the engine too: one group, so the engine starts once.
+SHARED_FIXTURES["files_gateway"] = "gateway_session"
 
 
 def _implicit_group(item: pytest.Item) -> str | None:
@@ -167,29 +168,35 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """Stop the ``STOPPED_AFTER_LAST_USER`` fixtures ``item`` used and ``nextitem`` does not. An idle
     e2e platform alone (gateway, Celery worker and beat at the tests' short intervals, a two-rank engine)
     used about a fifth of a core for the rest of the run."""
-    info = getattr(item, "_fixtureinfo", None)
-    if nextitem is None or info is None:  # the session's end stops everything anyway
+    if nextitem is None:  # the session's end stops everything anyway
         return
-    following = set(getattr(nextitem, "fixturenames", ()))
     later = _last_users(item.session) if "PYTEST_XDIST_WORKER" not in os.environ else {}
-    for name in STOPPED_AFTER_LAST_USER:
-        defs = info.name2fixturedefs.get(name, ())
-        if (name in info.names_closure and name not in following and defs
-                and later.get(name) in (None, item.nodeid)):
-            defs[-1].finish(item._request)  # type: ignore[attr-defined]  # dependents first, as pytest does
+    following = _server_fixtures(nextitem)
+    for fixturedef in _server_fixtures(item) - following:
+        if later.get(fixturedef) in (None, item.nodeid):
+            fixturedef.finish(item._request)  # type: ignore[attr-defined]  # dependents first, as pytest does
 
 
-_LAST_USERS = pytest.StashKey[dict[str, str]]()
+def _server_fixtures(item: pytest.Item) -> set[Any]:
+    """The ``STOPPED_AFTER_LAST_USER`` fixtures ``item`` uses, as the definitions it gets (a module may
+    define a fixture of the same name: another fixture)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set()
+    return {info.name2fixturedefs[name][-1] for name in STOPPED_AFTER_LAST_USER
+            if name in info.names_closure and info.name2fixturedefs.get(name)}
 
 
-def _last_users(session: pytest.Session) -> dict[str, str]:
+_LAST_USERS = pytest.StashKey[dict[Any, str]]()
+
+
+def _last_users(session: pytest.Session) -> dict[Any, str]:
     """The node id of the last test in this process to use each ``STOPPED_AFTER_LAST_USER`` fixture. An
     xdist worker does not know its later tests (the scheduler hands them out as it goes); its groups
     keep each fixture's tests contiguous instead."""
     if _LAST_USERS not in session.stash:
-        session.stash[_LAST_USERS] = {name: item.nodeid for item in session.items
-                                      for name in getattr(item, "fixturenames", ())
-                                      if name in STOPPED_AFTER_LAST_USER}
+        session.stash[_LAST_USERS] = {fixturedef: item.nodeid for item in session.items
+                                      for fixturedef in _server_fixtures(item)}
     return session.stash[_LAST_USERS]
 
 
