@@ -157,8 +157,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Session fixtures that start processes or servers which work while they idle (health polls, Celery beat,
 # a browser): torn down as soon as a test is followed by one that does not use them, not at the end of
 # the session. Each still starts once: in one process it stops after the last test of the run that uses
-# it; an xdist worker runs a fixture's tests one after the other (one group each, ``SHARED_FIXTURES`` and
-# the marks), and a later user would start it again.
+# it; under xdist, once its group's tests are done (a group reaches a worker whole: ``SHARED_FIXTURES``
+# and the marks put each fixture's users in one), and a later user would start it again.
 STOPPED_AFTER_LAST_USER = ("platform", "gateway", "engine_url", "files_gateway", "dashboard",
                            "dashboard_engine", "browser")
 
@@ -170,11 +170,37 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     used about a fifth of a core for the rest of the run."""
     if nextitem is None:  # the session's end stops everything anyway
         return
-    later = _last_users(item.session) if "PYTEST_XDIST_WORKER" not in os.environ else {}
-    following = _server_fixtures(nextitem)
-    for fixturedef in _server_fixtures(item) - following:
-        if later.get(fixturedef) in (None, item.nodeid):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # A group's tests reach a worker together, but not all of them use each of its fixtures (the
+        # gateway group's tests of the admin API use no engine): at the group's end, stop every one
+        # still up that the next test does not use.
+        group = _group(item)
+        if group is not None and _group(nextitem) == group:
+            return
+        later: dict[Any, str] = {}
+        candidates = _server_fixtures(item) | item.session.stash.get(_STARTED, set())
+    else:
+        later = _last_users(item.session)
+        candidates = _server_fixtures(item)
+    for fixturedef in candidates - _server_fixtures(nextitem):
+        if fixturedef.cached_result is not None and later.get(fixturedef) in (None, item.nodeid):
             fixturedef.finish(item._request)  # type: ignore[attr-defined]  # dependents first, as pytest does
+
+
+_STARTED = pytest.StashKey[set[Any]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Remember each ``STOPPED_AFTER_LAST_USER`` fixture set up in this process."""
+    if fixturedef.argname in STOPPED_AFTER_LAST_USER:
+        request.session.stash.setdefault(_STARTED, set()).add(fixturedef)
+    return (yield)
+
+
+def _group(item: pytest.Item) -> str | None:
+    """The xdist group in ``item``'s node id (``...@group``), if any."""
+    return item.nodeid.rpartition("@")[2] if _has_group_suffix(item.nodeid) else None
 
 
 def _server_fixtures(item: pytest.Item) -> set[Any]:

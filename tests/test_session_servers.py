@@ -1,7 +1,7 @@
 """The early teardown of session fixtures that start servers (``tests/conftest.py``'s
 ``STOPPED_AFTER_LAST_USER``), checked on a small suite run by a pytest of its own: in one process a
-fixture stops after the last test of the run that uses it; under xdist, after a test whose next test does
-not use it."""
+fixture stops after the last test of the run that uses it; under xdist, at the end of its xdist group,
+or after an ungrouped test whose next test does not use it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import pytest_runtest_teardown  # noqa: F401  (the hook under test)
+from tests.conftest import (  # noqa: F401  (the hooks under test, and the xdist group fix they rely on)
+    pytest_collection_modifyitems,
+    pytest_fixture_setup,
+    pytest_runtest_teardown,
+)
 
 EVENTS = Path(os.environ["EVENTS"])
 
@@ -69,9 +73,40 @@ def test_e():
 '''
 
 
-def _run(tmp_path: Path, *args: str) -> list[str]:
+GROUPED_TESTS = '''
+import pytest
+
+from conftest import log
+
+
+@pytest.mark.xdist_group("g")
+def test_a(platform):
+    log("a")
+
+
+@pytest.mark.xdist_group("g")
+def test_b():
+    log("b")
+
+
+@pytest.mark.xdist_group("g")
+def test_c(platform):
+    log("c")
+
+
+@pytest.mark.xdist_group("g")
+def test_d():
+    log("d")
+
+
+def test_e():
+    log("e")
+'''
+
+
+def _run(tmp_path: Path, *args: str, tests: str = TESTS) -> list[str]:
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_servers.py").write_text(TESTS)
+    (tmp_path / "test_servers.py").write_text(tests)
     events = tmp_path / "events"
     # Only the plugins the small suite needs: the installed ones (schemathesis, hypothesis, ...) take
     # seconds to import in each process.
@@ -94,3 +129,11 @@ def test_an_xdist_worker_stops_a_server_when_the_next_test_does_not_use_it(tmp_p
     events = _run(tmp_path, "-p", "xdist.plugin", "-n", "1")
     # The dependent fixture goes first, as at the session's end; a later user starts the server again.
     assert events == ["up", "client up", "a", "b", "client down", "down", "c", "up", "d", "down", "e"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="xdist's popen workers as CI runs them")
+def test_an_xdist_worker_keeps_a_server_for_its_whole_group(tmp_path: Path) -> None:
+    # b and d do not use the server, but their group's later tests do (c) or may: it stops when the
+    # group ends, though the group's last test (d) does not use it.
+    events = _run(tmp_path, "-p", "xdist.plugin", "-n", "1", "--dist", "loadgroup", tests=GROUPED_TESTS)
+    assert events == ["up", "a", "b", "c", "d", "down", "e"]
