@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import GatewayUnderTest, make_tenant_key
-from tests.gateway.test_files import _api, _files_gateway, _files_tenant, upload  # noqa: F401
+from tests.gateway.test_files import _api, _files_tenant, upload  # noqa: F401
 from tests.openai_schema import assert_conforms
 
 

@@ -23,7 +23,7 @@ from gateway.batches.runtime import BatchRuntime, tpd_key
 from gateway.files.storage import LocalFileStorage
 from tests.factories import create_price
 from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key, usage_records, wait_for_usage
-from tests.gateway.test_files import _files_gateway, upload  # noqa: F401
+from tests.gateway.test_files import upload
 from tests.openai_schema import assert_conforms
 from tollgate.models import Batch, BatchItem
 from tollgate.settings import ModelConfig, PoolConfig

@@ -1,13 +1,11 @@
 """``/v1/files`` against the real gateway app (uvicorn), Postgres, Redis and a storage directory of its own:
 OpenAI's objects, tenant isolation, upload checks, pagination, deletion and retention.
 
-The ``files_gateway`` fixture (no engine: files and batch bookkeeping need none) is shared with
-``test_batches_api.py``.
+The ``files_gateway`` fixture (``tests/gateway/conftest.py``) is shared with the batches tests.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,32 +17,16 @@ import pytest
 from gateway.batches.dispatch import BatchDispatcher
 from gateway.batches.runner import BatchRunner
 from gateway.files.storage import LocalFileStorage
-from tests.gateway.conftest import GatewayUnderTest, TenantKey, make_tenant_key, run_gateway
+from tests.gateway.conftest import (
+    MAX_API_BODY_BYTES,
+    MAX_FILE_BYTES,
+    GatewayUnderTest,
+    TenantKey,
+    make_tenant_key,
+)
 from tests.openai_schema import assert_conforms
-from tollgate.settings import ModelConfig, Settings
 
-MAX_FILE_BYTES = 4096
-# Below MAX_FILE_BYTES, so an upload can be larger than any API call may be.
-MAX_API_BODY_BYTES = 2048
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\n'
-
-
-@pytest.fixture(scope="session", name="files_gateway")
-async def _files_gateway(shared_servers: Any, redis_url: str,
-                         tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GatewayUnderTest]:
-    from tollgate import schema
-
-    name = f"tollgate_files_{uuid.uuid4().hex[:8]}"
-    shared_servers.postgres.create_database(name, recreate=True)
-    url = shared_servers.postgres.url(name)
-    schema.upgrade(url)
-    settings = Settings(environment="test", database_url=url, redis_url=redis_url,
-                        models=[ModelConfig(name="tiny")], file_storage_dir=tmp_path_factory.mktemp("files"),
-                        files_max_bytes=MAX_FILE_BYTES, max_request_body_bytes=MAX_API_BODY_BYTES,
-                        health_poll_interval_s=0.5, key_cache_ttl_s=0.5)
-    async with run_gateway(settings) as gateway:
-        yield gateway
-    shared_servers.postgres.drop_database(name)
 
 
 @pytest.fixture(name="files_tenant")
