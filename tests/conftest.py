@@ -178,7 +178,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if group is not None and _group(nextitem) == group:
             return
         later: dict[Any, str] = {}
-        candidates = _server_fixtures(item) | item.session.stash.get(_STARTED, set())
+        candidates = item.session.stash.get(_STARTED, set())  # item's own included: set up here
     else:
         later = _last_users(item.session)
         candidates = _server_fixtures(item)

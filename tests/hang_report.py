@@ -63,13 +63,10 @@ def _write_awaits(out: io.StringIO, awaitable: object) -> None:
         else:
             inner = [r for r in gc.get_referents(awaitable)
                      if isinstance(r, types.CoroutineType | types.AsyncGeneratorType | asyncio.Future)]
-            if not inner:
-                out.write(f"    awaiting {awaitable!r}"[:600] + "\n")
+            if not inner or isinstance(inner[0], asyncio.Future):  # the innermost: a future, or opaque
+                out.write(f"    awaiting {(inner or [awaitable])[0]!r}"[:600] + "\n")
                 return
             awaitable = inner[0]
-            if isinstance(awaitable, asyncio.Future):
-                out.write(f"    awaiting {awaitable!r}"[:600] + "\n")
-                return
         if awaitable is None:
             return
 

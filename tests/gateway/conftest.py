@@ -254,16 +254,11 @@ MAX_API_BODY_BYTES = 2048
 @pytest.fixture(scope="session")
 async def files_gateway(shared_servers: Any, redis_url: str,
                         tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GatewayUnderTest]:
-    from tollgate import schema
-
-    name = f"tollgate_files_{uuid.uuid4().hex[:8]}"
-    shared_servers.postgres.create_database(name, recreate=True)
-    url = shared_servers.postgres.url(name)
-    schema.upgrade(url)
-    settings = Settings(environment="test", database_url=url, redis_url=redis_url,
-                        models=[ModelConfig(name="tiny")], file_storage_dir=tmp_path_factory.mktemp("files"),
-                        files_max_bytes=MAX_FILE_BYTES, max_request_body_bytes=MAX_API_BODY_BYTES,
-                        health_poll_interval_s=0.5, key_cache_ttl_s=0.5)
-    async with run_gateway(settings) as gateway:
-        yield gateway
-    shared_servers.postgres.drop_database(name)
+    with shared_servers.migrated_database(f"tollgate_files_{uuid.uuid4().hex[:8]}") as url:
+        settings = Settings(environment="test", database_url=url, redis_url=redis_url,
+                            models=[ModelConfig(name="tiny")],
+                            file_storage_dir=tmp_path_factory.mktemp("files"), files_max_bytes=MAX_FILE_BYTES,
+                            max_request_body_bytes=MAX_API_BODY_BYTES, health_poll_interval_s=0.5,
+                            key_cache_ttl_s=0.5)
+        async with run_gateway(settings) as gateway:
+            yield gateway
