@@ -15,7 +15,9 @@ options that a real launch of those tensors would compile with.
 
 Each compile is checked against the target's limits: dynamic shared memory within what one block may
 use (:data:`SHARED_MEMORY_LIMIT`), registers per thread within 255 and per block within the SM's 64K,
-and no register spills (ptxas's ``-v`` report on the same PTX).
+and no register spills (ptxas's ``-v`` report, as Triton's own ``ptxas`` run writes it: its log is read
+when Triton compiles, and kept beside the cubin in Triton's cache for later hits; ``ptxas`` runs again on
+the PTX only for a cached kernel compiled before that report was kept).
 
 It must run where Triton compiles rather than interprets: on a host without CUDA, ``kernels`` turns the
 interpreter on unless ``TRITON_INTERPRET`` is already set, so set it to 0 (``tests/kernels`` run
@@ -28,6 +30,8 @@ interpreted, so ``tests/kernels/test_aot_compile.py`` runs this in a subprocess)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -197,6 +201,13 @@ _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def parse_ptxas_log(log: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ptxas ``-v``'s report."""
+    registers = max((int(n) for n in _PTXAS_REGISTERS.findall(log)), default=0)
+    spills = [(int(a), int(b)) for a, b in _PTXAS_SPILLS.findall(log)]
+    return registers, sum(a for a, _ in spills), sum(b for _, b in spills)
+
+
 def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
     """(registers, spill store bytes, spill load bytes) from ptxas ``-v`` on ``ptx``, assembled with
     the flags Triton's CUDA backend uses."""
@@ -210,13 +221,40 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
                f"--gpu-name={sm_arch_from_capability(arch)}", src,
                "-o", os.path.join(tmp, "kernel.cubin")]  # fmt: skip
         log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
-    registers = max((int(n) for n in _PTXAS_REGISTERS.findall(log)), default=0)
-    spills = [(int(a), int(b)) for a, b in _PTXAS_SPILLS.findall(log)]
-    return registers, sum(a for a, _ in spills), sum(b for _, b in spills)
+    return parse_ptxas_log(log)
+
+
+_REPORT_FILE = "ptxas-report.json"
+
+
+def _compile_with_report(src: Any, target: Any, options: dict[str, Any]) -> tuple[Any, tuple[int, int, int]]:
+    """``triton.compile`` and the ``ptxas -v`` report of the cubin it returns.
+
+    A compile prints ptxas's log when ``TRITON_DUMP_PTXAS_LOG`` is on (a knob outside the cache key), so
+    the report costs nothing extra; it is stored in the kernel's cache directory, because a cache hit
+    runs no ptxas."""
+    import triton
+    from triton import knobs
+    from triton.runtime.cache import get_cache_manager
+
+    printed = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(printed):
+        knobs.nvidia.dump_ptxas_log = True
+        compiled = triton.compile(src, target=target, options=options)
+    cache = get_cache_manager(compiled.hash)
+    if _PTXAS_REGISTERS.search(printed.getvalue()):
+        report = parse_ptxas_log(printed.getvalue())
+    else:
+        stored = cache.get_file(_REPORT_FILE)
+        if stored is not None:
+            with open(stored) as f:
+                return compiled, tuple(json.load(f))
+        report = ptxas_report(compiled.asm["ptx"], target.arch)
+    cache.put(json.dumps(report), _REPORT_FILE, binary=False)
+    return compiled, report
 
 
 def compile_launch(launch: Any, arch: int, *, shape: str = "", dtype: str = "") -> CompileResult:
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
@@ -230,15 +268,15 @@ def compile_launch(launch: Any, arch: int, *, shape: str = "", dtype: str = "") 
                            num_warps=options.num_warps, num_stages=options.num_stages)  # fmt: skip
     start = time.perf_counter()
     try:
-        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)  # fmt: skip
+        compiled, report = _compile_with_report(ASTSource(launch.kernel, signature, constexprs, attrs),
+                                                target, options.__dict__)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - a compile error is this result's finding
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
         # Triton's CompilationError: "at LINE:COL:", the source, then the cause on the last line.
         result.error = f"{type(exc).__name__}: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()
         return result
     result.shared_bytes = int(compiled.metadata.shared)
-    result.registers, result.spill_stores, result.spill_loads = ptxas_report(compiled.asm["ptx"], arch)
+    result.registers, result.spill_stores, result.spill_loads = report
     result.seconds = time.perf_counter() - start
     return result
 

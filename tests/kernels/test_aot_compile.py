@@ -171,3 +171,53 @@ def test_a_kernel_that_does_not_compile_for_sm90_is_reported(tmp_path):
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "does not compile" in proc.stdout
+
+
+def test_the_ptxas_report_is_tritons_own_and_is_kept_for_cache_hits(tmp_path):
+    """A compile reads the register report from the ptxas run Triton makes anyway; a later compile of the
+    same kernel (a cache hit: no ptxas at all) reads the report kept beside the cubin. Both equal what
+    ptxas ``-v`` says about the PTX on its own. A cached kernel without a kept report is assembled again."""
+    (tmp_path / "add_kernel.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def add(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < n)
+            tl.store(y_ptr + offs, tl.exp(x) * x + 1.0, mask=offs < n)
+    """))
+    script = textwrap.dedent("""
+        import glob, json, os, torch
+        import triton  # before kernels: compiled, not interpreted
+        from add_kernel import add
+        from kernels import aot
+        from kernels._common import Launch
+
+        launch = Launch(add, (1,), (torch.empty(4096), torch.empty(4096), 4096), {"BLOCK": 1024})
+        reference = aot.ptxas_report
+        first = aot.compile_launch(launch, 90)
+        kept = glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "ptxas-report.json"))
+        calls = []
+        aot.ptxas_report = lambda ptx, arch: calls.append(arch) or reference(ptx, arch)
+        hit = aot.compile_launch(launch, 90)
+        ran_on_hit = len(calls)
+        os.remove(kept[0])
+        restored = aot.compile_launch(launch, 90)
+        ptx = glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "*.ptx"))[0]
+        expected = reference(open(ptx).read(), 90)
+        print(json.dumps(dict(first=[first.registers, first.spill_stores, first.spill_loads],
+                              hit=[hit.registers, hit.spill_stores, hit.spill_loads],
+                              restored=[restored.registers, restored.spill_stores, restored.spill_loads],
+                              expected=list(expected), kept=len(kept), ran_on_hit=ran_on_hit,
+                              ran_after_removal=len(calls) - ran_on_hit, problems=first.problems())))
+    """)
+    env = _compiled_env() | {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}",
+                             "TRITON_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["expected"][0] > 0 and found["problems"] == []
+    assert found["first"] == found["hit"] == found["restored"] == found["expected"]
+    assert found["kept"] == 1 and found["ran_on_hit"] == 0 and found["ran_after_removal"] == 1

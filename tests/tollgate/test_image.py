@@ -144,8 +144,11 @@ def test_the_installed_kernels_compile_for_sm90(image, tmp_path):
     where = _run_installed(image, ["-c", "import kernels; print(kernels.__file__)"], tmp_path,
                            TRITON_INTERPRET="0")  # fmt: skip
     assert where.stdout.startswith(str(image)), where.stdout + where.stderr
+    # An empty Triton cache, as in a new container: every kernel is compiled and assembled here, none
+    # found already compiled by this machine's other runs.
     proc = _run_installed(image, ["-m", "kernels.aot", "--arch", "90", "--dtype", "bfloat16", "--shape",
-                                  "llama3-8b", "qwen3-0.6b"], tmp_path, TRITON_INTERPRET="0")  # fmt: skip
+                                  "llama3-8b", "qwen3-0.6b"], tmp_path, TRITON_INTERPRET="0",
+                          TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"\d+ specialisations compiled, 0 unfit to launch", proc.stdout)
 
