@@ -170,6 +170,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     used about a fifth of a core for the rest of the run."""
     if nextitem is None:  # the session's end stops everything anyway
         return
+    # What item used was set up in this process (and may be set up again later, after a stop).
+    item.session.stash.setdefault(_STARTED, set()).update(_server_fixtures(item))
     if "PYTEST_XDIST_WORKER" in os.environ:
         # A group's tests reach a worker together, but not all of them use each of its fixtures (the
         # gateway group's tests of the admin API use no engine): at the group's end, stop every one
@@ -178,7 +180,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if group is not None and _group(nextitem) == group:
             return
         later: dict[Any, str] = {}
-        candidates = item.session.stash.get(_STARTED, set())  # item's own included: set up here
+        candidates = item.session.stash.get(_STARTED, set())  # item's own included: added above
     else:
         later = _last_users(item.session)
         candidates = _server_fixtures(item)
@@ -188,14 +190,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 _STARTED = pytest.StashKey[set[Any]]()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
-    """Remember each ``STOPPED_AFTER_LAST_USER`` fixture set up in this process."""
-    if fixturedef.argname in STOPPED_AFTER_LAST_USER:
-        request.session.stash.setdefault(_STARTED, set()).add(fixturedef)
-    return (yield)
 
 
 def _group(item: pytest.Item) -> str | None:

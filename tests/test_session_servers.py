@@ -22,7 +22,6 @@ import pytest
 
 from tests.conftest import (  # noqa: F401  (the hooks under test, and the xdist group fix they rely on)
     pytest_collection_modifyitems,
-    pytest_fixture_setup,
     pytest_runtest_teardown,
 )
 
@@ -105,16 +104,21 @@ def test_e():
 
 
 def _run(tmp_path: Path, *args: str, tests: str = TESTS) -> list[str]:
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_servers.py").write_text(tests)
+    # The conftest one directory below the rootdir, as tests/conftest.py is: pytest asks a session
+    # fixture's hooks of the rootdir's conftests only, so a hook that works at the rootdir may not here.
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(CONFTEST)
+    (suite / "test_servers.py").write_text(tests)
     events = tmp_path / "events"
     # Only the plugins the small suite needs: the installed ones (schemathesis, hypothesis, ...) take
     # seconds to import in each process.
-    env = {**os.environ, "EVENTS": str(events), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}",
+    env = {**os.environ, "EVENTS": str(events), "PYTHONPATH": f"{ROOT}{os.pathsep}{suite}",
            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     env.pop("PYTEST_XDIST_WORKER", None)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
-                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True)
+                           str(suite)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return events.read_text().splitlines()
 
