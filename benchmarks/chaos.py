@@ -127,7 +127,8 @@ def report(result: dict[str, Any]) -> str:
         f"{result['requests']} requests, {result['ledger_rows']} ledger rows "
         f"({result['ledger_rows_checked']} matched to a client's request), "
         f"{result['batches']} batches ({result['batch_lines']} lines); abandoned streams left unbilled by a "
-        f"killed gateway worker: {result['abandoned_unbilled_worker_killed']}",
+        f"killed gateway worker: {result['abandoned_unbilled_worker_killed']}; answers billed, then lost "
+        f"with their killed gateway worker: {result['billed_undelivered_worker_killed']}",
         "",
     ]
     lines.append(
