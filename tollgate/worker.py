@@ -168,7 +168,19 @@ def _require_broker(**_: Any) -> None:
 signals.celeryd_init.connect(_require_broker, weak=False)
 signals.beat_init.connect(_require_broker, weak=False)
 
-app = create_celery_app(get_settings())
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``app``, the Celery application, made on first use: ``celery -A tollgate.worker`` reads it. Making
+    it imports every task module (~2 s of CPU); the heartbeat check, a liveness probe that Kubernetes and
+    Docker run every 30 s, and ``tollgate up``'s supervisor import this module without needing it."""
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = create_celery_app(get_settings())
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,28 @@ def test_check_command_reads_this_hosts_heartbeat(service_settings):
     finally:
         client.delete(key)
         client.close()
+
+
+def test_the_app_is_made_on_first_use_so_the_check_imports_no_task_module(service_settings):
+    """``celery -A tollgate.worker`` reads ``app``, which brings every task and beat entry. Importing the
+    module (the liveness check, ``tollgate up``'s supervisor) makes no app and imports no task module."""
+    script = """
+import json, sys
+import tollgate.worker as worker
+loaded = lambda: sorted(set(worker.TASK_MODULES) & set(sys.modules))
+before = loaded()
+app = worker.app
+print(json.dumps({"before": before, "same": app is worker.app, "after": loaded(),
+                  "tasks": sorted(t for t in app.tasks if not t.startswith("celery.")),
+                  "beat": sorted(app.conf.beat_schedule)}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["before"] == [] and found["same"]
+    assert found["after"] == sorted(worker.TASK_MODULES)
+    assert {"billing.flush_usage", "batches.sweep", "responses.flush"} <= set(found["tasks"])
+    assert "billing.flush_usage" in found["beat"]
+    with pytest.raises(AttributeError, match="no attribute 'celery'"):
+        worker.celery  # noqa: B018 - the module's __getattr__ answers only for app
