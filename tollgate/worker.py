@@ -173,8 +173,9 @@ _app: Celery | None = None
 
 def __getattr__(name: str) -> Any:
     """``app``, the Celery application, made on first use: ``celery -A tollgate.worker`` reads it. Making
-    it imports every task module (~2 s of CPU); the heartbeat check, a liveness probe that Kubernetes and
-    Docker run every 30 s, and ``tollgate up``'s supervisor import this module without needing it."""
+    it imports every task module (~2 s of CPU); the heartbeat check, a liveness probe that Kubernetes runs
+    every 30 s and Docker Compose every 15 s, and ``tollgate up``'s supervisor import this module without
+    needing it."""
     global _app
     if name == "app":
         if _app is None:
