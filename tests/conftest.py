@@ -170,9 +170,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     used about a fifth of a core for the rest of the run."""
     if nextitem is None:  # the session's end stops everything anyway
         return
-    # What item used was set up in this process (and may be set up again later, after a stop).
-    item.session.stash.setdefault(_STARTED, set()).update(_server_fixtures(item))
     if "PYTEST_XDIST_WORKER" in os.environ:
+        # What item used was set up in this process (and may be set up again later, after a stop).
+        started = item.session.stash.setdefault(_STARTED, set())
+        started.update(_server_fixtures(item))
         # A group's tests reach a worker together, but not all of them use each of its fixtures (the
         # gateway group's tests of the admin API use no engine): at the group's end, stop every one
         # still up that the next test does not use.
@@ -180,7 +181,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if group is not None and _group(nextitem) == group:
             return
         later: dict[Any, str] = {}
-        candidates = item.session.stash.get(_STARTED, set())  # item's own included: added above
+        candidates = started
     else:
         later = _last_users(item.session)
         candidates = _server_fixtures(item)
