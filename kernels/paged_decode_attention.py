@@ -14,6 +14,9 @@ Design:
 - GQA: one program owns one (sequence, kv head) pair and all ``group = num_heads // num_kv_heads`` query
   heads that share it, so every K/V tile is loaded from HBM once per group instead of once per query
   head. The group's query rows are padded to 16 so ``tl.dot`` (tensor cores need M >= 16) applies.
+  The group size is a runtime argument (not specialised, not a constexpr): the padded tile is the
+  same for every group up to 16, so one compiled kernel serves every GQA ratio up to 16 (MHA's 1
+  included) at a given head dim, and a model with a new ratio compiles nothing new.
 - Split-K (flash-decoding): a long context is cut into ``num_splits`` contiguous token ranges processed
   by separate programs, each writing a partial output normalised by its own softmax sum plus its
   log-sum-exp; ``_merge_splits_kernel`` rescales and sums them. With few sequences this is what fills
@@ -61,7 +64,7 @@ _MAX_SPLITS = 32
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group"])
 def _paged_decode_attention_kernel(
     q_ptr,
     key_cache_ptr,
@@ -72,6 +75,7 @@ def _paged_decode_attention_kernel(
     lse_ptr,
     sm_scale_log2,
     num_splits,
+    group,
     stride_qb,
     stride_qh,
     stride_kc_block,
@@ -86,7 +90,6 @@ def _paged_decode_attention_kernel(
     stride_os,
     stride_lb,
     stride_lh,
-    GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -107,9 +110,9 @@ def _paged_decode_attention_kernel(
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, BLOCK_D)
-    row_mask = rows < GROUP
+    row_mask = rows < group
     dim_mask = dims < HEAD_DIM
-    q_heads = kv_head * GROUP + rows
+    q_heads = kv_head * group + rows
     q = tl.load(
         q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
         mask=row_mask[:, None] & dim_mask[None, :],
@@ -272,7 +275,6 @@ def paged_decode_attention(
     tile = tile or decode_tile_config(head_dim, group, dtype, target_capability(device))
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     common = dict(
-        GROUP=group,
         GROUP_PAD=tile.block_m,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -296,7 +298,7 @@ def paged_decode_attention(
     if num_splits == 1:
         kernel[grid](
             q, key_cache, value_cache, block_tables, seq_lens, out, out,
-            scale * _LOG2E, 1, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+            scale * _LOG2E, 1, group, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
             **common,
         )  # fmt: skip
@@ -308,7 +310,7 @@ def paged_decode_attention(
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     kernel[grid](
         q, key_cache, value_cache, block_tables, seq_lens, partial, lse,
-        scale * _LOG2E, num_splits, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+        scale * _LOG2E, num_splits, group, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         **common,
     )  # fmt: skip

@@ -62,15 +62,25 @@ def test_every_kernel_is_compiled_for_each_arch_and_dtype(compiled):
 
 
 def test_attention_is_compiled_at_every_head_dim_group_and_split_mode(compiled):
-    for kernel, split_modes in (("paged_decode_attention", {True, False}), ("extend_attention", {None})):
+    """Extend attention is specialised per GQA group (its tile's rows are tokens x group); decode is not:
+    its tile pads every group to 16 rows, so one compile per head dim and split mode serves them all."""
+    for kernel, split_modes, groups in (("paged_decode_attention", {True, False}, {None}),
+                                        ("extend_attention", {None}, {1, 4, 8})):  # fmt: skip
         found = defaultdict(set)
         for r in compiled:
             if r["kernel"] == kernel:
                 c = r["constexprs"]
-                key = (c["HEAD_DIM"], c["GROUP"], c["PAGE_SIZE"], c.get("SPLIT"))
+                key = (c["HEAD_DIM"], c.get("GROUP"), c["PAGE_SIZE"], c.get("SPLIT"))
                 found[(r["arch"], r["dtype"])].add(key)
-        want = {(d, g, 16, s) for d in (64, 128) for g in (1, 4, 8) for s in split_modes}
+        want = {(d, g, 16, s) for d in (64, 128) for g in groups for s in split_modes}
         assert all(want <= got for got in found.values()), (kernel, dict(found))
+    decode = [r for r in compiled if r["kernel"] == "paged_decode_attention"]
+    per_target = defaultdict(list)
+    for r in decode:
+        per_target[(r["arch"], r["dtype"], r["constexprs"]["HEAD_DIM"])].append(r)
+    # Seven shapes (groups 1, 2, 4 and 8 at head dim 128; 1, 4 and 8 at 64), three decode launches each
+    # (unsplit, split, split with the merge's strides): compiled three times per head dim, not 21 times.
+    assert all(len(rows) == 3 for rows in per_target.values()), {k: len(v) for k, v in per_target.items()}
     pads = {r["constexprs"]["SPLITS_PAD"] for r in compiled if r["kernel"] == "merge_splits"}
     assert pads == {2, 4, 8, 16, 32}
 
@@ -87,7 +97,8 @@ def test_the_compiled_tiles_are_the_launchers_choices(compiled):
         if r["kernel"] in choosers:
             c = r["constexprs"]
             dtype, capability = aot.DTYPES[r["dtype"]], divmod(r["arch"], 10)
-            tile = choosers[r["kernel"]](c["HEAD_DIM"], c["GROUP"], dtype, capability)
+            group = c.get("GROUP", aot.SERVED_SHAPES[r["shape"]].group)
+            tile = choosers[r["kernel"]](c["HEAD_DIM"], group, dtype, capability)
             assert (r["num_warps"], r["num_stages"], c["BLOCK_N"]) == (tile.num_warps, tile.num_stages,
                                                                        tile.block_n), r  # fmt: skip
             assert c.get("BLOCK_M", c.get("GROUP_PAD")) == tile.block_m, r
