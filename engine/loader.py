@@ -173,6 +173,18 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             param.normal_(0.0, 0.02, generator=gen)
 
 
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """``model.to(dtype).to_empty(device=device)`` without its cost: ``to_empty`` runs ``empty_like`` on
+    each meta tensor through torch's Python reference implementations, whose first call imports sympy
+    and torch's symbolic shapes (~0.5 s of CPU in every engine process). ``torch.empty`` of the shape
+    allocates the same uninitialised storage (floating-point tensors in ``dtype``, others as they are)."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    return model._apply(empty)
+
+
 def load_model(
     model_dir: str | Path,
     backend: AttentionBackend,
@@ -193,7 +205,7 @@ def load_model(
     cls = model_class(args)
     with torch.device("meta"):
         model = cls(args, backend, max_positions, fused_kernels=fused_kernels, tp=tp)
-    model = model.to(dtype).to_empty(device=torch.device(device))
+    model = _materialize(model, dtype, torch.device(device))
     model.tie_weights()
     for module in model.modules():
         if isinstance(module, _HasDeviceCache):
