@@ -3,6 +3,10 @@
 # platforms, faults, ahead-of-time compiles), in a few minutes.
 # Both set up .venv (and missing Debian packages) first through scripts/bootstrap.sh.
 VENV := .venv
+# Python keeps its bytecode caches, whatever the shell says (some export PYTHONDONTWRITEBYTECODE): the
+# suite starts about 150 Python processes, and without the caches each one compiles the project's modules
+# from source again, and each pytest worker rewrites the asserts of every test module again.
+unexport PYTHONDONTWRITEBYTECODE
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
