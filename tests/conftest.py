@@ -36,6 +36,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -61,6 +62,16 @@ from tollgate.local_services import (
 )
 from tollgate.processes import pid_alive, spawn, stop, stop_pid
 from tollgate.settings import Settings, get_settings
+
+# One torch intra-op thread in every process of the run (pytest's workers, and through the environment
+# the engines and ranks they start), unless the caller chose: the suite already runs a worker per core
+# beside its engine subprocesses, so torch's default of a thread per core only oversubscribes the cores
+# (its OpenMP threads spin while they wait), and the tiny test models gain nothing from a second thread.
+# Set here, before any test module imports torch (OpenMP reads it when torch loads).
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # a plugin imported it first: OpenMP has read the environment already
+        sys.modules["torch"].set_num_threads(1)
 
 REDIS_DATABASES = 64
 SERVER_START_TIMEOUT_S = 60.0

@@ -48,16 +48,19 @@ class EngineProcess:
 
 @contextlib.contextmanager
 def synthetic_engine(log: Path, *, token_interval_s: float = 0.01, ttft_s: float = 0.02,
-                     max_model_len: int = 8192, **options: float) -> Iterator[EngineProcess]:
+                     max_model_len: int = 8192, drain_timeout_s: float | None = None,
+                     env: dict[str, str] | None = None, **options: float) -> Iterator[EngineProcess]:
     """A synthetic engine replica subprocess; ``options``: more ``engine.synthetic`` settings (e.g.
-    ``prefill_tokens_per_s`` for a replica that queues prefill)."""
+    ``prefill_tokens_per_s`` for a replica that queues prefill); ``env``: variables to add (e.g.
+    ``TOLLGATE_INTERNAL_TOKEN``)."""
     port = free_port()
     extra = {"token_interval_s": token_interval_s, "ttft_s": ttft_s, **options}
+    drain = "" if drain_timeout_s is None else f"drain_timeout_s={drain_timeout_s}, "
     code = ("from engine.server import serve; "
             f"serve('synthetic', port={port}, model_name={MODEL!r}, max_model_len={max_model_len}, "
-            f"extra={extra!r})")
+            f"{drain}extra={extra!r})")
     proc = spawn([sys.executable, "-c", code], log_path=log,
-                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/health", proc, log, START_TIMEOUT_S)
