@@ -22,19 +22,25 @@ def gpu_check(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)  # fmt: skip
 
 
-def test_dry_run_checks_its_inputs_and_prints_the_plan(tmp_path):
-    proc = gpu_check("--dry-run", "--python", sys.executable, "--out", str(tmp_path / "out"))
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One dry run for the tests that read its plan (each run imports torch: seconds)."""
+    out = tmp_path_factory.mktemp("dry-run") / "out"
+    return gpu_check("--dry-run", "--python", sys.executable, "--out", str(out)), out
+
+
+def test_dry_run_checks_its_inputs_and_prints_the_plan(dry_run):
+    proc, out = dry_run
     assert proc.returncode == 0, proc.stderr
     assert "GPU: none" in proc.stdout
     for step in STEPS:
         assert f"  [{step}] (<= " in proc.stdout
     assert "scripts/gpu_report.py" in proc.stdout
-    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+    assert not out.exists(), "a dry run writes nothing"
 
 
-def test_the_plan_keeps_the_whole_run_under_ten_minutes():
-    proc = gpu_check("--dry-run", "--python", sys.executable)
-    plan = [line for line in proc.stdout.splitlines() if "(<= " in line]
+def test_the_plan_keeps_the_whole_run_under_ten_minutes(dry_run):
+    plan = [line for line in dry_run[0].stdout.splitlines() if "(<= " in line]
     limits = [int(line.split("(<= ")[1].split("s)")[0]) for line in plan]
     assert len(limits) == len(STEPS) and sum(limits) <= 540  # a minute left for installs and the report
 
