@@ -251,14 +251,15 @@ class ChaosPlatform:
         return child["state"] == "healthy" and child["pid"] not in (None, old_pid)
 
     def gateway_workers_pids(self) -> list[int]:
-        """The uvicorn worker processes (multiprocessing children; not its resource tracker)."""
+        """The gateway's worker processes: its children (forked; not a multiprocessing resource tracker,
+        should one run)."""
         workers = []
         for pid in children(int(self.status()["gateway"]["pid"])):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"spawn_main" in cmdline:
+            if b"resource_tracker" not in cmdline:
                 workers.append(pid)
         return workers
 

@@ -123,13 +123,13 @@ def gateway_process(env: dict[str, str], log: Path, *, workers: int = 1,
     try:
         wait_http_ok(f"{url}/health", proc, log, START_TIMEOUT_S)
         if api_key is not None:
-            _wait_model_served(url, api_key, proc, log, workers)
+            wait_model_served(url, api_key, proc, log, workers)
         yield GatewayProcess(url, proc, log, env)
     finally:
         stop(proc, timeout=30)
 
 
-def _wait_model_served(url: str, api_key: str, proc: subprocess.Popen[bytes], log: Path,
+def wait_model_served(url: str, api_key: str, proc: subprocess.Popen[bytes], log: Path,
                        workers: int) -> None:
     """Until ``workers * 4`` consecutive fresh connections find the model's replica healthy."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}

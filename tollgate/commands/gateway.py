@@ -64,7 +64,9 @@ def gateway(host: str | None, port: int | None, workers: int | None) -> None:
     )
     try:
         if config.workers > 1:
-            _draining_multiprocess()(config, sockets=[config.bind_socket()]).run()
+            import tollgate.gateway_app  # noqa: F401 - loaded once here; the workers are forked with it
+
+            _forking_multiprocess()(config, sockets=[config.bind_socket()]).run()
         else:
             server = uvicorn.Server(config)
             server.run()
@@ -75,18 +77,89 @@ def gateway(host: str | None, port: int | None, workers: int | None) -> None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _draining_multiprocess() -> type:
-    from uvicorn.supervisors import Multiprocess
+def _forking_multiprocess() -> type:
+    """uvicorn's worker supervisor (``Multiprocess``), with two changes:
 
-    class DrainingMultiprocess(Multiprocess):
-        """uvicorn's worker supervisor, except that on SIGTERM/SIGINT the parent closes its copy of the
-        listening socket before signalling the workers. Otherwise the kernel keeps accepting connections
-        into the backlog of a socket no worker serves any more, and clients hang until the parent exits
-        instead of being refused (and retried elsewhere) at once."""
+    - Workers are forked from this parent, which has imported the app's modules (and nothing more: no
+      thread, event loop, connection or app object exists here to be copied; each worker builds its app
+      from ``create_app`` as before). uvicorn spawns them, and each spawned worker imports everything
+      again: ~2.5 s of CPU per worker, and per replacement of a crashed one, which a forked worker skips
+      (it also shares those modules' memory with its siblings). Prometheus' multiprocess values follow
+      the fork (they key their files by pid).
+    - On SIGTERM/SIGINT the parent closes its copy of the listening socket before signalling the workers.
+      Otherwise the kernel keeps accepting connections into the backlog of a socket no worker serves any
+      more, and clients hang until the parent exits instead of being refused (and retried elsewhere) at
+      once.
+
+    The methods below that start workers are uvicorn's own, with ``ForkedWorker`` for ``Process``."""
+    import multiprocessing
+    import signal
+    from socket import socket
+
+    from uvicorn._subprocess import subprocess_started
+    from uvicorn.config import STARTUP_FAILURE, Config
+    from uvicorn.supervisors.multiprocess import SIGNALS, Multiprocess, Process, logger
+
+    forking = multiprocessing.get_context("fork")
+
+    class ForkedWorker(Process):
+        def __init__(self, config: Config, sockets: list[socket]) -> None:
+            super().__init__(config, sockets)
+            self.process = forking.Process(target=self._forked, args=(sockets,))
+
+        def _forked(self, sockets: list[socket]) -> None:
+            # The parent's handlers only queue signals for its own loop; a spawned worker would start
+            # with Python's defaults, which uvicorn's server then replaces for SIGINT and SIGTERM.
+            for sig in SIGNALS:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+            subprocess_started(self.config, self.target, sockets, None)
+
+    class ForkingMultiprocess(Multiprocess):
+        def init_processes(self) -> None:
+            for _ in range(self.processes_num):
+                process = ForkedWorker(self.config, self.sockets)
+                process.start()
+                self.processes.append(process)
+
+        def restart_all(self) -> None:  # SIGHUP
+            for idx, old_process in enumerate(self.processes):
+                if self.should_exit.is_set():
+                    return
+                new_process = ForkedWorker(self.config, self.sockets)
+                new_process.start()
+                if not new_process.wait_until_ready(self.config.timeout_worker_healthcheck, self.should_exit):
+                    new_process.kill()
+                    new_process.join()
+                    if not self.should_exit.is_set():
+                        logger.error(f"New child process [{new_process.pid}] was not ready in time; keeping "
+                                     f"worker [{old_process.pid}] and aborting the restart.")  # fmt: skip
+                    return
+                old_process.terminate()
+                old_process.join()
+                self.processes[idx] = new_process
+
+        def keep_subprocess_alive(self) -> None:
+            if self.should_exit.is_set():
+                return
+            for idx, process in enumerate(self.processes):
+                if process.is_alive(timeout=self.config.timeout_worker_healthcheck):
+                    continue
+                process.kill()  # hung
+                process.join()
+                if process.exitcode == STARTUP_FAILURE:  # the app cannot start: every restart would fail
+                    logger.error(f"Child process [{process.pid}] failed to start, stopping the parent.")
+                    self.should_exit.set()
+                    return
+                if self.should_exit.is_set():
+                    return
+                logger.info(f"Child process [{process.pid}] died")
+                process = ForkedWorker(self.config, self.sockets)
+                process.start()
+                self.processes[idx] = process
 
         def terminate_all(self) -> None:  # called once, when the parent stops
             for sock in self.sockets:
                 sock.close()
             super().terminate_all()
 
-    return DrainingMultiprocess
+    return ForkingMultiprocess
