@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -28,6 +28,8 @@ from engine.distributed import ShardSizes, TensorParallel
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import model_class
+
+_M = TypeVar("_M", bound=nn.Module)
 
 # HF tensor names that carry no parameter (buffers some exporters include).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -173,7 +175,7 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             param.normal_(0.0, 0.02, generator=gen)
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _materialize(model: _M, dtype: torch.dtype, device: torch.device) -> _M:
     """``model.to(dtype).to_empty(device=device)`` without its cost: ``to_empty`` runs ``empty_like`` on
     each meta tensor through torch's Python reference implementations, whose first call imports sympy
     and torch's symbolic shapes (~0.5 s of CPU in every engine process). ``torch.empty`` of the shape
@@ -182,7 +184,8 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     def empty(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
 
-    return model._apply(empty)
+    model._apply(empty)
+    return model
 
 
 def load_model(

@@ -105,7 +105,7 @@ def _forking_multiprocess() -> type:
     class ForkedWorker(Process):
         def __init__(self, config: Config, sockets: list[socket]) -> None:
             super().__init__(config, sockets)
-            self.process = forking.Process(target=self._forked, args=(sockets,))
+            self.process = forking.Process(target=self._forked, args=(sockets,))  # type: ignore[assignment]
 
         def _forked(self, sockets: list[socket]) -> None:
             # The parent's handlers only queue signals for its own loop; a spawned worker would start
