@@ -80,7 +80,7 @@ def gateway(host: str | None, port: int | None, workers: int | None) -> None:
 def _forking_multiprocess() -> type:
     """uvicorn's worker supervisor (``Multiprocess``), with two changes:
 
-    - Workers are forked from this parent, which has imported the app's modules (and nothing more: no
+    - On Linux, workers are forked from this parent, which has imported the app's modules (nothing more: no
       thread, event loop, connection or app object exists here to be copied; each worker builds its app
       from ``create_app`` as before). uvicorn spawns them, and each spawned worker imports everything
       again: ~2.5 s of CPU per worker, and per replacement of a crashed one, which a forked worker skips
@@ -94,18 +94,21 @@ def _forking_multiprocess() -> type:
     The methods below that start workers are uvicorn's own, with ``ForkedWorker`` for ``Process``."""
     import multiprocessing
     import signal
+    import sys
     from socket import socket
 
     from uvicorn._subprocess import subprocess_started
     from uvicorn.config import STARTUP_FAILURE, Config
     from uvicorn.supervisors.multiprocess import SIGNALS, Multiprocess, Process, logger
 
-    forking = multiprocessing.get_context("fork")
+    # Linux only: macOS' system libraries are not safe to use after a fork (Python spawns there too).
+    forking = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
 
     class ForkedWorker(Process):
         def __init__(self, config: Config, sockets: list[socket]) -> None:
-            super().__init__(config, sockets)
-            self.process = forking.Process(target=self._forked, args=(sockets,))  # type: ignore[assignment]
+            super().__init__(config, sockets)  # a spawned worker, not started: kept where there is no fork
+            if forking is not None:
+                self.process = forking.Process(target=self._forked, args=(sockets,))  # type: ignore[assignment]
 
         def _forked(self, sockets: list[socket]) -> None:
             # The parent's handlers only queue signals for its own loop; a spawned worker would start
