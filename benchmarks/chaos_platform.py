@@ -30,8 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tollgate.commands.gateway import worker_pids
 from tollgate.local_services import LocalPostgres, LocalRedis, find_server_binaries, free_port
-from tollgate.processes import children, group_alive, pid_alive, signal_group, spawn, stop
+from tollgate.processes import group_alive, pid_alive, signal_group, spawn, stop
 from tollgate.settings import Settings
 
 MODEL = "tiny"
@@ -251,17 +252,8 @@ class ChaosPlatform:
         return child["state"] == "healthy" and child["pid"] not in (None, old_pid)
 
     def gateway_workers_pids(self) -> list[int]:
-        """The gateway's worker processes: its children (forked; not a multiprocessing resource tracker,
-        should one run)."""
-        workers = []
-        for pid in children(int(self.status()["gateway"]["pid"])):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"resource_tracker" not in cmdline:
-                workers.append(pid)
-        return workers
+        """The gateway's worker processes."""
+        return worker_pids(int(self.status()["gateway"]["pid"]))
 
     def kill_gateway_worker(self) -> int:
         workers = self.gateway_workers_pids()

@@ -19,8 +19,9 @@ from tests.gateway.gateway_processes import (
     wait_model_served,
 )
 from tests.polling import wait_until
+from tollgate.commands.gateway import worker_pids
 from tollgate.db import Database
-from tollgate.processes import children, pid_alive
+from tollgate.processes import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _workers(parent: int) -> set[int]:
-    return {pid for pid in children(parent) if b"resource_tracker" not in _cmdline(pid)}
+    return set(worker_pids(parent))
 
 
 async def test_workers_are_forked_from_the_parent_and_a_dead_one_is_forked_again(

@@ -77,6 +77,22 @@ def gateway(host: str | None, port: int | None, workers: int | None) -> None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
+def worker_pids(parent: int) -> list[int]:
+    """The worker processes of the ``tollgate gateway`` whose pid is ``parent``: its children (forked, so
+    their command line is the parent's), not a multiprocessing resource tracker should one run."""
+    from tollgate.processes import children
+
+    workers = []
+    for pid in children(parent):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        if b"resource_tracker" not in cmdline:
+            workers.append(pid)
+    return workers
+
+
 def _forking_multiprocess() -> type:
     """uvicorn's worker supervisor (``Multiprocess``), with two changes:
 
