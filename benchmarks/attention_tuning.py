@@ -12,6 +12,16 @@ Shapes: Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128) and Qw
 128), bf16, 16-token blocks with shuffled ids.
 
     python benchmarks/attention_tuning.py --out benchmarks/out/attention_tuning.json
+    python benchmarks/attention_tuning.py --compile-only [--arch 90]    # no GPU needed
+
+``--compile-only`` compiles each decode tile candidate for the target (as ``kernels.aot`` does, no GPU)
+and prints what costs no device time to know: shared memory, registers, spills, the pipeline's K/V
+buffers and how many programs one SM holds. With one buffer a program loads its next tile only once it
+has issued the math of the current one, and waits for it at the top of the next iteration: no load is
+in flight while it computes. With two it loads the next tile while it computes on the current one.
+Triton spends a pipeline stage on each level of indirection, and the K/V addresses come from the block
+table read in the same loop, so 3 and 4 stages compile to the same kernel (one buffer each for K and V,
+the block ids prefetched one tile ahead) and 5 is the least that gives two.
 
 The winners go into ``decode_tile_config`` / ``extend_tile_config`` and the split policy constants of
 ``kernels/paged_decode_attention.py``; record the table in benchmarks/RESULTS.md.
@@ -23,6 +33,7 @@ import argparse
 import importlib
 import itertools
 import math
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +42,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--compile-only" in sys.argv[1:]:
+    # Triton must compile, not interpret, even without a GPU: decided before it is first imported (the
+    # kernels benchmark imported below turns the interpreter on where there is no GPU, unless told).
+    os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import kernels as K  # noqa: E402
 from benchmarks.common import format_table, machine_description, write_json  # noqa: E402
@@ -79,6 +94,40 @@ def splits_for(batch: int, num_kv_heads: int, context: int, per_sm: int, max_spl
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     wanted = math.ceil(per_sm * sms / max(1, batch * num_kv_heads))
     return max(1, min(wanted, max(1, math.ceil(context / min_tokens)), max_splits))
+
+
+def decode_tile_candidates() -> list[TileConfig]:
+    """Keys per tile x warps x pipeline stages (4 stages is left out: it compiles to 3's kernel)."""
+    return [TileConfig(16, n, w, s) for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 5, 7))]
+
+
+def decode_compile_report(arch: int, tiles: list[TileConfig]) -> list[dict[str, Any]]:
+    """Each tile of the split decode kernel (Llama-3-8B's attention, bf16) compiled for ``sm_{arch}``:
+    its resources and pipeline buffers, from the compiler alone."""
+    from dataclasses import replace
+
+    from kernels import aot
+
+    aot.require_compiled_triton()
+    launches = aot.engine_launches(aot.SERVED_SHAPES["llama3-8b"], torch.bfloat16, arch)
+    split = next(launch for launch in launches
+                 if "paged_decode" in launch.kernel.fn.__name__ and launch.kwargs["SPLIT"])  # fmt: skip
+    rows = []
+    for tile in tiles:
+        kwargs = dict(split.kwargs, BLOCK_N=tile.block_n, **tile.launch_options)
+        result = aot.compile_launch(replace(split, kwargs=kwargs), arch)
+        rows.append(dict(tile=tile.__dict__, arch=arch, shared_bytes=result.shared_bytes,
+                         registers=result.registers, spills=result.spill_stores + result.spill_loads,
+                         pipeline_buffers=result.pipeline_buffers, problems=result.problems(),
+                         programs_per_sm=0 if result.problems() else result.programs_per_sm()))  # fmt: skip
+    return rows
+
+
+def kv_tiles_in_flight(buffers: list[str], block_n: int) -> int:
+    """How many shared-memory buffers of ``block_n`` keys the pipeline gave K (and V): 0 when their loads
+    were not pipelined through shared memory."""
+    dims = [b.split("x") for b in buffers]
+    return min((int(d[0]) for d in dims if len(d) == 4 and d[1] == str(block_n)), default=0)
 
 
 def decode_sweep(dtype: torch.dtype, bandwidth: float, tiles: list[TileConfig],
@@ -174,7 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=None, help="JSON path")
     parser.add_argument("--only", choices=["decode", "extend"], default=None)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the decode candidates for --arch and report their resources (no GPU)")
+    parser.add_argument("--arch", type=int, default=90, help="with --compile-only: 80 or 90")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        rows = decode_compile_report(args.arch, decode_tile_candidates())
+        table = [[f"{t['block_n']} keys, {t['num_warps']} warps, {t['num_stages']} stages",
+                  f"{r['shared_bytes'] / 1024:.0f}", r["registers"], r["spills"],
+                  kv_tiles_in_flight(r["pipeline_buffers"], t["block_n"]), r["programs_per_sm"],
+                  "; ".join(r["problems"]) or "ok"] for r in rows for t in [r["tile"]]]  # fmt: skip
+        print(f"paged decode (split), Llama-3-8B attention, bf16, sm_{args.arch}, compiled without a GPU:")
+        print(format_table(["tile", "smem KiB", "registers", "spill B", "K/V buffers", "programs/SM",
+                            "fit"], table))  # fmt: skip
+        if args.out:
+            write_json(args.out, dict(arch=args.arch, date=datetime.now(UTC).isoformat(), decode=rows))
+        return 0
     if not torch.cuda.is_available():
         print("attention_tuning needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -187,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                                    copy_bandwidth=bandwidth, matmul_flops=flops)  # fmt: skip
     if args.only in (None, "decode"):
         current = (decode_module._PROGRAMS_PER_SM, decode_module._MAX_SPLITS)
-        candidates = itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
-        tiles = [TileConfig(16, n, w, s) for n, w, s in candidates]
+        tiles = decode_tile_candidates()
         rows = decode_sweep(dtype, bandwidth, tiles, [current])
         table = summarise(rows, ("tile",))
         print(f"\npaged decode, tiles (split policy {current[0]} per SM, max {current[1]}):")

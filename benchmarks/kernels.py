@@ -14,6 +14,13 @@ between repetitions, median) of a CUDA graph of the call, as the engine replays 
 GPU time of the work itself, without the Python launch overhead that would otherwise dominate the
 small cases (a call that cannot be captured is timed eagerly, and its row says so).
 
+Paged decode is also timed, side by side in the same run, with the pipeline depths the launcher does not
+choose (:data:`DECODE_VARIANTS`: rows marked with the variant, no baseline). Triton spends a pipeline
+stage on each level of indirection, and the K/V addresses come from the block table read in the same
+loop: at 3 or 4 stages K and V get one shared-memory buffer each, waited for at the top of every tile,
+while 5 stages give them two (``python benchmarks/attention_tuning.py --compile-only`` shows the buffers
+of each candidate without a GPU). Which is faster is measured here, not assumed.
+
     python benchmarks/kernels.py                      # on a CUDA GPU: table + benchmarks/results/kernels.json
     python benchmarks/kernels.py --smoke              # without a GPU: tiny shapes in Triton's interpreter
 
@@ -25,13 +32,14 @@ reference, and prints the table with the times marked as interpreter times (not 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,7 +55,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import kernels as K  # noqa: E402
 from benchmarks.common import format_table, machine_description, write_json  # noqa: E402
-from kernels.paged_decode_attention import gather_paged_kv  # noqa: E402
+from kernels._common import TileConfig, target_capability  # noqa: E402
+from kernels.paged_decode_attention import decode_tile_config, gather_paged_kv  # noqa: E402
 
 
 @dataclass
@@ -79,7 +88,8 @@ class Case:
     bytes_moved: int
     flops: int
     baseline_name: str
-    baseline: Callable[[], Any]
+    baseline: Callable[[], Any] | None  # None: a variant of a kernel case, whose baseline row it shares
+    variant: str | None = None
 
 
 def _paged_cache(seq_lens: list[int], s: Shapes, dtype: torch.dtype, device: torch.device):
@@ -108,12 +118,23 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def build_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Case]:
-    cases: list[Case] = []
+# Paged decode launched with another tile than decode_tile_config's: (label, keys per tile, warps, stages).
+DECODE_VARIANTS = (("5 stages", 64, 4, 5), ("7 stages", 64, 4, 7), ("32 keys, 5 stages", 32, 4, 5))
+
+
+def decode_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> tuple[list[Case], list[Case]]:
+    """Paged decode at each of ``s.decode``'s (batch, context) with the launcher's own tile, and again,
+    over the same tensors, with each of :data:`DECODE_VARIANTS`' tiles (leaving out one that is the
+    launcher's choice). A variant is checked against the reference like the kernel's own case and has no
+    baseline (the kernel's own row has it)."""
+    chosen = decode_tile_config(s.head_dim, s.num_heads // s.num_kv_heads, dtype, target_capability(device))
+    tiles = [(label, TileConfig(chosen.block_m, block_n, warps, stages))
+             for label, block_n, warps, stages in DECODE_VARIANTS]  # fmt: skip
+    own: list[Case] = []
+    variants: list[Case] = []
     size = dtype.itemsize
     scale = s.head_dim**-0.5
     gqa = s.num_heads != s.num_kv_heads
-
     for batch, context in s.decode:
         cache, tables, lens = _paged_cache([context] * batch, s, dtype, device)
         q = torch.randn((batch, s.num_heads, s.head_dim), dtype=dtype, device=device)
@@ -121,9 +142,9 @@ def build_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Cas
         k, v = _contiguous(cache, tables, context)
         kv_bytes = 2 * batch * context * s.num_kv_heads * s.head_dim * size
 
-        def decode(q=q, cache=cache, tables=tables, lens=lens, out=out, context=context):
+        def decode(tile=None, q=q, cache=cache, tables=tables, lens=lens, out=out, context=context):
             return K.paged_decode_attention(q, cache[0], cache[1], tables, lens, scale=scale,
-                                            max_seq_len=context, out=out)  # fmt: skip
+                                            max_seq_len=context, out=out, tile=tile)  # fmt: skip
 
         def check(decode=decode, q=q, cache=cache, tables=tables, lens=lens):
             want = K.paged_decode_attention_reference(q, cache[0], cache[1], tables, lens, scale=scale)
@@ -132,11 +153,26 @@ def build_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Cas
         def sdpa(q=q, k=k, v=v):
             return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=gqa)
 
-        cases.append(Case(
+        case = Case(
             "paged_decode_attention", f"B={batch} ctx={context}", decode, check,
             kv_bytes + 2 * q.numel() * size + tables.numel() * 4,
             4 * batch * s.num_heads * context * s.head_dim, "SDPA contiguous KV", sdpa,
-        ))  # fmt: skip
+        )  # fmt: skip
+        own.append(case)
+        for label, tile in tiles:
+            if tile != chosen:
+                run = functools.partial(decode, tile)
+                variants.append(replace(case, run=run, check=functools.partial(check, run), baseline_name="-",
+                                        baseline=None, variant=label))  # fmt: skip
+    return own, variants
+
+
+def build_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Case]:
+    """Every case, the decode variants last (a run cut short keeps every kernel's own row)."""
+    cases, decode_variants = decode_cases(s, dtype, device)
+    size = dtype.itemsize
+    scale = s.head_dim**-0.5
+    gqa = s.num_heads != s.num_kv_heads
 
     for batch, new, prefix in s.extend:
         total = prefix + new
@@ -229,7 +265,7 @@ def build_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Cas
         lambda: _assert_close(K.silu_and_mul(gate_up), K.silu_and_mul_reference(gate_up), "silu_and_mul"),
         3 * gate_up.numel() // 2 * size, 0, "torch reference", lambda: K.silu_and_mul_reference(gate_up),
     ))  # fmt: skip
-    return cases
+    return cases + decode_variants
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
@@ -302,24 +338,36 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_bw = measure_copy_bandwidth(device, 2**30 if cuda else 2**24)
     matmul_rate = measure_matmul_rate(device, dtype, 8192 if cuda else 256)
+    what = machine_description(str(device))
+    default_name = "kernels.json" if cuda else "kernels_smoke.json"
+    out = Path(args.out or Path(__file__).parent / "results" / default_name)
     rows: list[list[Any]] = []
     records: list[dict[str, Any]] = []
     for case in build_cases(shapes, dtype, device):
         case.check()
         ms = time_ms(as_graph(case.run, device), device, reps=3)
-        base_ms = time_ms(as_graph(case.baseline, device), device, reps=3)
+        base_ms = time_ms(as_graph(case.baseline, device), device, reps=3) if case.baseline else None
         floor_ms = max(case.bytes_moved / copy_bw, case.flops / matmul_rate) * 1e3
         bound = "memory" if case.bytes_moved / copy_bw >= case.flops / matmul_rate else "compute"
         records.append(dict(
-            kernel=case.kernel, shape=case.shape, time_us=ms * 1e3, floor_us=floor_ms * 1e3, bound=bound,
-            fraction_of_floor=floor_ms / ms, bytes=case.bytes_moved, flops=case.flops,
-            baseline=case.baseline_name, baseline_us=base_ms * 1e3, speedup_vs_baseline=base_ms / ms,
+            kernel=case.kernel, variant=case.variant, shape=case.shape, time_us=ms * 1e3,
+            floor_us=floor_ms * 1e3, bound=bound, fraction_of_floor=floor_ms / ms, bytes=case.bytes_moved,
+            flops=case.flops, baseline=case.baseline_name,
+            baseline_us=None if base_ms is None else base_ms * 1e3,
+            speedup_vs_baseline=None if base_ms is None else base_ms / ms,
         ))  # fmt: skip
-        rows.append([case.kernel, case.shape, f"{ms * 1e3:.1f}", f"{floor_ms * 1e3:.1f} ({bound})",
-                     f"{100 * floor_ms / ms:.0f}%", case.baseline_name, f"{base_ms * 1e3:.1f}",
-                     f"{base_ms / ms:.2f}x"])  # fmt: skip
+        name = case.kernel if case.variant is None else f"{case.kernel} [{case.variant}]"
+        rows.append([name, case.shape, f"{ms * 1e3:.1f}", f"{floor_ms * 1e3:.1f} ({bound})",
+                     f"{100 * floor_ms / ms:.0f}%", case.baseline_name,
+                     "-" if base_ms is None else f"{base_ms * 1e3:.1f}",
+                     "-" if base_ms is None else f"{base_ms / ms:.2f}x"])  # fmt: skip
+        # Written after every case: a run stopped at its time limit keeps what it measured.
+        write_json(out, dict(
+            benchmark="kernels", created_at=datetime.now(UTC).isoformat(), device=what,
+            interpreter=not cuda, dtype=str(dtype).removeprefix("torch."), copy_bandwidth_bytes_per_s=copy_bw,
+            matmul_flops_per_s=matmul_rate, results=records,
+        ))  # fmt: skip
 
-    what = machine_description(str(device))
     if not cuda:
         what += ", Triton interpreter: NOT performance figures"
     print(f"Kernels on {what}; {str(dtype).removeprefix('torch.')}")
@@ -327,14 +375,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{str(dtype).removeprefix('torch.')} matmul {matmul_rate / 1e12:.3f} TFLOP/s")  # fmt: skip
     print(format_table(["kernel", "shape", "time us", "floor us", "% of floor", "baseline", "baseline us",
                         "speedup"], rows))  # fmt: skip
-    default_name = "kernels.json" if cuda else "kernels_smoke.json"
-    out = Path(args.out or Path(__file__).parent / "results" / default_name)
-    write_json(out, dict(
-        benchmark="kernels", created_at=datetime.now(UTC).isoformat(),
-        device=machine_description(str(device)),
-        interpreter=not cuda, dtype=str(dtype).removeprefix("torch."), copy_bandwidth_bytes_per_s=copy_bw,
-        matmul_flops_per_s=matmul_rate, results=records,
-    ))  # fmt: skip
     print(f"wrote {out}")
     return 0
 

@@ -40,7 +40,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,10 @@ import torch
 # Maximum dynamic shared memory one block may opt into (bytes): CUDA C Programming Guide, table of
 # compute capabilities ("maximum amount of shared memory per thread block").
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# Shared memory of one SM, of which the driver reserves 1 KiB per resident block, and warps per SM
+# (same table: "maximum amount of shared memory per SM", "maximum number of resident warps per SM").
+SHARED_MEMORY_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}
+WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64}
 REGISTERS_PER_THREAD = 255
 REGISTERS_PER_BLOCK = 64 * 1024
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,6 +109,18 @@ class CompileResult:
     spill_loads: int = 0
     seconds: float = 0.0
     error: str | None = None
+    # Shared-memory buffers Triton's software pipeliner allocated for the loads of the kernel's loops,
+    # as "depth x tile x dtype" (e.g. "2x64x128xbf16": two buffers of a 64 x 128 tile, one loading while
+    # the loop computes on the other).
+    pipeline_buffers: list[str] = field(default_factory=list)
+
+    def programs_per_sm(self) -> int:
+        """How many programs of this compile one SM holds at once: the least of what its registers
+        (allocated 256 per warp at a time), shared memory and warp slots allow."""
+        per_warp = math.ceil(self.registers * 32 / 256) * 256
+        by_registers = REGISTERS_PER_BLOCK // max(1, per_warp * self.num_warps)
+        by_shared = SHARED_MEMORY_PER_SM[self.arch] // (self.shared_bytes + 1024)
+        return min(by_registers, by_shared, WARPS_PER_SM[self.arch] // self.num_warps)
 
     def problems(self) -> list[str]:
         """What is wrong with this compile for its target (empty when it is fit to launch)."""
@@ -197,6 +213,8 @@ def _bind(launch: Any, backend: Any) -> tuple[Any, dict, dict, dict]:
     return kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
 
 
+# A shared-memory allocation with no initial value, written by asynchronous copies: a pipeline buffer.
+_PIPELINE_BUFFER = re.compile(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<([0-9x]+x[a-z0-9]+),")
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -276,6 +294,7 @@ def compile_launch(launch: Any, arch: int, *, shape: str = "", dtype: str = "") 
         result.error = f"{type(exc).__name__}: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip()
         return result
     result.shared_bytes = int(compiled.metadata.shared)
+    result.pipeline_buffers = _PIPELINE_BUFFER.findall(compiled.asm.get("ttgir", ""))
     result.registers, result.spill_stores, result.spill_loads = report
     result.seconds = time.perf_counter() - start
     return result
@@ -327,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(results)} specialisations compiled, {len(failed)} unfit to launch")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"problems": r.problems()} for r in results], f, indent=1)
+            json.dump([asdict(r) | {"problems": r.problems(),
+                                    "programs_per_sm": 0 if r.problems() else r.programs_per_sm()}
+                       for r in results], f, indent=1)  # fmt: skip
     return 1 if failed else 0
 
 

@@ -3,7 +3,8 @@
     python scripts/gpu_report.py DIR        # reads DIR/*.json, DIR/tests.xml, DIR/steps.txt
 
 Targets (docs/operations.md): paged decode attention >= 0.85 of the measured copy bandwidth at long
-context; a Llama-3-8B-shaped decode step (batch 64, context 2048) >= 0.8 of its bytes-read floor; the
+context (other tiles, timed beside the launcher's own, are reported without a target); a
+Llama-3-8B-shaped decode step (batch 64, context 2048) >= 0.8 of its bytes-read floor; the
 offline throughput of nano-vllm's setup beside nano-vllm's published 1,434 tok/s on an RTX 4070 laptop
 GPU, scaled by the ratio of the two GPUs' datasheet memory bandwidths; the GPU busy >= 0.85 of the time
 during that workload with the overlapped step loop (``benchmarks/gpu_busy.py``).
@@ -69,10 +70,15 @@ def build(out: Path) -> dict[str, Any]:
             context = int(row["shape"].split("ctx=")[1])
             if context >= LONG_CONTEXT:
                 fraction = row["fraction_of_floor"]
-                checks.append([f"paged decode attention {row['shape']}",
-                               f"{fraction:.0%} of copy bandwidth",
-                               f">= {DECODE_ATTENTION_TARGET:.0%}",
-                               fraction >= DECODE_ATTENTION_TARGET])  # fmt: skip
+                variant = row.get("variant")
+                if variant is None:  # the launcher's own tile: the one the engine runs
+                    checks.append([f"paged decode attention {row['shape']}",
+                                   f"{fraction:.0%} of copy bandwidth",
+                                   f">= {DECODE_ATTENTION_TARGET:.0%}",
+                                   fraction >= DECODE_ATTENTION_TARGET])  # fmt: skip
+                else:  # another tile, timed beside it in the same run
+                    checks.append([f"paged decode attention {row['shape']}, {variant}",
+                                   f"{fraction:.0%} of copy bandwidth", "-", None])  # fmt: skip
     step = _load(out / "decode_step.json")
     if step is not None:
         report["decode_step"] = step

@@ -86,6 +86,52 @@ def test_attention_is_compiled_at_every_head_dim_group_and_split_mode(compiled):
     assert pads == {2, 4, 8, 16, 32}
 
 
+def test_paged_decode_pipelines_k_and_v_through_one_buffer_each(compiled):
+    """The launcher's 3 stages pipeline the block ids one tile ahead, and K and V through one buffer each
+    (Triton spends a stage on the indirection): what benchmarks/kernels.py's deeper variants are timed
+    against on a GPU."""
+    for r in compiled:
+        if r["kernel"] == "paged_decode_attention":
+            block_n, block_d = r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_D"]
+            kv = f"1x{block_n}x{block_d}x{'bf16' if r['dtype'] == 'bfloat16' else 'f16'}"
+            assert sorted(r["pipeline_buffers"]) == sorted([f"1x{block_n}xi32", kv, kv]), r
+            assert r["programs_per_sm"] >= 2, r
+
+
+def test_decode_tile_candidates_report_their_pipeline_depth():
+    """``attention_tuning --compile-only`` without a GPU: 3 and 4 stages compile to one K and one V
+    buffer, 5 stages to two, 7 to three; each with how many programs one SM holds."""
+    script = textwrap.dedent("""
+        import json
+        from benchmarks.attention_tuning import decode_compile_report, kv_tiles_in_flight
+        from kernels._common import TileConfig
+        rows = decode_compile_report(90, [TileConfig(16, 64, 4, s) for s in (3, 4, 5, 7)])
+        print(json.dumps([[kv_tiles_in_flight(r["pipeline_buffers"], 64), r["programs_per_sm"], r["problems"]]
+                          for r in rows]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_compiled_env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(proc.stdout.splitlines()[-1])
+    assert [depth for depth, _, _ in rows] == [1, 1, 2, 3]
+    assert all(problems == [] and per_sm >= 2 for _, per_sm, problems in rows), rows
+    # Deeper pipelines take more shared memory, so an SM holds fewer of them.
+    assert rows[0][1] >= rows[2][1] >= rows[3][1]
+
+
+def test_programs_per_sm_is_the_tightest_of_registers_shared_memory_and_warps():
+    fields = dict(kernel="k", shape="s", dtype="bfloat16", arch=90, constexprs={}, num_stages=3)
+    kib72 = 72 * 1024
+    # 122 registers round up to 128 per thread: 16K per 4-warp block, 4 blocks in 64K registers.
+    assert aot.CompileResult(**fields, num_warps=4, registers=122, shared_bytes=39168).programs_per_sm() == 4
+    # 72 KiB of shared memory (+1 KiB reserved each): 3 blocks in 228 KiB; sm_80's 164 KiB: 2.
+    assert aot.CompileResult(**fields, num_warps=4, registers=64, shared_bytes=kib72).programs_per_sm() == 3
+    ampere = fields | {"arch": 80}
+    assert aot.CompileResult(**ampere, num_warps=4, registers=64, shared_bytes=kib72).programs_per_sm() == 2
+    # 8 warps of 32 registers: 8 blocks by registers and 64 warps by warp slots.
+    assert aot.CompileResult(**fields, num_warps=8, registers=32, shared_bytes=0).programs_per_sm() == 8
+
+
 def test_the_compiled_tiles_are_the_launchers_choices(compiled):
     """What was compiled is what ``decode_tile_config``/``extend_tile_config`` choose for the arch."""
     import importlib

@@ -36,3 +36,12 @@ def test_smoke_mode_writes_every_kernel(tmp_path: Path):
         "rotary_embedding", "silu_and_mul",
     }  # fmt: skip
     assert all(r["floor_us"] > 0 and r["time_us"] > 0 for r in payload["results"])
+    # Paged decode again with each other pipeline depth, over the same tensors, after every kernel's own
+    # row (a run cut short keeps those); a variant has no baseline of its own.
+    variants = [r for r in payload["results"] if r["variant"] is not None]
+    assert {r["variant"] for r in variants} == {"5 stages", "7 stages", "32 keys, 5 stages"}
+    assert {r["kernel"] for r in variants} == {"paged_decode_attention"}
+    assert all(r["baseline_us"] is None for r in variants)
+    first_variant = payload["results"].index(variants[0])
+    assert all(r["variant"] is not None for r in payload["results"][first_variant:])
+    assert "paged_decode_attention [5 stages]" in result.stdout
