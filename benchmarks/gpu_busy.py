@@ -18,6 +18,7 @@ a window of ``--active`` steps after ``--skip`` steps (decode-heavy by then), me
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -147,6 +148,12 @@ def main() -> None:
         tok_s = _throughput(engine, prompts, outputs, "timed") if args.timed else None
         window = _window(engine, args, prompts, outputs, "profiled")
         engine.close()
+        # Free this engine's KV pool and graphs before the next one sizes its pool from free memory:
+        # otherwise the second loop would run with the few GiB the first left (and preempt all along).
+        del engine
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
         name = "overlapped" if overlap else "synchronous"
         results[name] = {"output_tok_s": tok_s, **window}
         rows.append([name, "-" if tok_s is None else f"{tok_s:.0f}", f"{window['busy_fraction']:.1%}",

@@ -376,6 +376,7 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        engine.runner.bind_thread()  # built on the caller's thread: its GPU is not this thread's default
         while True:
             with self._cond:
                 while not (self._adds or self._aborts or self._purges or self._stopping

@@ -16,7 +16,8 @@ ATTENTION_BACKENDS = ("torch", "triton")
 class EngineConfig:
     model: str
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": bfloat16 on CUDA, float32 on the CPU (whose kernels are float32).
+    dtype: str = "auto"
     block_size: int = 16
     # None: sized from memory (CPU: kv_cache_memory_gb; CUDA: gpu_memory_utilization of free memory).
     num_kv_blocks: int | None = None
@@ -78,8 +79,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.overlap is None:
             self.overlap = self.device.startswith("cuda")
         if self.attention_backend is None:

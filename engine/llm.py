@@ -36,7 +36,7 @@ class LLM:
         self,
         model: str,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,

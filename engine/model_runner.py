@@ -332,6 +332,13 @@ class ModelRunner:
             transfer.execute(plan)
         transfer.poll()
 
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the calling thread's current device. CUDA's current device is per
+        thread, and Triton launches, events and streams go to the current one: a thread that steps an
+        engine built on another thread (the async engine's loop) calls this first. No-op on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def flush_transfers(self) -> None:
         """Land every copy and finish every queued disk job (tests, shutdown)."""
         if self.kv_transfer is not None:

@@ -103,9 +103,18 @@ class KVTransfer:
         offloaded and saved blocks are gathered on the current stream (ordered before the forward pass
         that may overwrite them) and copied to pinned host memory on the side stream (a GPU), while the
         forward pass runs; their host slots, disk writes, pins and deletes *land* later (``poll`` after
-        the step, or at the next ``execute``). Loads are copied on the side stream too, and the current
-        stream waits for them before the forward pass. Everything issued earlier lands first."""
-        self.complete()
+        the step, or at the next ``execute``), always in the order they were issued. Loads are copied on
+        the side stream too, and the current stream waits for them before the forward pass.
+
+        A plan that reads or writes host slots now (demotes to disk, fills from disk, loads to the
+        device) first waits for everything issued earlier to land, since an earlier offload may still be
+        on its way into one of those slots. Any other plan only lands what has finished: waiting there
+        would make the host wait for the previous forward pass, which the last step's saves follow on
+        the side stream, and undo the overlapped loop."""
+        if plan.demote or plan.fill or plan.load:
+            self.complete()
+        else:
+            self.poll()
         for slot, digest, salt in plan.demote:  # these slots are reused by this plan: read them now
             self._write_slot(slot, self.path(digest, salt))
         landing: list[Callable[[], None]] = []

@@ -13,7 +13,7 @@ from engine.async_engine import AsyncEngine, EngineError
 from engine.config import EngineConfig
 from engine.outputs import RequestDelta, RequestValidationError
 from engine.sampling_params import SamplingParams
-from tests.polling import eventually
+from tests.polling import eventually, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -148,3 +148,40 @@ async def test_a_streams_first_delta_is_handed_over_before_running_streams(async
         with async_engine._cond:
             for rid in streams:
                 async_engine._streams.pop(rid, None)
+
+
+def test_the_engine_loop_binds_the_runners_device_to_its_own_thread(tiny_qwen2_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's current device is per thread: the loop thread that steps the engine (built on the caller's
+    thread) makes the runner's GPU its own before its first step, or its launches and events would go to
+    GPU 0 with another GPU's memory."""
+    import threading
+
+    from engine.model_runner import ModelRunner
+
+    bound: list[str] = []
+    monkeypatch.setattr(ModelRunner, "bind_thread",
+                        lambda self: bound.append(threading.current_thread().name))  # fmt: skip
+    engine = AsyncEngine(EngineConfig(model=str(tiny_qwen2_dir), num_kv_blocks=16, max_num_seqs=2))
+    try:
+        wait_until(lambda: bound, "the loop thread started")
+        assert bound == ["engine-loop"]
+    finally:
+        engine.shutdown()
+
+
+def test_binding_a_thread_sets_the_cuda_device_and_leaves_the_cpu_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from engine.model_runner import ModelRunner
+
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    runner = ModelRunner.__new__(ModelRunner)  # only ``device`` is read
+    runner.device = torch.device("cpu")
+    runner.bind_thread()
+    runner.device = torch.device("cuda", 1)
+    runner.bind_thread()
+    assert calls == [torch.device("cuda", 1)]

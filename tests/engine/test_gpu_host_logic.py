@@ -157,6 +157,16 @@ def test_attention_backend_and_graphs_follow_the_device() -> None:
         EngineConfig(model="m", device="cuda", gpu_memory_utilization=1.5)
 
 
+def test_the_default_dtype_follows_the_device() -> None:
+    """bfloat16 on a GPU (float32 there would double the weights' and the KV cache's bytes and spill the
+    attention kernels' registers), float32 on the CPU, whose kernels are float32; a choice stands."""
+    assert EngineConfig(model="m", device="cuda").dtype == "bfloat16"
+    assert EngineConfig(model="m", device="cuda:1").dtype == "bfloat16"
+    assert EngineConfig(model="m").dtype == "float32"
+    assert EngineConfig(model="m", device="cuda", dtype="float16").dtype == "float16"
+    assert EngineConfig(model="m", device="cuda", dtype="float32").dtype == "float32"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_a_cuda_device_without_cuda_is_refused_at_start(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="CUDA is not available"):

@@ -165,9 +165,13 @@ def test_in_memory_blocks_never_reach_the_disk_and_ttl_pins_are_reported(tiny_ll
     assert [o.usage.cache_pinned_tokens for o in outs] == [32, 0, 0, 0]
 
 
+# Exact equality across two runs whose batches differ (another graph size, split count or GEMM shape
+# rounds each row differently) holds in float32 only: in half precision the random tiny model's near-tied
+# logits flip (test_llm_greedy.py compares bf16 with a tie gap instead). The half-precision kernels and the
+# GPU path in bf16 are covered there and in tests/kernels.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32"])
 def test_tiers_on_the_gpu_change_no_output(tiny_llama_dir: Path, tmp_path: Path, dtype: str) -> None:
     """The host tier in pinned memory, the disk tier, and copies to and from the device pool, on a GPU
     (the CUDA graphs and triton kernels read blocks that were loaded back)."""

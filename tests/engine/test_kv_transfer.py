@@ -54,3 +54,38 @@ def test_write_through_pins_and_reads_follow_the_landed_copies(tmp_path: Path) -
     files, pins = transfer.scan(now=2_000_000_000.0)  # after the writes, before the pin ends
     assert {d for d, _ in files} == {digest, saved} and pins == {saved: 4_000_000_000.0}
     transfer.close()
+
+
+class _Copy:
+    """A side stream's event that says it is done only when told (a GPU copy still running)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_only_a_plan_that_touches_host_slots_waits_for_earlier_copies() -> None:
+    """With copies to the host still running, a plan that only offloads does not wait for them (the host
+    would wait for the previous forward pass); a load waits, and what it reads is what landed."""
+    kv = caches()
+    original = block(kv, 0).clone()
+    transfer = KVTransfer(kv, SLOTS, None, "fp")
+    copies: list[_Copy] = []
+    transfer._record = lambda keep: copies.append(_Copy()) or [copies[-1]]  # type: ignore[method-assign]
+    transfer.execute(TransferPlan(offload=[(0, 2)]))
+    transfer.execute(TransferPlan(offload=[(1, 1)]))
+    assert not copies[0].waited  # not waited for, not landed
+    assert not torch.equal(torch.stack([h[:, 2] for h in transfer.host]), original)
+    copies[0].done = True
+    transfer.execute(TransferPlan(offload=[(2, 0)]))  # lands what has finished, in order
+    assert torch.equal(torch.stack([h[:, 2] for h in transfer.host]), original)
+    assert not copies[1].waited
+    transfer.execute(TransferPlan(load=[(2, 3)]))
+    assert copies[1].waited and copies[2].waited  # everything issued earlier landed before the load
+    assert torch.equal(block(kv, 3), original)

@@ -274,9 +274,13 @@ def test_the_host_prepares_the_next_step_while_the_device_runs_one(tiny_llama_di
     engine.close()
 
 
+# Exact equality across two runs whose batches differ (another graph size, split count or GEMM shape
+# rounds each row differently) holds in float32 only: in half precision the random tiny model's near-tied
+# logits flip (test_llm_greedy.py compares bf16 with a tie gap instead). The half-precision kernels and the
+# GPU path in bf16 are covered there and in tests/kernels.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32"])
 def test_the_overlapped_loop_on_the_gpu_changes_no_output(tiny_llama_dir: Path, dtype: str) -> None:
     """CUDA graphs, the triton kernels, sampled ids fed to the next step on the device, one copy of them
     to the host per step: the same tokens as the synchronous loop."""

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 import torch
 
@@ -206,6 +205,8 @@ def test_structured_outputs_are_identical_with_drafts_through_the_grammar(tiny_l
         (_prompt(4, 16) * 3, greedy, None),  # prompt lookup drafts prompt tokens: mostly not JSON
         (_prompt(5, 20), SamplingParams(temperature=1.0, max_tokens=150, json_schema=LISTING), None),
     ]
+    import jsonschema  # here, not at the top: the GPU machine's image lacks it, and this test is CPU-only
+
     runs = {}
     for name, config in (("off", {"speculation": "off"}), ("sync", {"overlap": False}),
                          ("overlap", {"overlap": True})):
@@ -297,9 +298,13 @@ def test_with_nothing_to_draft_the_overlapped_loop_keeps_overlapping(tiny_llama_
     assert 0 < stats.speculation.get("waits", 0) <= stats.num_steps // 4
 
 
+# Exact equality across two runs whose batches differ (another graph size, split count or GEMM shape
+# rounds each row differently) holds in float32 only: in half precision the random tiny model's near-tied
+# logits flip (test_llm_greedy.py compares bf16 with a tie gap instead). The half-precision kernels and the
+# GPU path in bf16 are covered there and in tests/kernels.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32"])
 def test_drafts_on_the_gpu_change_no_output(tiny_llama_dir: Path, dtype: str) -> None:
     """Draft rows run eagerly beside CUDA-graph decodes and the triton kernels: the same tokens as
     decoding without drafts, greedy and seeded."""
@@ -310,7 +315,9 @@ def test_drafts_on_the_gpu_change_no_output(tiny_llama_dir: Path, dtype: str) ->
     def run(speculation: str, predictions: list | None = None) -> list:
         predictions = predictions or [None] * len(prompts)
         requests = list(zip(prompts, [greedy, seeded, greedy], predictions, strict=True))
-        with LLM(str(tiny_llama_dir), device="cuda", dtype=dtype, speculation=speculation) as llm:
+        # A fixed small pool: sized from free memory it would take 90% of a GPU the other test workers share.
+        with LLM(str(tiny_llama_dir), device="cuda", dtype=dtype, speculation=speculation, num_kv_blocks=64,
+                 max_num_seqs=8) as llm:
             return [r["tokens"] for r in _run(llm.engine, requests).values()]
 
     plain = run("off")

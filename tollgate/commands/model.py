@@ -55,8 +55,8 @@ def create_copying(directory: Path, seed: int) -> None:
 @click.option("--port", type=click.IntRange(1, 65535), default=8100, show_default=True)
 @click.option("--pool", default="interactive", show_default=True, help="Pool this replica serves.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
-              show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              show_default=True, help="auto: bfloat16 on CUDA, float32 on the CPU.")
 @click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None,
               help="Default: triton on CUDA, torch elsewhere.")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
