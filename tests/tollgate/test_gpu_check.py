@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("tests", "kernels", "throughput", "throughput-eager", "decode", "kv-tiers", "gpu-busy")
+# In the order they run: the figures issue #22 is judged by before the others.
+STEPS = ("tests", "kernels", "throughput", "decode", "gpu-busy", "throughput-eager", "kv-tiers")
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_report  # noqa: E402
@@ -35,6 +36,8 @@ def test_dry_run_checks_its_inputs_and_prints_the_plan(dry_run):
     assert "GPU: none" in proc.stdout
     for step in STEPS:
         assert f"  [{step}] (<= " in proc.stdout
+    assert [proc.stdout.index(f"  [{step}] ") for step in STEPS] == sorted(
+        proc.stdout.index(f"  [{step}] ") for step in STEPS)
     assert "scripts/gpu_report.py" in proc.stdout
     assert not out.exists(), "a dry run writes nothing"
 
@@ -45,10 +48,46 @@ def test_the_plan_keeps_the_whole_run_under_ten_minutes(dry_run):
     assert len(limits) == len(STEPS) and sum(limits) <= 540  # a minute left for installs and the report
 
 
+def _guard(*args: str, cwd: Path = ROOT) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_imports.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_every_step_imports_only_what_the_gpu_machine_has(dry_run):
+    """The tests and scripts of the plan import nothing at the top of a module (tests, conftests,
+    benchmarks) that a CUDA + PyTorch image lacks and scripts/gpu-wheels does not carry: one such import
+    makes the tests step collect nothing, and is found only on a lent GPU otherwise."""
+    words = dry_run[0].stdout.split()
+    tests = [w for w in words if w.startswith(("tests/", "--ignore=tests/"))]
+    scripts = sorted({w for w in words if w.startswith(("benchmarks/", "scripts/")) and w.endswith(".py")})
+    assert "tests/kernels" in tests and "benchmarks/gpu_busy.py" in scripts
+    found = _guard(*tests, *scripts)
+    assert found == {"refused": {}, "collect_rc": 0}
+
+
+def test_the_import_guard_refuses_what_the_image_lacks(tmp_path: Path):
+    """A test module importing jsonschema (not in the image, not carried) is refused and fails collection;
+    torch (the image's) and xgrammar (a carried wheel) pass."""
+    (tmp_path / "test_probe.py").write_text("import jsonschema\nimport torch\nimport xgrammar\n\n\n"
+                                            "def test_probe():\n    pass\n")  # fmt: skip
+    found = _guard("--root", str(tmp_path), "test_probe.py", cwd=tmp_path)
+    assert found["refused"] == {"jsonschema": ["test_probe.py"]} and found["collect_rc"] != 0
+
+
 def test_skipped_steps_are_shown_as_skipped():
     proc = gpu_check("--dry-run", "--python", sys.executable, "--skip", "throughput", "--skip", "tests")
     assert "[throughput] skipped" in proc.stdout and "[throughput-eager] skipped" in proc.stdout
     assert "[tests] skipped" in proc.stdout and "[decode] (<= " in proc.stdout
+
+
+def test_only_runs_just_the_steps_named():
+    """--only reruns a step that failed (a name stands for the steps it begins, as with --skip)."""
+    proc = gpu_check("--dry-run", "--python", sys.executable, "--only", "gpu", "--only", "kernels")
+    planned = [step for step in STEPS if f"  [{step}] (<= " in proc.stdout]
+    assert planned == ["kernels", "gpu-busy"]
+    assert all(f"  [{step}] skipped" in proc.stdout for step in STEPS if step not in planned)
 
 
 def test_without_a_gpu_a_real_run_stops_before_running_anything(tmp_path):
