@@ -63,3 +63,33 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+DECODE_TILE_HELP = ("launch paged decode with this tile instead of the launcher's (keys per tile, warps, "
+                    "pipeline stages; e.g. 64,4,5): an A/B of the same workload against a run without it")
+
+
+def use_decode_tile(spec: str | None) -> dict[str, int] | None:
+    """Make every paged decode launch of this process use ``spec`` ("KEYS,WARPS,STAGES") instead of
+    ``decode_tile_config``'s tile (the GQA group's rows stay the launcher's); the tile as a dict for the
+    results, or None when ``spec`` is None. Before the engine starts: CUDA graphs capture the launches."""
+    if spec is None:
+        return None
+    try:
+        keys, warps, stages = (int(part) for part in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--decode-tile wants KEYS,WARPS,STAGES (e.g. 64,4,5), got {spec!r}") from None
+    import importlib
+
+    from kernels._common import TileConfig
+
+    # The module: the package re-exports its launcher under the same name.
+    decode = importlib.import_module("kernels.paged_decode_attention")
+
+    chosen = decode.decode_tile_config
+
+    def override(head_dim: int, group: int, dtype: Any, capability: Any = None) -> TileConfig:
+        return TileConfig(chosen(head_dim, group, dtype, capability).block_m, keys, warps, stages)
+
+    decode.decode_tile_config = override
+    return {"block_n": keys, "num_warps": warps, "num_stages": stages}

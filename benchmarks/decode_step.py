@@ -31,7 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import QWEN3_0_6B, format_table, machine_description, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    DECODE_TILE_HELP,
+    QWEN3_0_6B,
+    format_table,
+    machine_description,
+    use_decode_tile,
+    write_json,
+)
 
 # Meta-Llama-3-8B's config.json dimensions.
 LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
@@ -90,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--decode-tile", metavar="KEYS,WARPS,STAGES", default=None, help=DECODE_TILE_HELP)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_step needs a CUDA GPU", file=sys.stderr)
         return 2
+    decode_tile = use_decode_tile(args.decode_tile)
 
     from benchmarks.kernels import measure_copy_bandwidth
     from engine.config import EngineConfig
@@ -129,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                   step_ms=step_ms, min_step_ms=min(times) * 1e3, floor_ms=floor_ms,
                   fraction_of_floor=floor_ms / step_ms,
                   weight_bytes=need["weights"], kv_bytes=need["kv"], copy_bandwidth=bandwidth,
-                  setup_s=setup_s)  # fmt: skip
+                  setup_s=setup_s, decode_tile=decode_tile)  # fmt: skip
     print(f"{args.model} decode step on {result['device']}, bfloat16, CUDA graphs "
-          f"{'on' if result['cuda_graphs'] else 'off'}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+          f"{'on' if result['cuda_graphs'] else 'off'}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+          + (f"; decode tile {args.decode_tile}" if decode_tile else ""))
     print(format_table(
         ["batch", "context", "weights GB", "KV GB", "floor ms", "step ms (median)", "of floor"],
         [[args.batch, args.context, f"{need['weights'] / 1e9:.2f}", f"{need['kv'] / 1e9:.2f}",

@@ -37,11 +37,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    DECODE_TILE_HELP,
     QWEN3_0_6B,
     QWEN3_CPU_SMALL,
     create_checkpoint,
     format_table,
     machine_description,
+    use_decode_tile,
     write_json,
 )
 
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "beside transformers (which runs in the same process and needs its own).")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: run every engine step eagerly (no CUDA graphs for decode).")
+    parser.add_argument("--decode-tile", metavar="KEYS,WARPS,STAGES", default=None, help=DECODE_TILE_HELP)
     parser.add_argument("--repeat", type=int, default=1,
                         help="Run the workload this many times on each side (interleaved); keep the best.")
     parser.add_argument("--out", type=Path, default=None, help="Write the results as JSON here.")
@@ -203,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import torch
 
+    decode_tile = use_decode_tile(args.decode_tile)
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"tollgate-bench-{'cuda' if cuda else 'cpu'}"
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row(runners[1].name, theirs, 1.0, 1.0))
     print(f"{args.num_seqs} requests, prompt {args.prompt_len}, output {args.output_len}, ignore_eos, "
           f"{args.dtype} on {machine_description(args.device)}, torch threads {torch.get_num_threads()}, "
-          f"best of {args.repeat}")
+          f"best of {args.repeat}" + (f", decode tile {args.decode_tile}" if decode_tile else ""))
     print(format_table(["system", "output tokens", "wall s", "output tok/s", "vs transformers", "CPU s",
                         "tok/CPU-s", "vs transformers (CPU)"], rows))
     result = {
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "temperature": TEMPERATURE, "ignore_eos": True, "seed": args.seed},
         "engine_config": {"max_num_seqs": args.max_num_seqs,
                           "max_num_batched_tokens": args.max_num_batched_tokens,
-                          "num_kv_blocks": args.num_kv_blocks},
+                          "num_kv_blocks": args.num_kv_blocks, "decode_tile": decode_tile},
         "torch_threads": torch.get_num_threads(),
         "repeat": args.repeat,
         "tollgate": ours,
