@@ -176,7 +176,12 @@ class LineResult:
 
 
 async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: str, request_id: str,
-                       body: dict[str, Any], stop: asyncio.Event) -> LineResult:
+                       body: dict[str, Any], stop: asyncio.Event,
+                       retried: Callable[[], bool] = lambda: False) -> LineResult:
+    """Run one line. ``stop`` ends it early (engine work aborted); ``retried()``, asked then, says
+    whether another chain runs the line again (this chain lost its lease): this attempt then bills
+    nothing, since the ledger keeps the first row of the line's request id and the retry's must count.
+    A line stopped for good (cancel, expiry) is billed what it computed."""
     schema, start = ENDPOINTS[endpoint]
     try:
         request_body = schema.model_validate(body)
@@ -196,8 +201,14 @@ async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: st
             return LineResult(deferred=DEFER_CAPACITY)
         return LineResult(status_code=exc.status, body=exc.body())
     generation = answer.generation
+
+    async def stopped() -> None:
+        await stop.wait()
+        if retried():
+            generation.void()
+
     try:
-        response = await collect_until(stop.wait, generation, answer.body)
+        response = await collect_until(stopped, generation, answer.body)
     except GatewayError as exc:  # the engine failed the line after it started
         return LineResult(status_code=exc.status, body=exc.body(), served_pool=generation.served_pool,
                           cost_pico_usd=generation.cost_pico_usd)

@@ -305,6 +305,7 @@ class _Chunk:
         self.token = token
         self.held = {c.id for c in claimed}
         self.stops = {c.id: asyncio.Event() for c in claimed}
+        self.lost: set[int] = set()  # lines whose lease another chain took: they run again there
         self.stopping = False
         self.deferred: str | None = None
         self.finished = 0
@@ -328,7 +329,8 @@ class _Chunk:
                 return
             try:
                 result = await execute_line(self.runtime, self.principal, self.endpoint, line.request_id,
-                                            line.body, self.stops[line.id])
+                                            line.body, self.stops[line.id],
+                                            retried=lambda: line.id in self.lost)  # fmt: skip
             except Exception:
                 logger.exception("batch %s line %d crashed; it will be retried", self.batch_id, line.line)
                 result = LineResult(status_code=500, body={"error": {
@@ -380,5 +382,7 @@ class _Chunk:
             if batch is None or batch.status != "in_progress" or batch.expired_at is not None:
                 self.stopping = True
             for line_id, stop in self.stops.items():
+                if line_id not in self.held and not self.stopping:  # (a cancelled line runs nowhere again)
+                    self.lost.add(line_id)
                 if self.stopping or line_id not in self.held:
                     stop.set()

@@ -18,10 +18,12 @@ Invariants:
   the engine's own count (docs/batch-and-billing.md, "Abandoned requests"), which is at least what was
   written to the client. Only when the replica cannot say (it died) the gateway bills what it read.
 - A request the gateway itself gives up on before answering (``void()``: a non-streamed request cut at
-  shutdown, answered 503 ``server_shutting_down`` for the client to retry elsewhere) is metered as
-  ``failed`` with zero tokens and zero cost: the client got nothing from that attempt, and its retry is
-  billed in full. A batch line's void attempt appends no record at all: every attempt of a line has the
-  line's request id, and the ledger keeps the first row of a request id.
+  shutdown, answered 503 ``server_shutting_down`` for the client to retry elsewhere; a non-streamed
+  request whose answer is an error; a request with several prompts whose later prompt could not start;
+  a batch line whose lease another chain took over) is metered as ``failed`` with zero tokens and zero
+  cost: the client got nothing from that attempt, and its retry is billed in full. A batch line's void
+  attempt appends no record at all: every attempt of a line has the line's request id, and the ledger
+  keeps the first row of a request id.
 - Several prompts (legacy completions with a list prompt) are several engine requests run
   concurrently; their records are merged and re-indexed as ``prompt_index * n + i``; usage is summed.
 - Prices, the ledger's ``request_class`` and admission come from the runtime: a ``GatewayRuntime``
@@ -62,7 +64,7 @@ import anyio
 
 from billing.outbox import UsageRecord
 from billing.price_cache import PricesNotLoaded
-from billing.prices import CACHE_TOKEN_FIELDS, PriceNotFound, cost_pico_usd, max_cost_pico_usd
+from billing.prices import CACHE_TOKEN_FIELDS, Price, PriceNotFound, cost_pico_usd, max_cost_pico_usd
 from engine.kv.block_hash import prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
 from engine.protocol import Usage as EngineUsage
@@ -135,6 +137,8 @@ class Generation:
     _tpot_ms: float | None = None
     _lease_renewed_at: float = field(default_factory=time.monotonic)
     _router_key: bytes | None = None
+    # The price in effect when the request was admitted (``start``): what it is billed at, whenever it ends.
+    _price: Price | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -159,7 +163,9 @@ class Generation:
         rt = self.runtime
         settings = rt.settings
         try:
-            price = rt.prices.price_for(self.route.name)
+            # Priced by the row in effect when it arrived (as the ledger's rollups re-price it), not when
+            # it ends: a stream running across a price change keeps the price its hold was made at.
+            price = self._price = rt.prices.price_for(self.route.name, self._created_at)
         except PriceNotFound:
             raise ServiceUnavailableError(
                 f"The model `{self.route.name}` has no price configured and cannot be served.",
@@ -211,8 +217,10 @@ class Generation:
                 )
                 self._streams.append(await self._open(request, prompt_hashes))
         except BaseException as exc:
-            # Nothing was generated: settle to zero use and record nothing billable beyond that.
-            self.status = STATUS_FAILED
+            # The client is answered an error: nothing of this attempt reaches it, so nothing is billed,
+            # not even the prompts that had already started (several prompts: the first opened, the
+            # second found no replica). A batch line's attempt then leaves no record to shadow its retry.
+            self.void()
             if isinstance(exc, GatewayError):
                 self.error = exc
             with anyio.CancelScope(shield=True):
@@ -450,9 +458,10 @@ class Generation:
         cache_limit = 0 if self.embedding else self.usage.prompt_tokens
         cache_tokens = {name: min(getattr(self.usage, name), cache_limit) for name in CACHE_TOKEN_FIELDS}
         try:
-            cost = cost_pico_usd(self.runtime.prices.price_for(self.route.name), self.usage.prompt_tokens,
-                                 self.usage.cached_tokens, self.usage.completion_tokens,
-                                 self.runtime.request_class, embedding=self.embedding, **cache_tokens)
+            price = self._price or self.runtime.prices.price_for(self.route.name, self._created_at)
+            cost = cost_pico_usd(price, self.usage.prompt_tokens, self.usage.cached_tokens,
+                                 self.usage.completion_tokens, self.runtime.request_class,
+                                 embedding=self.embedding, **cache_tokens)
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
             cost = 0

@@ -36,7 +36,6 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError
 from gateway.generation.service import Generation
 
 T = TypeVar("T")
@@ -135,9 +134,10 @@ async def collect_until(gone: Callable[[], Awaitable[None]], generation: Generat
     watcher = _watch(gone, generation, disconnected)
     try:
         result = await collect()
-    except GatewayError:
-        # The answer is an error (the replica failed mid-request, past the point of a retry elsewhere):
-        # the client gets no token of this attempt, so none is billed; it is metered as failed.
+    except Exception:
+        # The answer is an error (the replica failed mid-request, past the point of a retry elsewhere; or
+        # a bug): the client gets no token of this attempt, so none is billed; it is metered as failed.
+        # A batch line then leaves no record, and its retry bills the line.
         generation.void()
         raise
     except asyncio.CancelledError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -49,6 +50,30 @@ async def test_prompt_shapes_index_choices_per_prompt(client: httpx.AsyncClient)
     assert body["usage"]["prompt_tokens"] == 5 and len(body["choices"]) == 2
     r = await client.post("/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
     assert r.json()["usage"]["prompt_tokens"] == 3
+
+
+async def test_a_list_prompt_whose_second_prompt_cannot_start_is_answered_503_and_billed_nothing(
+    client: httpx.AsyncClient, gateway: GatewayUnderTest, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first prompt started on the replica, the second found it busy (and no other): the client gets
+    503 and nothing of the request, and the first prompt's work is not billed either."""
+    from gateway.engine_client import EngineUnavailable
+
+    engine = gateway.runtime.engine
+    generate = engine.generate
+
+    async def second_prompt_busy(url: str, request: Any) -> Any:
+        if request.request_id.endswith("-1"):
+            raise EngineUnavailable()
+        return await generate(url, request)
+
+    monkeypatch.setattr(engine, "generate", second_prompt_busy)
+    r = await client.post("/completions", json={"model": MODEL, "prompt": ["one two three four", "five"],
+                                                "max_tokens": 3})
+    assert r.status_code == 503, r.text
+    [record] = await wait_for_usage(gateway.settings.redis_url, r.headers["x-request-id"])
+    assert record["status"] == "failed"
+    assert (record["prompt_tokens"], record["completion_tokens"], record["cost_pico_usd"]) == (0, 0, 0)
 
 
 async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:

@@ -1,0 +1,40 @@
+"""Which price a request is billed at: the row in effect when it arrived, whenever it ends (the ledger's
+rollups and statements re-price each row at its ``created_at``, and admission held its cost at that price)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+
+from billing.prices import Price, PriceBook, cost_pico_usd
+from gateway.generation.service import Generation
+
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+OLD = Price.of(input=1_000_000, output=2_000_000)
+NEW = Price.of(input=5_000_000, output=9_000_000)
+
+
+def generation(arrived: datetime, book: PriceBook, request_class: str = "interactive") -> Generation:
+    gen = Generation(runtime=SimpleNamespace(prices=book, request_class=request_class),  # type: ignore[arg-type]
+                     principal=None, route=SimpleNamespace(name="m"), request_id="r",  # type: ignore[arg-type]
+                     prompts=[[1] * 10], sampling={}, n=1, max_tokens=5, tier="standard", _created_at=arrived)
+    gen.usage.prompt_tokens, gen.usage.cached_tokens, gen.usage.completion_tokens = 10, 4, 5
+    return gen
+
+
+def test_a_request_running_across_a_price_change_is_billed_at_the_price_it_arrived_under() -> None:
+    """The new row took effect an hour after the request arrived (and long before now, when it is
+    priced): the old row prices it."""
+    book = PriceBook([("m", T0, OLD), ("m", T0 + timedelta(hours=1), NEW)])
+    arrived = T0 + timedelta(minutes=59, seconds=59)
+    assert generation(arrived, book)._cost()[0] == cost_pico_usd(OLD, 10, 4, 5, "interactive")
+    assert generation(arrived, book, "batch")._cost()[0] == cost_pico_usd(OLD, 10, 4, 5, "batch")
+    assert generation(T0 + timedelta(hours=1), book)._cost()[0] == cost_pico_usd(NEW, 10, 4, 5, "interactive")
+
+
+def test_the_price_admission_fetched_is_the_one_billed() -> None:
+    """``start`` keeps the row it held the cost at; ``finish`` bills that very row, even if the price book
+    was reloaded meanwhile with the row removed or replaced."""
+    gen = generation(T0, PriceBook([("m", T0, NEW)]))
+    gen._price = OLD
+    assert gen._cost()[0] == cost_pico_usd(OLD, 10, 4, 5, "interactive")
