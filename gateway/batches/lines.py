@@ -169,10 +169,14 @@ class LineResult:
         return self.status_code is not None and 200 <= self.status_code < 300
 
     def usage(self) -> tuple[int, int, int]:
-        """(prompt, cached, completion) tokens reported in a successful body."""
+        """(prompt, cached, completion) tokens reported in a successful body: chat, completions and
+        embeddings name them ``prompt_tokens``/``completion_tokens``, Responses ``input_tokens``/
+        ``output_tokens``."""
         usage = (self.body or {}).get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return int(usage.get("prompt_tokens") or 0), int(cached), int(usage.get("completion_tokens") or 0)
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        return int(prompt or 0), int(details.get("cached_tokens") or 0), int(completion or 0)
 
 
 async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: str, request_id: str,

@@ -188,6 +188,12 @@ async def test_responses_lines_run_through_the_same_generation_service(
         assert_conforms(record["response"]["body"], "Response")
     # What the generation billed and where it ran, recorded per line.
     assert all(i.cost_pico_usd and i.cost_pico_usd > 0 and i.served_pool == "interactive" for i in items)
+    # The batch's usage adds up its lines' (Responses name them input/output tokens).
+    bodies = [record["response"]["body"]["usage"] for record in output]
+    assert [(i.prompt_tokens, i.completion_tokens) for i in sorted(items, key=lambda i: i.custom_id)] == [
+        (u["input_tokens"], u["output_tokens"]) for u in bodies]
+    assert batch["usage"]["input_tokens"] == sum(u["input_tokens"] for u in bodies) > 0
+    assert batch["usage"]["output_tokens"] == sum(u["output_tokens"] for u in bodies) > 0
 
 
 async def test_embeddings_lines(runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:

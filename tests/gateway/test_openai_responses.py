@@ -416,6 +416,13 @@ async def test_cancel_a_queued_and_a_running_background_response(client: httpx.A
     stored = (await client.get(f"/responses/{running['id']}")).json()
     assert_conforms(stored, "Response")
     assert stored["status"] == "cancelled" and stored["usage"]["output_tokens"] < 1800
+    # The stored object shows what the run was billed: the engine's count until its abort.
+    from gateway.responses.background import request_id_of
+
+    [record] = await wait_for_usage(gateway.settings.redis_url, request_id_of(response_id))
+    assert record["status"] == "cancelled" and record["prompt_tokens"] > 0
+    assert (stored["usage"]["input_tokens"], stored["usage"]["output_tokens"]) == (
+        record["prompt_tokens"], record["completion_tokens"])
 
 
 async def test_a_background_response_whose_worker_died_runs_again(client: httpx.AsyncClient,
