@@ -137,6 +137,8 @@ _DISCRIMINATOR_TAGS = frozenset({
     "system", "developer", "user", "assistant", "tool", "function",  # message roles
     "text", "image_url", "input_audio", "file", "refusal",  # content part types
     "json_object", "json_schema", "custom",  # response formats, tool types
+    "message", "function_call", "function_call_output", "input_text", "output_text",  # Responses items
+    "unsupported",  # the tag of whatever the platform refuses (``Tag("unsupported")`` members)
 })
 _DISCRIMINATED_FIELDS = frozenset({"response_format"})
 
@@ -150,8 +152,9 @@ def format_loc(loc: Sequence[int | str]) -> str:
             out += f"[{part}]"
         elif part in ("body", "query", "path", "header") and prev is None:
             continue
-        elif part in _UNION_MEMBERS or "[" in part or "-" in part:
-            pass
+        elif part in _UNION_MEMBERS or "[" in part or "-" in part or part[:1].isupper():
+            pass  # a member of a union: a type (``str``, ``list[...]``, ``function-after[...]``) or a model
+            # class (``NamedToolChoice``); no OpenAI parameter is named so
         elif part in _DISCRIMINATOR_TAGS and (isinstance(prev, int) or prev in _DISCRIMINATED_FIELDS):
             pass
         else:

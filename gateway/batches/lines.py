@@ -40,6 +40,7 @@ from gateway.responses.schemas import CreateResponseRequest
 from gateway.responses.service import start_response
 
 MAX_REPORTED_ERRORS = 1000
+UTF8_BOM = b"\xef\xbb\xbf"
 
 Start = Callable[[BatchRuntime, Principal, str, Any], Awaitable[Answer]]
 ENDPOINTS: dict[str, tuple[type[BaseModel], Start]] = {
@@ -86,6 +87,8 @@ class LineValidator:
             self.errors.append(batch_error(code, message, line=line, param=param))
 
     def check(self, number: int, raw: bytes) -> ParsedLine | None:
+        if number == 1:
+            raw = raw.removeprefix(UTF8_BOM)  # editors on Windows start UTF-8 files with one
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -16,7 +16,13 @@ from pydantic import Field, field_validator, model_validator
 from gateway.errors import InvalidRequestError
 from gateway.generation.requests import BREAKPOINT_KEY
 from gateway.openai.caching import PromptCacheBreakpoint, PromptCacheFields, breakpoint_offset
-from gateway.openai.schemas import RequestModel, ResponseFormat, SamplingFields
+from gateway.openai.schemas import (
+    RequestModel,
+    ResponseFormat,
+    ResponseFormatJsonObject,
+    SamplingFields,
+    check_metadata,
+)
 
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -64,6 +70,21 @@ def _text_of(content: str | list | None) -> str:
     if isinstance(content, str):
         return content
     return "".join(p.text if isinstance(p, TextPart) else getattr(p, "refusal", "") for p in content)
+
+
+def message_text(message: Any) -> str:
+    """The text a message carries (its text parts; an assistant's tool calls' arguments too)."""
+    text = _text_of(getattr(message, "content", None))
+    for call in getattr(message, "tool_calls", None) or ():
+        text += call.function.arguments
+    return text
+
+
+def _unanswered(calls: list[str], index: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(calls)}",
+        param=f"messages[{index}].role", code="invalid_value")
 
 
 class SystemMessage(RequestModel):
@@ -191,7 +212,19 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTools(RequestModel):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(RequestModel):
+    """Only these of the request's tools may be called (``mode``: may, or must call one of them)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class PredictionContent(RequestModel):
@@ -214,9 +247,11 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Only kept with a stored completion at OpenAI (``store``; not kept here): checked as OpenAI does.
+    metadata: dict[str, str] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -239,6 +274,11 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
             raise ValueError("audio output is not supported by this model")
         return value
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(value)
+
     @field_validator("functions", "function_call")
     @classmethod
     def _no_legacy_functions(cls, value: Any) -> Any:
@@ -252,6 +292,20 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("logprobs must be set to true if top_logprobs is used.",
                                       param="top_logprobs", code="invalid_value")
+        if not self.tools:
+            for name in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, name) is not None:
+                    raise InvalidRequestError(
+                        f"Invalid value for '{name}': '{name}' is only allowed when 'tools' are specified.",
+                        param=name, code="invalid_value")
+        if isinstance(self.response_format, ResponseFormatJsonObject) and not any(
+                "json" in message_text(m).lower() for m in self.messages):
+            raise InvalidRequestError(
+                "'messages' must contain the word 'json' in some form, to use 'response_format' of type "
+                "'json_object'.", param="messages", code="invalid_value")
+        self._check_tool_responses()
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            self._narrow_to_allowed_tools(self.tool_choice.allowed_tools)
         if isinstance(self.tool_choice, NamedToolChoice):
             names = {t.function.name for t in self.function_tools}
             if self.tool_choice.function.name not in names:
@@ -263,6 +317,46 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
                                       param="tool_choice", code="invalid_value")
         if self.prediction is not None:
             self._check_prediction()
+
+    def _narrow_to_allowed_tools(self, allowed: AllowedTools) -> None:
+        """``allowed_tools``: the request goes on with only those tools and its mode as ``tool_choice``
+        (the model sees and may call just them). Every one named must be among the tools."""
+        names = {t.function.name for t in self.function_tools}
+        for index, ref in enumerate(allowed.tools):
+            if ref.function.name not in names:
+                raise InvalidRequestError(
+                    f"Invalid 'tool_choice': the allowed function '{ref.function.name}' is not among the "
+                    "tools.", param=f"tool_choice.allowed_tools.tools[{index}]", code="invalid_value")
+        keep = {ref.function.name for ref in allowed.tools}
+        self.tools = [t for t in self.function_tools if t.function.name in keep]
+        self.tool_choice = allowed.mode
+
+    def _check_tool_responses(self) -> None:
+        """As OpenAI: a ``tool`` message answers a call of the assistant message right before the tool
+        messages it belongs to, and every call of an assistant message is answered before the next
+        message of another role (or the end)."""
+        open_calls: list[str] = []  # the last assistant message's calls, not answered yet
+        called: set[str] = set()
+        for index, message in enumerate(self.messages):
+            if isinstance(message, ToolMessage):
+                if message.tool_call_id not in called:
+                    raise InvalidRequestError(
+                        "Invalid parameter: messages with role 'tool' must be a response to a preceding "
+                        f"message with 'tool_calls' (no call has the id '{message.tool_call_id}').",
+                        param=f"messages[{index}].tool_call_id", code="invalid_value")
+                if message.tool_call_id in open_calls:
+                    open_calls.remove(message.tool_call_id)
+                continue
+            if isinstance(message, FunctionMessage):  # the deprecated form answers without ids
+                open_calls = []
+                continue
+            if open_calls:
+                raise _unanswered(open_calls, index - 1)
+            tool_calls = message.tool_calls if isinstance(message, AssistantMessage) else None
+            called = {call.id for call in tool_calls or ()}
+            open_calls = [call.id for call in tool_calls or ()]
+        if open_calls:
+            raise _unanswered(open_calls, len(self.messages) - 1)
 
     def _check_prediction(self) -> None:
         """What OpenAI documents Predicted Outputs cannot be combined with: n > 1, logprobs, positive

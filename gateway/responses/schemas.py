@@ -190,6 +190,9 @@ class CreateResponseRequest(PromptCacheFields):
     background: bool | None = None
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    # Refused (``check``): each would change the answer, and this platform has neither.
+    conversation: Any = None
+    prompt: Any = None
 
     @field_validator("input")
     @classmethod
@@ -219,6 +222,14 @@ class CreateResponseRequest(PromptCacheFields):
         if self.background and self.store is False:
             raise InvalidRequestError("A background response must be stored ('store' true): it is polled.",
                                       param="store", code="invalid_value")
+        if self.conversation is not None:
+            raise InvalidRequestError("Conversations are not supported here; continue a conversation with "
+                                      "'previous_response_id'.", param="conversation",
+                                      code="unsupported_parameter")
+        if self.prompt is not None:
+            raise InvalidRequestError("Stored prompt templates are not supported here; send the "
+                                      "'instructions' and 'input' themselves.", param="prompt",
+                                      code="unsupported_parameter")
         if self.truncation == "auto":
             raise InvalidRequestError("truncation 'auto' is not supported; the request fails with a 400 "
                                       "when the input is too long ('disabled').", param="truncation",
@@ -235,7 +246,9 @@ class CreateResponseRequest(PromptCacheFields):
 
     @property
     def wants_logprobs(self) -> bool:
-        return bool(self.top_logprobs) or "message.output_text.logprobs" in (self.include or ())
+        """Logprobs are returned when ``include`` asks for them (``top_logprobs`` says how many
+        alternatives each carries), as OpenAI does."""
+        return "message.output_text.logprobs" in (self.include or ())
 
 
 class ListInputItemsQuery(RequestModel):

@@ -64,6 +64,19 @@ def test_invalid_values_name_the_parameter(kwargs, name):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"json_schema": {"type": "bogus"}},
+     'json_schema is not a supported JSON Schema: Unsupported type "bogus"'),
+    ({"regex": "a("},
+     "regex is not supported: Regex parsing error at position 3: The parenthesis is not closed."),
+])
+def test_a_grammar_the_compiler_refuses_is_named_without_its_log_prefix(kwargs, message):
+    """The client reads what is wrong with its schema, not the compiler's clock and C++ source path."""
+    with pytest.raises(ValueError) as refused:
+        SamplingParams(**kwargs)
+    assert str(refused.value) == message
+
+
 def test_valid_json_schema_accepted():
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     assert SamplingParams(json_schema=schema).json_schema == schema

@@ -132,8 +132,10 @@ async def test_json_schema_response_format_is_valid_json(client: httpx.AsyncClie
 
 
 async def test_json_object_response_format(client: httpx.AsyncClient) -> None:
+    # JSON mode needs the word in the messages, as at OpenAI (test_openai_errors: without it, a 400).
     r = await client.post("/chat/completions", json={
-        "model": MODEL, "messages": HELLO, "max_tokens": 40, "response_format": {"type": "json_object"},
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hello in JSON"}], "max_tokens": 40,
+        "response_format": {"type": "json_object"},
     })
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -151,8 +153,13 @@ TIME_TOOL = {"type": "function", "function": {
                    "required": ["tz"], "additionalProperties": False}}}
 
 
-@pytest.mark.parametrize("tool_choice",
-                         [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}},
+    "required",
+    # Only get_weather may be called, and one call is required: as the named choice.
+    {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}},
+])
 async def test_forced_tool_call(client: httpx.AsyncClient, tool_choice) -> None:
     r = await client.post("/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 100,
@@ -166,7 +173,7 @@ async def test_forced_tool_call(client: httpx.AsyncClient, tool_choice) -> None:
     call = choice["message"]["tool_calls"][0]
     assert call["type"] == "function" and call["id"].startswith("call_")
     tools = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}
-    if isinstance(tool_choice, dict):
+    if isinstance(tool_choice, dict):  # named, or the only one allowed
         assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]),
                         tools[call["function"]["name"]]["function"]["parameters"])

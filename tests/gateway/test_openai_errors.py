@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = {"model": MODEL, "messages": MSG}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 # (body, expected param); each must be a 400 invalid_request_error.
 INVALID_CHAT = [
@@ -51,6 +52,30 @@ INVALID_CHAT = [
     ({**CHAT, "tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0]"),
     ({**CHAT, "tool_choice": "sometimes"}, "tool_choice"),
     ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+    # Tool settings need tools, and tools at least one (OpenAI's rules).
+    ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
+    ({**CHAT, "tool_choice": "none"}, "tool_choice"),
+    ({**CHAT, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({**CHAT, "tools": []}, "tools"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "a"}}],
+      "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+          {"type": "function", "function": {"name": "b"}}]}}}, "tool_choice.allowed_tools.tools[0]"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "a"}}],
+      "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": []}}},
+     "tool_choice.allowed_tools.mode"),
+    ({**CHAT, "tool_choice": {"type": "function", "name": "a"}}, "tool_choice.function"),
+    # A tool message answers a call of the assistant message before it; every call is answered.
+    ({**CHAT, "messages": [{"role": "tool", "tool_call_id": "call_zzz", "content": "sunny"}]},
+     "messages[0].tool_call_id"),
+    ({**CHAT, "messages": [*MSG, {"role": "assistant", "tool_calls": [CALL]}, *MSG]}, "messages[1].role"),
+    ({**CHAT, "messages": [*MSG, {"role": "assistant", "tool_calls": [CALL]}]}, "messages[1].role"),
+    ({**CHAT, "messages": [*MSG, {"role": "assistant", "tool_calls": [CALL]}, *MSG,
+                           {"role": "tool", "tool_call_id": "call_1", "content": "late"}]},
+     "messages[1].role"),
+    # JSON mode needs the word "json" somewhere in the messages.
+    ({**CHAT, "response_format": {"type": "json_object"}}, "messages"),
+    ({**CHAT, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({**CHAT, "metadata": {"k": {"nested": True}}}, "metadata.k"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "a"}}],
       "tool_choice": {"type": "function", "function": {"name": "b"}}}, "tool_choice"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
@@ -109,6 +134,22 @@ async def test_invalid_completion_params_are_400(client: httpx.AsyncClient, body
 async def test_malformed_bodies_are_400(client: httpx.AsyncClient, raw: bytes) -> None:
     r = await client.post("/chat/completions", content=raw, headers={"content-type": "application/json"})
     check_error(r, 400)
+
+
+async def test_a_tool_round_trip_and_json_mode_named_in_any_message_are_accepted(
+    client: httpx.AsyncClient,
+) -> None:
+    """The valid shapes beside the refused ones: every call answered right after its assistant message
+    (in any order), and "JSON" in any message (any case) for JSON mode."""
+    second = {**CALL, "id": "call_2"}
+    messages = [{"role": "system", "content": "Answer in Json."}, *MSG,
+                {"role": "assistant", "tool_calls": [CALL, second]},
+                {"role": "tool", "tool_call_id": "call_2", "content": "b"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "a"}, *MSG]
+    r = await client.post("/chat/completions", json={
+        **CHAT, "messages": messages, "max_tokens": 1, "response_format": {"type": "json_object"},
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
+    assert r.status_code == 200, r.text
 
 
 async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:

@@ -207,6 +207,10 @@ async def test_streamed_function_call_then_its_output_round_trip(client: httpx.A
     ({"temperature": 3}, "temperature"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"model": "nope"}, "model"),
+    # Each would change the answer, and neither exists here: refused rather than ignored.
+    ({"conversation": "conv_123"}, "conversation"),
+    ({"conversation": {"id": "conv_123"}}, "conversation"),
+    ({"prompt": {"id": "pmpt_123", "version": "2"}}, "prompt"),
 ])  # fmt: skip
 async def test_bad_requests_get_openai_400s(client: httpx.AsyncClient, change: dict[str, Any],
                                             param: str) -> None:
@@ -217,6 +221,23 @@ async def test_bad_requests_get_openai_400s(client: httpx.AsyncClient, change: d
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] is not None and error["param"].startswith(param), error
     assert error["type"] == "invalid_request_error"
+
+
+async def test_logprobs_come_when_include_asks_for_them(client: httpx.AsyncClient) -> None:
+    """As at OpenAI: ``include: ["message.output_text.logprobs"]`` returns them, ``top_logprobs`` says
+    how many alternatives each carries and alone returns none."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3, "temperature": 0, "top_logprobs": 2}
+
+    def logprobs(response: dict[str, Any]) -> list[dict[str, Any]]:
+        return [lp for item in response["output"] for part in item.get("content", [])
+                for lp in part.get("logprobs") or []]
+
+    alone = (await client.post("/responses", json=body)).json()
+    assert logprobs(alone) == []
+    include = ["message.output_text.logprobs"]
+    asked = (await client.post("/responses", json={**body, "include": include})).json()
+    assert_conforms(asked, "Response")
+    assert logprobs(asked) and all(len(lp["top_logprobs"]) == 2 for lp in logprobs(asked))
 
 
 # -- stored responses and conversation state -----------------------------------------------------------
