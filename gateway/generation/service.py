@@ -174,15 +174,23 @@ class Generation:
             raise ServiceUnavailableError(
                 "The gateway is still loading its prices from the database; retry shortly.",
                 code="prices_unavailable", headers={"retry-after": "1"}) from None
+        info = self.route.info()
         per_completion = self.max_tokens
         if per_completion is None:
             per_completion = settings.default_max_tokens_reservation
         completion_budget = per_completion * self.n * len(self.prompts)
+        # The cost held against the budget is the most the request can cost: without max_tokens the engine
+        # may generate to the end of the context, so that (the token reservation, an estimate for the rate
+        # limits, keeps the default). Held for less, requests admitted meanwhile could overshoot the budget
+        # by more than one request's cost (docs/batch-and-billing.md, "Spend caps").
+        cost_completion = completion_budget
+        if self.max_tokens is None and info is not None:
+            cost_completion = sum(max(0, info.max_model_len - len(p)) for p in self.prompts) * self.n
         if self.prediction:  # rejected prediction tokens are billed as output: at most the prediction's
             completion_budget += len(self.prediction) * self.n * len(self.prompts)
+            cost_completion += len(self.prediction) * self.n * len(self.prompts)
         salt = cache_salt(settings.key_hash_secret.get_secret_value(), self.principal.tenant_id)
         self._router_key = tenant_routing_key(salt, self.routing_key)
-        info = self.route.info()
         block_size = info.block_size if info is not None else 16
         # What each prompt may find cached (explicit mode: nothing past its breakpoint): what routing, shed
         # checks and the routing index's expectations look at.
@@ -201,7 +209,7 @@ class Generation:
                     raise decision.error()
             self.admission = await rt.admission.admit(
                 self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
-                max_cost_pico_usd(price, self.prompt_tokens, 0 if self.embedding else completion_budget,
+                max_cost_pico_usd(price, self.prompt_tokens, 0 if self.embedding else cost_completion,
                                   rt.request_class, embedding=self.embedding,
                                   cache_pin=self.cache is not None and self.cache.ttl_s > 0,
                                   cache_retention=self.cache is not None and self.cache.retention_s > 0),

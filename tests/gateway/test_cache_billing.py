@@ -127,6 +127,22 @@ async def test_without_lifetimes_only_the_writes_are_held_and_charged(
     assert holds[r.headers["x-request-id"]] == hold
 
 
+async def test_without_max_tokens_the_hold_covers_the_rest_of_the_context(
+    client: httpx.AsyncClient, gateway: GatewayUnderTest, cache_price: Price, holds: dict[str, int]
+) -> None:
+    """The engine may generate to the end of the context: held for the default reservation only, every
+    request admitted beside it could overshoot the budget by what it generates past that."""
+    body = chat()
+    del body["max_tokens"]
+    r = await client.post("/chat/completions", json={**body, "max_completion_tokens": None})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["usage"]["prompt_tokens"]
+    info = gateway.runtime.router.models[MODEL].info()
+    assert info is not None and info.max_model_len > gateway.settings.default_max_tokens_reservation + prompt
+    assert holds[r.headers["x-request-id"]] == max_cost_pico_usd(
+        cache_price, prompt, info.max_model_len - prompt, "interactive")
+
+
 async def test_embeddings_pay_no_cache_products(
     client: httpx.AsyncClient, gateway: GatewayUnderTest, cache_price: Price, holds: dict[str, int]
 ) -> None:
