@@ -173,12 +173,15 @@ async def _send_one(client: stripe.StripeClient, row: StripeExport, event_name: 
 
 async def send_pending(sessions: SessionFactory, client: stripe.StripeClient, *,
                        limit: int = 1000) -> SendResult:
-    """Send pending rows (oldest first); each row's outcome is committed on its own."""
+    """Send pending rows, the least tried first, then the oldest; each row's outcome is committed on its
+    own. Least tried first: rows Stripe keeps refusing (a customer deleted there) stay pending with their
+    error, and must not hold back every other tenant's usage once there are ``limit`` of them."""
     result = SendResult()
     async with sessions() as session:
         provisioning = await session.get(StripeProvisioning, 1)
         ids = list((await session.scalars(select(StripeExport.id).where(StripeExport.status == "pending")
-                                          .order_by(StripeExport.id).limit(limit))).all())
+                                          .order_by(StripeExport.attempts, StripeExport.id)
+                                          .limit(limit))).all())
     if not ids:
         return result
     if provisioning is None:

@@ -14,7 +14,7 @@ from sqlalchemy import delete, func, select
 
 from billing.rollups import hour_of
 from billing.stripe_billing import attach_tenant, make_client, setup_stripe
-from billing.stripe_export import export_to_stripe, identifier_for
+from billing.stripe_export import export_to_stripe, identifier_for, plan_exports, send_pending
 from tests.billing.fake_stripe import FakeStripe
 from tests.factories import create_tenant, create_usage_event
 from tollgate.models import StripeExport, UsageEvent
@@ -129,6 +129,27 @@ async def test_server_errors_and_lost_answers_still_give_one_event_per_identifie
     assert set(events_by_identifier(fake_stripe).values()) == {1}
     ledger = await ledger_total(db_session, tenant.id)
     assert 0 <= ledger - fake_stripe.meter_total(tenant.stripe_customer_id) * 1_000_000 < 1_000_000
+
+
+async def test_rows_that_keep_failing_do_not_hold_back_new_ones(db_session, unit_of_work, fake_stripe,
+                                                                stripe_settings) -> None:
+    """A run sends the least tried rows first: rows refused again and again stay pending with their error,
+    and a run limited to fewer rows than them still sends the new one."""
+    client = make_client(stripe_settings)
+    await setup_stripe(db_session, client, stripe_settings)
+    tenant = await attached_tenant(db_session, client)
+    for offset in range(3):
+        await usage(db_session, tenant, offset, COSTS[offset])
+    fake_stripe.fail_next(3)
+    first = await export_to_stripe(unit_of_work, client, until=NOW)
+    assert (first.planned, first.sent, first.failed) == (3, 0, 3)
+    await usage(db_session, tenant, 5, COSTS[3])
+    async with unit_of_work() as session:
+        assert len((await plan_exports(session, until=NOW)).rows) == 1
+    sent = await send_pending(unit_of_work, client, limit=1)
+    assert (sent.sent, sent.failed) == (1, 0)
+    newest = identifier_for(tenant.id, BASE + timedelta(hours=5), 1)
+    assert list(events_by_identifier(fake_stripe)) == [newest]
 
 
 async def test_sdk_retries_a_lost_answer_with_the_same_idempotency_key(db_session, unit_of_work, fake_stripe,
