@@ -135,7 +135,7 @@ class Generation:
     _first_token_at: float | None = None
     _ttft_ms: float | None = None
     _tpot_ms: float | None = None
-    _lease_renewed_at: float = field(default_factory=time.monotonic)
+    _renewal: asyncio.Task[None] | None = None  # renews the admission lease until finish()
     _router_key: bytes | None = None
     # The price in effect when the request was admitted (``start``): what it is billed at, whenever it ends.
     _price: Price | None = None
@@ -224,6 +224,8 @@ class Generation:
                     cache=self.cache, prediction_token_ids=self.prediction or None, **self.sampling,
                 )
                 self._streams.append(await self._open(request, prompt_hashes))
+            self._renewal = asyncio.get_running_loop().create_task(
+                self._renew_lease(), name=f"tollgate-lease-{self.request_id}")
         except BaseException as exc:
             # The client is answered an error: nothing of this attempt reaches it, so nothing is billed,
             # not even the prompts that had already started (several prompts: the first opened, the
@@ -322,7 +324,6 @@ class Generation:
                     self._generated += len(record.token_ids)
                     if offset:
                         record.index += offset
-                    await self._maybe_renew()
                     yield record
                 elif isinstance(record, FinalRecord):
                     self._final_streams.add(prompt_index)
@@ -364,12 +365,15 @@ class Generation:
             self.error = error
             self.status = STATUS_FAILED
 
-    async def _maybe_renew(self) -> None:
-        now = time.monotonic()
-        due = now - self._lease_renewed_at > self.runtime.settings.stream_lease_ttl_s / 3
-        if self.admission is not None and due:
-            self._lease_renewed_at = now
-            with contextlib.suppress(Exception):
+    async def _renew_lease(self) -> None:
+        """Keep the admission lease (the concurrency slot and the cost hold) alive every third of its ttl
+        until ``finish``: on a timer, not on the engine's records, since a request may go longer than the
+        ttl without one (an embedding sends none; a long queue or prefill; a slow client holding the
+        writer back). A lease lapses only when its gateway is gone."""
+        interval = self.runtime.settings.stream_lease_ttl_s / 3
+        while not self._finished and self.admission is not None:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(Exception):  # Redis away for a moment: the next renewal retries
                 await self.runtime.admission.renew_lease(self.admission)
 
     # -- the end --------------------------------------------------------------------------------
@@ -395,6 +399,10 @@ class Generation:
         if self._finished:
             return
         self._finished = True
+        if self._renewal is not None:
+            # Not awaited (finish never waits on it): a renewal already sent after the settle below finds
+            # the lease gone and revives nothing (renew.lua).
+            self._renewal.cancel()
         if self._finals < len(self._streams) and self.status == STATUS_COMPLETED:
             self.status = STATUS_CANCELLED
         for index, (stream, replica) in enumerate(self._streams):

@@ -1,5 +1,7 @@
-"""Which price a request is billed at: the row in effect when it arrived, whenever it ends (the ledger's
-rollups and statements re-price each row at its ``created_at``, and admission held its cost at that price)."""
+"""What a generation bills and holds, on its own (no servers): the price is the row in effect when the
+request arrived, whenever it ends (the ledger's rollups and statements re-price each row at its
+``created_at``, and admission held its cost at that price); its admission lease, and with it its cost
+hold, is renewed on a timer until it ends."""
 
 from __future__ import annotations
 
@@ -38,3 +40,27 @@ def test_the_price_admission_fetched_is_the_one_billed() -> None:
     gen = generation(T0, PriceBook([("m", T0, NEW)]))
     gen._price = OLD
     assert gen._cost()[0] == cost_pico_usd(OLD, 10, 4, 5, "interactive")
+
+
+async def test_the_admission_lease_is_renewed_on_a_timer_until_the_end() -> None:
+    """A request may go longer than the lease's ttl without an engine record (an embedding sends none; a
+    long prefill; a slow client): its lease, and with it its cost hold, is renewed every third of the ttl
+    whatever it reads, and no more once it finished."""
+    import asyncio
+
+    from tests.polling import eventually
+
+    renewed: list[object] = []
+
+    async def renew_lease(admission: object) -> None:
+        renewed.append(admission)
+
+    gen = generation(T0, PriceBook([("m", T0, OLD)]))
+    gen.runtime = SimpleNamespace(settings=SimpleNamespace(stream_lease_ttl_s=0.06),  # type: ignore[assignment]
+                                  admission=SimpleNamespace(renew_lease=renew_lease))
+    gen.admission = "lease"  # type: ignore[assignment]
+    task = asyncio.create_task(gen._renew_lease())
+    await eventually(lambda: len(renewed) >= 3, "three renewals")
+    gen._finished = True
+    await asyncio.wait_for(task, timeout=5)  # it ends by itself once the generation finished
+    assert set(renewed) == {"lease"}
