@@ -22,6 +22,7 @@ from gateway.openai.schemas import (
     ResponseFormatJsonObject,
     SamplingFields,
     check_metadata,
+    check_strict,
 )
 
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -185,6 +186,11 @@ class FunctionDefinition(RequestModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _strict(self) -> FunctionDefinition:
+        check_strict(self.strict, self.parameters, f"function '{self.name}'")
+        return self
 
 
 class FunctionTool(RequestModel):

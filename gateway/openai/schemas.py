@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # OpenAI's ``service_tier`` values. Tiers the platform does not define (``scale``, ``fast``) mean "auto".
 ServiceTierName = Literal["auto", "default", "flex", "scale", "priority", "fast"]
@@ -62,6 +62,46 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+def strict_schema_problem(schema: dict[str, Any] | None) -> str | None:
+    """What makes ``schema`` unfit for strict mode (``strict: true`` on a JSON schema or a function), by
+    OpenAI's rules for Structured Outputs: the root is an object, and every object lists each of its
+    properties in ``required`` and sets ``additionalProperties`` to false. None when it is fit."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return "the root of a strict schema must be an object ('type': 'object')"
+    pending: list[tuple[tuple[str, ...], Any]] = [((), schema)]
+    while pending:
+        context, node = pending.pop()
+        if isinstance(node, list):
+            pending += [((*context, str(i)), item) for i, item in enumerate(node)]
+            continue
+        if not isinstance(node, dict):
+            continue
+        properties = node.get("properties")
+        if node.get("type") == "object" or isinstance(properties, dict):
+            where = f"In context={context!r}, "
+            if node.get("additionalProperties") is not False:
+                return where + "'additionalProperties' is required to be supplied and to be false"
+            missing = [key for key in properties or {} if key not in (node.get("required") or [])]
+            if missing:
+                return (where + "'required' is required to be supplied and to be an array including every "
+                        f"key in properties. Missing {missing[0]!r}")
+        for key in ("properties", "$defs", "definitions"):
+            if isinstance(node.get(key), dict):
+                pending += [((*context, key, name), sub) for name, sub in node[key].items()]
+        for key in ("items", "anyOf", "prefixItems"):
+            if key in node:
+                pending.append(((*context, key), node[key]))
+    return None
+
+
+def check_strict(strict: bool | None, schema: dict[str, Any] | None, what: str) -> None:
+    """A ValueError (a 400 naming the field) when ``strict`` is true and ``schema`` is unfit for it."""
+    if strict:
+        problem = strict_schema_problem(schema)
+        if problem is not None:
+            raise ValueError(f"Invalid schema for {what}: {problem}")
+
+
 class StreamOptions(RequestModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
@@ -81,6 +121,11 @@ class JsonSchemaSpec(RequestModel):
     # ``schema`` shadows a BaseModel attribute, hence the alias.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _strict(self) -> JsonSchemaSpec:
+        check_strict(self.strict, self.json_schema, f"response_format '{self.name}'")
+        return self
 
 
 class ResponseFormatJsonSchema(RequestModel):

@@ -21,7 +21,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from gateway.chat.schemas import FUNCTION_NAME_PATTERN, UnsupportedContent
 from gateway.errors import InvalidRequestError
 from gateway.openai.caching import PromptCacheBreakpoint, PromptCacheFields
-from gateway.openai.schemas import RequestModel, ServiceTierName, check_metadata
+from gateway.openai.schemas import RequestModel, ServiceTierName, check_metadata, check_strict
 
 
 class InputText(RequestModel):
@@ -117,6 +117,11 @@ class FunctionToolParam(RequestModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _strict(self) -> FunctionToolParam:
+        check_strict(self.strict, self.parameters, f"function '{self.name}'")
+        return self
+
 
 class _UnsupportedTool(RequestModel):
     type: str
@@ -157,6 +162,11 @@ class FormatJsonSchema(RequestModel):
     # ``schema`` shadows a BaseModel attribute, hence the alias.
     json_schema: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _strict(self) -> FormatJsonSchema:
+        check_strict(self.strict, self.json_schema, f"text.format '{self.name}'")
+        return self
 
 
 TextFormat = Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")]

@@ -72,6 +72,15 @@ INVALID_CHAT = [
     ({**CHAT, "messages": [*MSG, {"role": "assistant", "tool_calls": [CALL]}, *MSG,
                            {"role": "tool", "tool_call_id": "call_1", "content": "late"}]},
      "messages[1].role"),
+    # strict: true takes OpenAI's subset: every object closed and all its properties required.
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True,
+        "schema": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}},
+     "response_format.json_schema"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}},
+                                               "additionalProperties": False}},
+        "required": ["a"], "additionalProperties": False}}}]}, "tools[0].function"),
     # JSON mode needs the word "json" somewhere in the messages.
     ({**CHAT, "response_format": {"type": "json_object"}}, "messages"),
     ({**CHAT, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),

@@ -207,6 +207,9 @@ async def test_streamed_function_call_then_its_output_round_trip(client: httpx.A
     ({"temperature": 3}, "temperature"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"model": "nope"}, "model"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "strict": True, "schema": {"type": "string"}}}},
+     "text.format"),
+    ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {}}}]}, "tools[0]"),
     # Each would change the answer, and neither exists here: refused rather than ignored.
     ({"conversation": "conv_123"}, "conversation"),
     ({"conversation": {"id": "conv_123"}}, "conversation"),
