@@ -192,7 +192,9 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
     code = "invalid_value"
-    if kind.endswith("_type") or kind in ("literal_error", "union_tag_invalid", "union_tag_not_found"):
+    if kind == "unsupported_parameter":  # ``gateway.openai.schemas.unsupported``
+        code = kind
+    elif kind.endswith("_type") or kind in ("literal_error", "union_tag_invalid", "union_tag_not_found"):
         code = "invalid_type" if kind.endswith("_type") else "invalid_value"
     if param:
         return InvalidRequestError(f"Invalid '{param}': {msg}.", param=param, code=code)

@@ -23,6 +23,7 @@ from gateway.openai.schemas import (
     SamplingFields,
     check_metadata,
     check_strict,
+    unsupported,
 )
 
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -46,7 +47,7 @@ class UnsupportedContent(RequestModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> UnsupportedContent:
-        raise ValueError(f"{self.type} content is not supported by this model (it reads text only)")
+        raise unsupported(f"{self.type} content is not supported by this model (it reads text only)")
 
 
 class ImagePart(UnsupportedContent):
@@ -203,7 +204,7 @@ class CustomTool(RequestModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> CustomTool:
-        raise ValueError("custom tools are not supported; use function tools")
+        raise unsupported("custom tools are not supported; use function tools")
 
 
 Tool = Annotated[FunctionTool | CustomTool, Field(discriminator="type")]
@@ -270,14 +271,14 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
     @classmethod
     def _text_only(cls, value: list[str] | None) -> list[str] | None:
         if value and any(m != "text" for m in value):
-            raise ValueError("only the 'text' modality is supported by this model")
+            raise unsupported("only the 'text' modality is supported by this model")
         return value
 
     @field_validator("audio")
     @classmethod
     def _no_audio(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            raise ValueError("audio output is not supported by this model")
+            raise unsupported("audio output is not supported by this model")
         return value
 
     @field_validator("metadata")
@@ -289,7 +290,7 @@ class ChatCompletionRequest(SamplingFields, PromptCacheFields):
     @classmethod
     def _no_legacy_functions(cls, value: Any) -> Any:
         if value is not None:
-            raise ValueError("the deprecated functions/function_call are not supported; "
+            raise unsupported("the deprecated functions/function_call are not supported; "
                              "use tools and tool_choice")
         return value
 

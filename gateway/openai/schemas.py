@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # OpenAI's ``service_tier`` values. Tiers the platform does not define (``scale``, ``fast``) mean "auto".
 ServiceTierName = Literal["auto", "default", "flex", "scale", "priority", "fast"]
@@ -154,6 +155,12 @@ def normalize_stop(value: Any) -> list[str]:
     return [s for s in value if s]
 
 
+def unsupported(message: str) -> PydanticCustomError:
+    """A validator's refusal of what this platform does not do: a 400 with code ``unsupported_parameter``
+    naming the field (``gateway.errors``), where a plain ValueError says ``invalid_value``."""
+    return PydanticCustomError("unsupported_parameter", message.replace("{", "{{").replace("}", "}}"))
+
+
 def check_logit_bias(value: dict[str, int] | None) -> dict[str, int] | None:
     """Validate OpenAI's shape (token-id keys, biases in [-100, 100]); a non-empty map is refused
     because the engine's sampler has no per-token bias."""
@@ -164,7 +171,7 @@ def check_logit_bias(value: dict[str, int] | None) -> dict[str, int] | None:
             raise ValueError(f"keys must be token ids, got {key!r}")
         if not -100 <= bias <= 100:
             raise ValueError(f"bias for token {key} must be between -100 and 100, got {bias}")
-    raise ValueError("logit_bias is not supported by this platform; remove it or send an empty object")
+    raise unsupported("logit_bias is not supported by this platform; remove it or send an empty object")
 
 
 class SamplingFields(RequestModel):

@@ -21,7 +21,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from gateway.chat.schemas import FUNCTION_NAME_PATTERN, UnsupportedContent
 from gateway.errors import InvalidRequestError
 from gateway.openai.caching import PromptCacheBreakpoint, PromptCacheFields
-from gateway.openai.schemas import RequestModel, ServiceTierName, check_metadata, check_strict
+from gateway.openai.schemas import RequestModel, ServiceTierName, check_metadata, check_strict, unsupported
 
 
 class InputText(RequestModel):
@@ -93,7 +93,7 @@ class _UnsupportedItem(RequestModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> _UnsupportedItem:
-        raise ValueError(f"input items of type '{self.type}' are not supported: send messages, "
+        raise unsupported(f"input items of type '{self.type}' are not supported: send messages, "
                          "function_call and function_call_output items")
 
 

@@ -133,6 +133,22 @@ async def test_invalid_chat_params_are_400(client: httpx.AsyncClient, body: dict
     assert error["type"] == "invalid_request_error" and error["message"]
 
 
+@pytest.mark.parametrize(("change", "param"), [
+    ({"logit_bias": {"50": 5}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0]"),
+])
+async def test_what_the_platform_does_not_do_is_refused_as_unsupported(client: httpx.AsyncClient,
+                                                                        change: dict, param: str) -> None:
+    """A refusal of something OpenAI has and this platform does not says so in its code, so that a
+    client can tell it from a value it got wrong."""
+    error = check_error(await client.post("/chat/completions", json={**CHAT, **change}), 400, param)
+    assert error["code"] == "unsupported_parameter", error
+
+
 @pytest.mark.parametrize(("body", "param"), INVALID_COMPLETION,
                          ids=[p + str(i) for i, (_, p) in enumerate(INVALID_COMPLETION)])
 async def test_invalid_completion_params_are_400(client: httpx.AsyncClient, body: dict, param: str) -> None:
