@@ -2,8 +2,8 @@
 
 Invariants:
 - Request models ignore unknown fields (forward compatibility with newer SDKs) but validate every
-  field they know with OpenAI's ranges; a violation is a pydantic error that ``gateway.errors`` turns
-  into a 400 naming the parameter.
+  field they know with OpenAI's types (strictly: no string taken for a number) and ranges; a violation
+  is a pydantic error that ``gateway.errors`` turns into a 400 naming the parameter.
 - Parameters the platform cannot honour are refused with a clear 400 (``unsupported_parameter``),
   never silently ignored when ignoring them would change the answer (``logit_bias``, ``suffix``,
   ``audio``, image input, ``best_of > n``).
@@ -25,9 +25,11 @@ INT64_MAX = 2**63 - 1
 
 
 class RequestModel(BaseModel):
-    """Base of every public request body: unknown fields are ignored, known ones validated."""
+    """Base of every public request body: unknown fields are ignored, known ones validated, with their
+    JSON types as OpenAI checks them (``strict``): ``"max_tokens": "2"`` or ``"stream": "yes"`` is a 400
+    ``invalid_type``, not converted (an integer is still a number)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 # JSON schemas of the request bodies, for the app's OpenAPI document (``gateway.api`` merges them into

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from gateway.chat.schemas import FUNCTION_NAME_PATTERN, UnsupportedContent
 from gateway.errors import InvalidRequestError
@@ -261,7 +261,11 @@ class CreateResponseRequest(PromptCacheFields):
         return "message.output_text.logprobs" in (self.include or ())
 
 
-class ListInputItemsQuery(RequestModel):
+class ListInputItemsQuery(BaseModel):
+    """A query string: every value arrives as text, so not strict."""
+
+    model_config = ConfigDict(extra="ignore")
+
     limit: int = Field(default=20, ge=1, le=100)
     order: Literal["asc", "desc"] = "desc"
     after: str | None = None

@@ -149,6 +149,24 @@ async def test_what_the_platform_does_not_do_is_refused_as_unsupported(client: h
     assert error["code"] == "unsupported_parameter", error
 
 
+@pytest.mark.parametrize(("change", "param"), [
+    ({"max_tokens": "2"}, "max_tokens"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"n": "2"}, "n"),
+    ({"stream": "yes"}, "stream"),
+    ({"logprobs": "true"}, "logprobs"),
+    ({"n": 2.0}, "n"),
+])
+async def test_values_of_the_wrong_json_type_are_refused_not_converted(client: httpx.AsyncClient,
+                                                                       change: dict, param: str) -> None:
+    """As at OpenAI: a string is not taken for a number or a boolean (a client bug surfaces here, not
+    later against OpenAI); an integer is a number."""
+    error = check_error(await client.post("/chat/completions", json={**CHAT, **change}), 400, param)
+    assert error["code"] == "invalid_type", error
+    ok = await client.post("/chat/completions", json={**CHAT, "max_tokens": 1, "temperature": 1, "top_p": 1})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(("body", "param"), INVALID_COMPLETION,
                          ids=[p + str(i) for i, (_, p) in enumerate(INVALID_COMPLETION)])
 async def test_invalid_completion_params_are_400(client: httpx.AsyncClient, body: dict, param: str) -> None:
