@@ -43,7 +43,8 @@ end
 """
 
 _RECORD_LUA = MONTH_OF_LUA + """
-local month = redis_month()
+local month = ARGV[2]
+if month == nil or month == '' then month = redis_month() end
 return {month, redis.call('HINCRBY', KEYS[1], month, ARGV[1])}
 """
 
@@ -92,13 +93,14 @@ async def month_to_date_spend(redis: Redis, tenant_id: int, month: str) -> int:
     return int(value) if value is not None else 0
 
 
-async def record_spend(redis: Redis, tenant_id: int, cost_pico_usd: int) -> tuple[str, int]:
-    """Add spend outside interactive admission (the batch tier); returns (month, new total).
-    Interactive requests are charged by ``AdmissionController.settle`` in the same script that
-    releases their lease."""
+async def record_spend(redis: Redis, tenant_id: int, cost_pico_usd: int,
+                       month: str | None = None) -> tuple[str, int]:
+    """Add spend outside interactive admission (the batch tier) to ``month`` ("2026-11"; None: the
+    current one); returns (month, new total). Interactive requests are charged by
+    ``AdmissionController.settle`` in the same script that releases their lease."""
     if cost_pico_usd < 0:
         raise ValueError(f"cost must be >= 0, got {cost_pico_usd}")
-    month, total = await redis.eval(_RECORD_LUA, 1, spend_key(tenant_id), str(cost_pico_usd))
+    month, total = await redis.eval(_RECORD_LUA, 1, spend_key(tenant_id), str(cost_pico_usd), month or "")
     return (month.decode() if isinstance(month, bytes) else month), int(total)
 
 

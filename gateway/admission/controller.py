@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from datetime import UTC, datetime
 from importlib import resources
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord, append_usage
-from billing.spend import MONTH_OF_LUA, spend_key, tenant_tag
+from billing.spend import MONTH_OF_LUA, month_field, spend_key, tenant_tag
 from gateway.admission.headers import format_duration_ms, rate_limit_headers, retry_headers
 from gateway.admission.limits import STATUS_ACTIVE, STATUS_SUSPENDED_BILLING, Admission, TenantLimits
 from gateway.admission.resp import LeanRedis
@@ -125,7 +126,8 @@ class AdmissionController:
         )
         if verdict == "ok":
             return Admission(request_id=request_id, tenant_id=limits.tenant_id, lease_id=lease_id,
-                             reserved_tokens=reserved_tokens, headers=headers, tpm_limit=limits.tpm_limit)
+                             reserved_tokens=reserved_tokens, headers=headers, tpm_limit=limits.tpm_limit,
+                             month=month_field(datetime.now(UTC)))
         raise _rejection(verdict, limits, reserved_tokens, req_left, tok_left, retry_ms, headers)
 
     async def settle(self, admission: Admission, used_tokens: int, cost_pico_usd: int) -> None:
@@ -141,7 +143,7 @@ class AdmissionController:
         await self._settle(
             keys=[tpm_key, leases_key, holds_key, spend_key(admission.tenant_id)],
             args=[_limit_arg(admission.tpm_limit), self._window_us, admission.reserved_tokens - used_tokens,
-                  admission.lease_id, str(cost_pico_usd)],
+                  admission.lease_id, str(cost_pico_usd), admission.month or ""],
         )
         admission.settled = True
 
@@ -162,7 +164,7 @@ class AdmissionController:
         keys = [tpm_key, leases_key, holds_key, spend_key(admission.tenant_id)]
         args: list[str | int] = [_limit_arg(admission.tpm_limit), self._window_us,
                                  admission.reserved_tokens - used_tokens, admission.lease_id,
-                                 str(cost_pico_usd)]
+                                 str(cost_pico_usd), admission.month or ""]
         try:
             if self._lean is not None:
                 settled, appended = await self._lean.pipeline(

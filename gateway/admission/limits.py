@@ -68,6 +68,9 @@ class Admission:
     reserved_tokens: int
     headers: dict[str, str]
     tpm_limit: int | None = None
+    # The UTC month ("2026-11") the request was admitted in: its cost is charged to that month's spend
+    # counter however late it settles, as the ledger counts it in the month it arrived.
+    month: str | None = None
     settled: bool = field(default=False, compare=False)
 
 

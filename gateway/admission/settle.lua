@@ -1,6 +1,7 @@
 -- Settle one admitted request. KEYS: 1 token bucket, 2 leases, 3 cost holds, 4 spend.
 -- ARGV: 1 tpm (-1 none), 2 window us, 3 reserved - used tokens (refund > 0, overshoot < 0),
--- 4 lease id, 5 cost (decimal integer string). Returns the month the cost was charged to.
+-- 4 lease id, 5 cost (decimal integer string), 6 the month it was admitted in ('' : now's). Returns the
+-- month the cost was charged to.
 local tpm = tonumber(ARGV[1])
 local window_us = tonumber(ARGV[2])
 local delta = tonumber(ARGV[3])
@@ -19,6 +20,7 @@ if held then
   redis.call('HDEL', KEYS[3], lease_id)
   redis.call('HINCRBY', KEYS[3], '_total', '-' .. held)
 end
-local month = month_of(math.floor(now / 1000000))
+local month = ARGV[6]
+if month == nil or month == '' then month = month_of(math.floor(now / 1000000)) end
 if cost ~= '0' then redis.call('HINCRBY', KEYS[4], month, cost) end
 return month

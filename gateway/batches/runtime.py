@@ -143,7 +143,7 @@ class BatchAdmission:
         if not admitted:
             raise BatchDeferred(f"tenant {limits.tenant_id} has used its batch tokens for today")
         return Admission(request_id=request_id, tenant_id=limits.tenant_id, lease_id=day,
-                         reserved_tokens=reserved_tokens, headers={})
+                         reserved_tokens=reserved_tokens, headers={}, month=month_field(datetime.now(UTC)))
 
     async def settle(self, admission: Admission, used_tokens: int, cost_pico_usd: int) -> None:
         if admission.settled:
@@ -153,7 +153,7 @@ class BatchAdmission:
                                  used_tokens - admission.reserved_tokens)
         # Month-to-date spend once per line, however often the line was generated.
         if await self.redis.set(billed_key(admission.request_id), 1, nx=True, ex=BILLED_TTL_S):
-            await record_spend(self.redis, admission.tenant_id, cost_pico_usd)
+            await record_spend(self.redis, admission.tenant_id, cost_pico_usd, admission.month)
 
     async def settle_and_append(self, admission: Admission, used_tokens: int, cost_pico_usd: int,
                                 record: UsageRecord) -> tuple[Exception | None, Exception | None]:

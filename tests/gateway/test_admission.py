@@ -229,6 +229,18 @@ async def test_cost_held_by_a_dead_gateway_is_released_with_its_lease(controller
     await controller.admit(tenant, "next", 10, 1)
 
 
+async def test_a_request_is_charged_to_the_month_it_was_admitted_in(controller) -> None:
+    """Settled after midnight on the first of the month, a request admitted the month before is charged
+    to that month's counter, where the ledger counts it (by its arrival), for interactive and batch."""
+    admission = await controller.admit(limits(tenant_id=5), "r", 10, 300)
+    assert admission.month == _month()
+    admission.month = "2020-01"  # as if the month had turned since
+    await controller.settle(admission, 10, 300)
+    assert await month_to_date_spend(controller._redis, 5, "2020-01") == 300
+    assert await month_to_date_spend(controller._redis, 5, _month()) == 0
+    assert await record_spend(controller._redis, 5, 7, "2020-01") == ("2020-01", 307)
+
+
 async def test_batch_spend_counts_against_the_same_budget(controller) -> None:
     tenant = limits(tenant_id=4, budget=1_000)
     month, total = await record_spend(controller._redis, 4, 1_000)
