@@ -76,6 +76,11 @@ def decode_cursor(page: str) -> int:
                                   code="invalid_value") from None
 
 
+# Timestamps past this (3000-01-01, Unix seconds) are refused: bucket arithmetic and datetimes stay far
+# from Python's and Postgres' year 9999.
+MAX_TIME_S = 32_503_680_000
+
+
 def plan_page(start_time: int, end_time: int | None, width: str, limit: int | None, page: str | None,
               limits: tuple[int, int], *, now: int) -> Page:
     if width not in WIDTH_S:
@@ -86,6 +91,10 @@ def plan_page(start_time: int, end_time: int | None, width: str, limit: int | No
     if not 1 <= limit <= maximum:
         raise InvalidRequestError(f"Invalid 'limit': must be between 1 and {maximum} for bucket_width "
                                   f"{width}.", param="limit", code="invalid_value")
+    for name, value in (("start_time", start_time), ("end_time", end_time)):
+        if value is not None and value > MAX_TIME_S:
+            raise InvalidRequestError(f"Invalid '{name}': {value} is past the year 3000 (Unix seconds).",
+                                      param=name, code="invalid_value")
     end = now if end_time is None else end_time
     if start_time < 0 or end <= start_time:
         raise InvalidRequestError("Invalid 'end_time': it must be after 'start_time'.", param="end_time",
@@ -98,7 +107,9 @@ def plan_page(start_time: int, end_time: int | None, width: str, limit: int | No
             raise InvalidRequestError("Invalid 'page': it does not belong to this query.", param="page",
                                       code="invalid_value")
         first = cursor
-    starts = list(range(first, end, w))  # empty only for a cursor at or past end_time
+    # The page's buckets and whether one follows, never the whole range: a range of decades in minutes
+    # would otherwise be listed in memory, one request stalling the worker.
+    starts = list(range(first, end, w)[:limit + 1])  # empty only for a cursor at or past end_time
     more = len(starts) > limit
     starts = starts[:limit]
     return Page(starts, w, encode_cursor(starts[-1] + w) if more else None)
