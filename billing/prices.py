@@ -217,7 +217,14 @@ def new_price_start(effective_from: datetime | None, now: datetime | None = None
         raise ValueError("effective_from must be timezone-aware")
     if start < now:
         raise PastEffectiveFrom(start, now)
+    if start >= LATEST_PRICE_START:
+        # Far enough from Python's and Postgres' year 9999 that no time zone carries it past (a row
+        # stored in year 10000 could not be read back, and every gateway's price book would stop loading).
+        raise ValueError(f"effective_from must be before {LATEST_PRICE_START.date().isoformat()}")
     return start
+
+
+LATEST_PRICE_START = datetime(3000, 1, 1, tzinfo=UTC)
 
 
 def pico_to_usd_per_mtok(pico_per_token: int) -> Decimal:

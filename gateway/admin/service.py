@@ -372,11 +372,17 @@ async def add_price(session: AsyncSession, data: PriceCreateRequest, *, actor: s
         raise AdminConflict(str(e), param="effective_from") from e
     except ValueError as e:
         raise AdminError(str(e)) from e
-    details: dict[str, Any] = {"model": data.model, "effective_from": start.isoformat(),
-                               "pico_usd_per_token": {name: getattr(price, name) for name in PRICE_FIELDS}}
-    await AuditLogRepository(session).record(actor, "price.set", details=details)
+    await record_price_set(session, actor, data.model, start, price)
     return next(row for row in await list_prices(session, data.model, now=now)
                 if row.effective_from == start)
+
+
+async def record_price_set(session: AsyncSession, actor: str, model: str, start: datetime,
+                           price: Price) -> None:
+    """The audit row of a price set (the admin API and ``tollgate prices set`` alike)."""
+    details: dict[str, Any] = {"model": model, "effective_from": start.isoformat(),
+                               "pico_usd_per_token": {name: getattr(price, name) for name in PRICE_FIELDS}}
+    await AuditLogRepository(session).record(actor, "price.set", details=details)
 
 
 # ------------------------------------------------------------------------------------------ usage

@@ -37,3 +37,14 @@ def test_default_now_is_the_clock() -> None:
     assert before <= new_price_start(None) <= datetime.now(UTC)
     with pytest.raises(PastEffectiveFrom):
         new_price_start(before - timedelta(seconds=1))
+
+
+def test_a_start_from_the_year_3000_on_is_refused() -> None:
+    """9999-12-31 at UTC-5 is year 10000 in UTC: stored, no gateway could load its price book again."""
+    from datetime import timezone
+
+    assert new_price_start(datetime(2999, 12, 31, tzinfo=UTC), NOW).year == 2999
+    for start in (datetime(3000, 1, 1, tzinfo=UTC),
+                  datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-5)))):
+        with pytest.raises(ValueError, match="before 3000-01-01"):
+            new_price_start(start, NOW)

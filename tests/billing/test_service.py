@@ -185,6 +185,15 @@ def test_prices_cli_sets_exact_prices_and_refuses_fractions(new_database, settin
     assert result.exit_code == 2 and "--effective-from" in result.output and "in the past" in result.output
     result = runner.invoke(cli, ["prices", "list", "cli-model"])
     assert result.output.count("cli-model") == 1 and "input=$4/Mtok" in result.output
+    # Far enough ahead that a time zone carries it past year 9999: refused (stored, it broke every
+    # gateway's price book refresh, and the admin API's list).
+    result = runner.invoke(cli, ["prices", "set", "cli-model", "--input", "5", "--output", "17",
+                                 "--effective-from", "9999-12-31T23:59:59-05:00"])
+    assert result.exit_code == 2 and "--effective-from" in result.output and "before 3000" in result.output
+    # Each price set is in the audit log, as the admin API's are.
+    audited = asyncio.run(_audit_rows(new_database, "price.set"))
+    assert [(a.startswith("cli:"), d["model"], d["pico_usd_per_token"]["input"]) for a, d in audited] == [
+        (True, "cli-model", 3_000_000), (True, "cli-model", 4_000_000)]
 
     result = runner.invoke(cli, ["prices", "set", "cli-embedder", "--input", "3", "--output", "15",
                                  "--embedding-input", "0.02"])
@@ -200,6 +209,20 @@ def test_prices_cli_sets_exact_prices_and_refuses_fractions(new_database, settin
     result = runner.invoke(cli, ["prices", "set", "cli-embedder", "--input", "3", "--output", "15",
                                  "--embedding-input", "0.0000001"])
     assert result.exit_code == 2 and "--embedding-input" in result.output
+
+
+async def _audit_rows(database_url: str, action: str) -> list[tuple[str, dict]]:
+    from tollgate.db import Database
+    from tollgate.models import AuditLog
+
+    db = Database(database_url)
+    try:
+        async with db.session() as session:
+            rows = await session.scalars(select(AuditLog).where(AuditLog.action == action)
+                                         .order_by(AuditLog.id))
+            return [(row.actor, row.details) for row in rows]
+    finally:
+        await db.dispose()
 
 
 def test_prices_cli_sets_the_cache_prices(new_database, settings, monkeypatch) -> None:

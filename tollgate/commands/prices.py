@@ -83,6 +83,8 @@ def set_price(model: str, input_: int, output: int, effective_from: datetime | N
             "a price row takes effect now or later, never retroactively (gateways have already billed "
             "by the row in effect). Omit --effective-from to start now.",
             param_hint="'--effective-from'") from None
+    except ValueError as exc:  # too far ahead
+        raise click.BadParameter(str(exc), param_hint="'--effective-from'") from None
     price = Price.of(input=input_, output=output, **optional)
     try:
         start = asyncio.run(_set(model, price, effective_from))
@@ -111,13 +113,18 @@ def _describe(price: object) -> str:
 
 async def _set(model: str, price: object, effective_from: datetime | None) -> datetime:
     from billing.service import set_price as set_price_row
+    from gateway.admin.service import record_price_set
+    from tollgate.commands._async import cli_actor
     from tollgate.db import Database
     from tollgate.settings import get_settings
 
     db = Database.from_settings(get_settings())
     try:
         async with db.session() as session:
-            return await set_price_row(session, model, price, effective_from)  # type: ignore[arg-type]
+            start = await set_price_row(session, model, price, effective_from)  # type: ignore[arg-type]
+            # Recorded like the admin API's price.set, in the same unit of work.
+            await record_price_set(session, cli_actor(), model, start, price)  # type: ignore[arg-type]
+            return start
     finally:
         await db.dispose()
 
