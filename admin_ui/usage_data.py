@@ -77,6 +77,9 @@ class UsageRange:
                 "granularity": self.granularity}
 
 
+LAST_DAY = date(3000, 1, 1)
+
+
 def parse_range(start: str | None, end: str | None, granularity: str | None, *,
                 today: date | None = None) -> UsageRange:
     """The range of the query (``YYYY-MM-DD`` days, both included); ``ValueError`` explains a bad one."""
@@ -88,6 +91,8 @@ def parse_range(start: str | None, end: str | None, granularity: str | None, *,
         raise ValueError("dates must look like 2026-01-31") from None
     if first > last:
         raise ValueError("the start date must not be after the end date")
+    if last >= LAST_DAY:  # the range's end (a day later) must stay a datetime
+        raise ValueError(f"dates must be before {LAST_DAY.isoformat()}")
     days = (last - first).days + 1
     if days > MAX_RANGE_DAYS:
         raise ValueError(f"at most {MAX_RANGE_DAYS} days at once")

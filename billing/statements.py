@@ -53,7 +53,8 @@ def cents_half_up(pico: int) -> int:
 
 def usd_exact(pico: int) -> str:
     """``1234567`` pico-USD → ``"0.000001234567"`` (exact, 12 decimals)."""
-    return str((Decimal(pico) / PICO_PER_USD).quantize(Decimal("0.000000000001")))
+    # format(..., "f"): str() of a zero Decimal at 12 places is "0E-12".
+    return format((Decimal(pico) / PICO_PER_USD).quantize(Decimal("0.000000000001")), "f")
 
 
 def format_cents(cents: int) -> str:
@@ -178,7 +179,7 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
 
 async def find_tenant_id(session: AsyncSession, ref: str | int) -> int:
     """A tenant id from an id or a name."""
-    if isinstance(ref, int) or ref.isdigit():
+    if (isinstance(ref, int) or ref.isdigit()) and 0 <= int(ref) < 2**63:  # ids are BIGINT: beyond, none
         tenant = await session.get(Tenant, int(ref))
         if tenant is not None:
             return tenant.id

@@ -24,18 +24,18 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from billing.prices import PRICE_FIELDS, pico_to_usd_per_mtok, usd_per_mtok_to_pico
 from gateway.tenants.schemas import (
+    BIGINT_MAX,
+    INTEGER_MAX,
     PICO_PER_USD,
-    TENANT_NAME_PATTERN,
     ApiKeyCreate,
     ApiKeyRead,
     TenantCreate,
+    TenantName,
     TenantRead,
     TenantUpdate,
     pico_usd_from_usd,
 )
 
-BIGINT_MAX = 2**63 - 1
-INTEGER_MAX = 2**31 - 1
 FLOAT_EXACT_DIGITS = 15
 
 
@@ -78,8 +78,18 @@ def _usd_per_mtok_to_pico(value: Any) -> int | None:
 UsdAmount = Annotated[int | None, BeforeValidator(_usd_to_pico)]
 UsdPerMtok = Annotated[int | None, BeforeValidator(_usd_per_mtok_to_pico)]
 RequiredUsdPerMtok = Annotated[int, BeforeValidator(_usd_per_mtok_to_pico)]
-BigLimit = Annotated[int | None, Field(ge=0, le=BIGINT_MAX)]
-IntLimit = Annotated[int | None, Field(ge=0, le=INTEGER_MAX)]
+
+
+def _not_a_boolean(value: Any) -> Any:
+    """``true`` is not a limit of 1 (which would all but block the tenant). Digits in a string are still
+    a number: the dashboard's forms send them so."""
+    if isinstance(value, bool):
+        raise ValueError("a limit is a whole number or null, not a boolean")
+    return value
+
+
+BigLimit = Annotated[Annotated[int, Field(ge=0, le=BIGINT_MAX)] | None, BeforeValidator(_not_a_boolean)]
+IntLimit = Annotated[Annotated[int, Field(ge=0, le=INTEGER_MAX)] | None, BeforeValidator(_not_a_boolean)]
 
 
 # ------------------------------------------------------------------------------------------ tenants
@@ -88,7 +98,7 @@ IntLimit = Annotated[int | None, Field(ge=0, le=INTEGER_MAX)]
 class TenantCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
-    name: str = Field(pattern=TENANT_NAME_PATTERN)
+    name: TenantName
     tier: str = "default"
     tpm_limit: BigLimit = None
     rpm_limit: BigLimit = None

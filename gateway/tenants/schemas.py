@@ -9,12 +9,22 @@ from __future__ import annotations
 
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 PICO_PER_USD = 10**12
 TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,127}$"
+
+
+def _not_an_id(name: str) -> str:
+    """Commands and routes take a tenant's name or its id: a name of digits alone would be read as an id."""
+    if name.isdigit():
+        raise ValueError("a tenant name must not be digits alone (it would be read as a tenant id)")
+    return name
+
+
+TenantName = Annotated[str, Field(pattern=TENANT_NAME_PATTERN), AfterValidator(_not_an_id)]
 
 Limit = int | None
 
@@ -33,18 +43,23 @@ def pico_usd_from_usd(amount: str | int | Decimal) -> int:
     return int(pico)
 
 
+# The columns' ranges (BIGINT; max_concurrency an INTEGER): past them the database refuses the row.
+BIGINT_MAX = 2**63 - 1
+INTEGER_MAX = 2**31 - 1
+
+
 class _Limits(BaseModel):
-    tpm_limit: Limit = Field(default=None, ge=0)
-    rpm_limit: Limit = Field(default=None, ge=0)
-    max_concurrency: Limit = Field(default=None, ge=0)
-    batch_tpd_limit: Limit = Field(default=None, ge=0)
-    monthly_budget_pico_usd: Limit = Field(default=None, ge=0)
+    tpm_limit: Limit = Field(default=None, ge=0, le=BIGINT_MAX)
+    rpm_limit: Limit = Field(default=None, ge=0, le=BIGINT_MAX)
+    max_concurrency: Limit = Field(default=None, ge=0, le=INTEGER_MAX)
+    batch_tpd_limit: Limit = Field(default=None, ge=0, le=BIGINT_MAX)
+    monthly_budget_pico_usd: Limit = Field(default=None, ge=0, le=BIGINT_MAX)
 
 
 class TenantCreate(_Limits):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
-    name: str = Field(pattern=TENANT_NAME_PATTERN)
+    name: TenantName
     tier: str = "default"
     stripe_customer_id: str | None = Field(default=None, min_length=1, max_length=255)
 

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.tenants.keys import generate_key, hash_key, parse_key, verify_key
 from gateway.tenants.repository import ApiKeyRepository, AuditLogRepository, TenantRepository
-from gateway.tenants.schemas import ApiKeyCreate, TenantCreate, TenantUpdate
+from gateway.tenants.schemas import BIGINT_MAX, ApiKeyCreate, TenantCreate, TenantUpdate
 from tollgate.models import SUSPENDED_REASONS, ApiKey, Tenant
 from tollgate.settings import Settings
 
@@ -37,6 +37,12 @@ class TenantNameTaken(TenantError):
 
 class InvalidTenantData(TenantError):
     status = 400
+
+
+class TenantStateConflict(TenantError):
+    """The change would undo a state another rule guards (a billing suspension hidden by an admin one)."""
+
+    status = 409
 
 
 class ApiKeyNotFound(TenantError):
@@ -68,7 +74,11 @@ class TenantService:
         try:
             async with self.session.begin_nested():
                 tenant = await self.tenants.add(Tenant(**data.model_dump()))
-        except IntegrityError as e:  # a concurrent create won the race for the name
+        except IntegrityError as e:  # the name (a concurrent create won the race) or the Stripe customer
+            constraint = getattr(getattr(e.orig, "diag", None), "constraint_name", None) or ""
+            if "stripe_customer_id" in constraint:
+                raise TenantStateConflict(f"the Stripe customer {data.stripe_customer_id!r} belongs to "
+                                          "another tenant") from e
             raise TenantNameTaken(f"a tenant named {data.name!r} already exists") from e
         await self.audit.record(actor, "tenant.create", tenant_id=tenant.id, details=data.model_dump())
         return tenant
@@ -76,7 +86,7 @@ class TenantService:
     async def get_tenant(self, ref: int | str) -> Tenant:
         """A tenant by id (int, or a string of digits) or by name."""
         tenant = None
-        if isinstance(ref, int) or ref.isdigit():
+        if (isinstance(ref, int) or ref.isdigit()) and 0 <= int(ref) <= BIGINT_MAX:  # beyond: no such id
             tenant = await self.tenants.get(int(ref))
         if tenant is None and isinstance(ref, str):
             tenant = await self.tenants.get_by_name(ref)
@@ -106,6 +116,13 @@ class TenantService:
         if reason not in SUSPENDED_REASONS:
             raise InvalidTenantData(f"reason must be one of {SUSPENDED_REASONS}, got {reason!r}")
         tenant = await self.get_tenant(tenant_id)
+        if tenant.status == "suspended" and tenant.suspended_reason == reason:
+            return tenant  # already so: nothing changes, nothing is recorded
+        if tenant.status == "suspended" and tenant.suspended_reason == "billing":
+            # As the admin API (``gateway.admin.service.suspend_tenant``): replaced by an admin suspension,
+            # a billing one could be lifted by a plain resume, without --force.
+            raise TenantStateConflict(f"tenant {tenant.id} is suspended for billing; an admin suspension "
+                                      "would hide it (resume --force lifts a billing suspension)")
         tenant.status, tenant.suspended_reason = "suspended", reason
         await self.tenants.flush(tenant)
         await self.audit.record(actor, "tenant.suspend", tenant_id=tenant.id, details={"reason": reason})

@@ -113,6 +113,7 @@ def test_usage_ranges() -> None:
     assert short.granularity == "hour" and len(short.buckets()) == 48
     assert short.end == datetime(2026, 3, 11, tzinfo=UTC)
     for bad in [("2026-03-10", "2026-03-01", None), ("yesterday", None, None), ("2025-01-01", None, "day"),
-                ("2026-01-01", None, "hour"), (None, None, "week")]:
+                ("2026-01-01", None, "hour"), (None, None, "week"),
+                ("9999-12-30", "9999-12-31", None)]:  # its end, a day later, is no datetime (a 500 before)
         with pytest.raises(ValueError):
             parse_range(*bad, today=today)

@@ -30,7 +30,7 @@ from billing.rollups import (
     hour_of,
     reconcile_rollups,
 )
-from billing.statements import TOKEN_KINDS, build_statement, carry_rounding
+from billing.statements import TOKEN_KINDS, build_statement, carry_rounding, usd_exact
 from tests.factories import create_price, create_tenant, create_usage_event
 from tollgate.db import Database
 from tollgate.models import UsageEvent, UsageHourly
@@ -262,6 +262,11 @@ def test_cents_carry_the_rounding_to_the_total() -> None:
     assert carry_rounding([5 * 10**9, 5 * 10**9]) == [1, 0]
     assert sum(carry_rounding([123_456_789_012, 987_654_321, 55])) == (123_456_789_012 + 987_654_321 + 55
                                                                         + 5 * 10**9) // 10**10
+
+
+def test_exact_amounts_have_twelve_decimals_zero_included() -> None:
+    assert [usd_exact(p) for p in (0, 1_234_567, 5 * 10**12 + 1)] == [
+        "0.000000000000", "0.000001234567", "5.000000000001"]  # zero was "0E-12"
 
 
 def test_the_split_uses_the_price_the_request_was_admitted_with() -> None:

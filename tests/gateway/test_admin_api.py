@@ -144,6 +144,8 @@ BAD_REQUESTS: list[tuple[str, str, Any]] = [
     ("POST", "/admin/v1/tenants", {"name": "ok", "rpm_limit": 2**63}),
     ("POST", "/admin/v1/tenants", {"name": "ok", "surprise": 1}),
     ("POST", "/admin/v1/tenants", {"name": "-bad name"}),
+    ("POST", "/admin/v1/tenants", {"name": "3"}),  # digits alone would be read as a tenant id
+    ("POST", "/admin/v1/tenants", {"name": "ok", "tpm_limit": True}),
     ("POST", "/admin/v1/tenants", {"name": "ok", "monthly_budget_usd": "lots"}),
     ("POST", "/admin/v1/tenants", {"name": "ok", "monthly_budget_usd": "-1"}),
     ("POST", "/admin/v1/tenants", {"name": "ok", "monthly_budget_usd": "0.0000000000001"}),
@@ -163,12 +165,22 @@ BAD_REQUESTS: list[tuple[str, str, Any]] = [
                                   "effective_from": "2030-01-01T00:00:00"}),
     ("POST", "/admin/v1/prices", {"model": "m", "input_usd_per_mtok": 1, "output_usd_per_mtok": 1,
                                   "effective_from": "2001-01-01T00:00:00Z"}),
+    ("POST", "/admin/v1/prices", {"model": "m", "input_usd_per_mtok": 1, "output_usd_per_mtok": 1,
+                                  "effective_from": "9999-12-31T23:59:59-05:00"}),
     ("GET", "/admin/v1/usage?group_by=colour", None),
     ("GET", "/admin/v1/usage?granularity=week", None),
     ("GET", "/admin/v1/usage?start=2030-01-02&end=2030-01-01", None),
     ("GET", "/admin/v1/usage?start=yesterday", None),
     ("GET", "/admin/v1/audit?before_id=-1", None),
 ]
+# Well-formed but naming nothing: a 404, never the database's overflow (a 500 before).
+NOT_FOUND = ["/admin/v1/statements/99999999999999999999?month=2026-11",
+             "/admin/v1/statements/99999999999999999999.csv?month=2026-11"]
+
+
+@pytest.mark.parametrize("path", NOT_FOUND)
+async def test_an_id_past_the_columns_range_is_a_404(client: httpx.AsyncClient, path: str) -> None:
+    assert_error(await client.get(path), 404)
 
 
 @pytest.mark.parametrize(("method", "path", "body"), BAD_REQUESTS)
@@ -184,10 +196,18 @@ async def test_bad_patches_are_400_and_change_nothing(client: httpx.AsyncClient)
     tenant = await create_tenant_api(client, rpm_limit=10)
     path = f"/admin/v1/tenants/{tenant['id']}"
     for body in ({"rpm_limit": -1}, {"tier": None}, {"tier": "gold"}, {"max_concurrency": "many"},
-                 {"name": "renamed"}, {"monthly_budget_usd": "-5"}):
+                 {"name": "renamed"}, {"monthly_budget_usd": "-5"}, {"tpm_limit": True}):
         error = assert_error(await client.patch(path, json=body), 400)
         assert error["type"] == "invalid_request_error"
     assert (await client.get(path)).json() == tenant
+
+
+async def test_a_stripe_customer_of_another_tenant_is_named_in_the_409(client: httpx.AsyncClient) -> None:
+    customer = f"cus_{uuid.uuid4().hex[:12]}"
+    await create_tenant_api(client, stripe_customer_id=customer)
+    error = assert_error(await client.post("/admin/v1/tenants", json={
+        "name": f"t-{uuid.uuid4().hex[:8]}", "stripe_customer_id": customer}), 409)
+    assert "Stripe customer" in error["message"] and "already exists" not in error["message"]
 
 
 async def test_unknown_tenant_and_key_are_404(client: httpx.AsyncClient) -> None:

@@ -103,6 +103,13 @@ def test_errors_are_messages_with_non_zero_exit(cli):
     no_tenant = cli("keys", "create", "nobody")
     assert no_tenant.exit_code == 1 and "no tenant 'nobody'" in no_tenant.output
     assert "Traceback" not in duplicate.output + unknown_tier.output + no_tenant.output
+    # Past the columns' ranges, or digits alone as a name: a message, not the database's traceback.
+    for args in (("--tpm", "99999999999999999999"), ("--max-concurrency", "3000000000"),
+                 ("--monthly-budget-usd", "1e30")):
+        huge = cli("tenants", "create", "t4", *args)
+        assert huge.exit_code in (1, 2) and "Traceback" not in huge.output, huge.output
+    digits = cli("tenants", "create", "42")
+    assert digits.exit_code in (1, 2) and "digits alone" in digits.output
 
 
 def test_suspend_and_resume(cli):
@@ -111,6 +118,11 @@ def test_suspend_and_resume(cli):
     assert suspended.exit_code == 0 and "suspended (billing)" in suspended.output
     refused = cli("tenants", "resume", "sleepy")
     assert refused.exit_code == 1 and "suspended for billing" in refused.output
+    # An admin suspension over it would let a plain resume lift the billing one: refused, nothing changes.
+    hidden = cli("tenants", "suspend", "sleepy")
+    assert hidden.exit_code == 1 and "suspended for billing" in hidden.output, hidden.output
+    assert "Traceback" not in hidden.output
+    assert cli("tenants", "resume", "sleepy").exit_code == 1
     resumed = cli("tenants", "resume", "sleepy", "--force")
     assert resumed.exit_code == 0 and "status=active" in resumed.output
     assert "sleepy" in cli("tenants", "list").output
