@@ -56,6 +56,10 @@ class AdminRepository:
     async def flush(self) -> None:
         await self.session.flush()
 
+    async def delete(self, admin: Admin) -> None:
+        await self.session.delete(admin)
+        await self.session.flush()
+
 
 async def lock_tenant(session: AsyncSession, tenant_id: int) -> Tenant | None:
     """The tenant row, locked (``FOR UPDATE``) until the transaction ends, so a status change decided on

@@ -137,15 +137,43 @@ async def create_admin(session: AsyncSession, email: str, *, settings: Settings,
 async def rotate_admin_token(session: AsyncSession, email: str, *, settings: Settings,
                              actor: str) -> tuple[Admin, str]:
     """Replace the admin's API token (the old one stops working at once); returns the new one."""
-    admins = repository.AdminRepository(session)
-    admin = await admins.get_by_email(normalize_email(email))
-    if admin is None:
-        raise AdminNotFound(f"no admin {email!r}")
+    admin = await _admin(session, email)
     token = generate_admin_token()
     admin.api_token_hash = hash_admin_token(token, settings)
-    await admins.flush()
+    await repository.AdminRepository(session).flush()
     await AuditLogRepository(session).record(actor, "admin.rotate_token", details={"admin_id": admin.id})
     return admin, token
+
+
+async def _admin(session: AsyncSession, email: str) -> Admin:
+    admin = await repository.AdminRepository(session).get_by_email(normalize_email(email))
+    if admin is None:
+        raise AdminNotFound(f"no admin {email!r}")
+    return admin
+
+
+async def set_admin_password(session: AsyncSession, email: str, password: str | None, *,
+                             actor: str) -> Admin:
+    """Set (or with None, remove) the admin's dashboard password; every dashboard session of that admin
+    ends (``admin_ui.session``: a session carries a fingerprint of the password hash)."""
+    if password is not None and not password:
+        raise AdminError("the admin password must not be empty")
+    admin = await _admin(session, email)
+    admin.password_hash = PasswordHasher().hash(password) if password else None
+    await repository.AdminRepository(session).flush()
+    await AuditLogRepository(session).record(actor, "admin.set_password", details={
+        "admin_id": admin.id, "password_set": password is not None})
+    return admin
+
+
+async def delete_admin(session: AsyncSession, email: str, *, actor: str) -> Admin:
+    """Remove the admin: its API token and dashboard sessions stop working at once. The audit log keeps
+    what it did (its rows name the actor, not the admin row)."""
+    admin = await _admin(session, email)
+    await repository.AdminRepository(session).delete(admin)
+    await AuditLogRepository(session).record(actor, "admin.delete", details={
+        "admin_id": admin.id, "email": admin.email})
+    return admin
 
 
 async def list_admins(session: AsyncSession) -> Sequence[Admin]:

@@ -1,6 +1,7 @@
-"""``tollgate admins create|rotate-token|list`` against a database of their own (the commands commit):
-the printed token opens the admin API, only hashes are stored, and the argon2 password hash the
-dashboard will check is written when ``TOLLGATE_ADMIN_PASSWORD`` is set."""
+"""``tollgate admins create|rotate-token|set-password|delete|list`` against a database of their own (the
+commands commit): the printed token opens the admin API, only hashes are stored, and the argon2 password
+hash the dashboard will check is written when ``TOLLGATE_ADMIN_PASSWORD`` is set; a password can be
+changed or removed, and a deleted admin's token stops working."""
 
 from __future__ import annotations
 
@@ -112,6 +113,35 @@ def test_rotate_token_replaces_the_old_one(cli) -> None:
     assert new != old and new.startswith("tg-admin-")
     assert admin_api_status(new) == 200 and admin_api_status(old) == 401
     assert cli("admins", "rotate-token", "nobody@example.com").exit_code == 1
+
+
+def test_set_password_changes_or_removes_the_dashboard_password(cli, monkeypatch) -> None:
+    cli("admins", "create", "pw@example.com")
+    monkeypatch.setenv("TOLLGATE_ADMIN_PASSWORD", "correct horse")
+    result = cli("admins", "set-password", "pw@example.com")
+    assert result.exit_code == 0 and "set" in result.output, result.output
+    [admin] = rows(select(Admin).where(Admin.email == "pw@example.com"))
+    assert PasswordHasher().verify(admin.password_hash, "correct horse")
+    removed = cli("admins", "set-password", "pw@example.com", "--remove")
+    assert removed.exit_code == 0 and "removed" in removed.output
+    [admin] = rows(select(Admin).where(Admin.email == "pw@example.com"))
+    assert admin.password_hash is None
+    assert cli("admins", "set-password", "nobody@example.com").exit_code == 1
+    actions = [a.action for a in rows(select(AuditLog).order_by(AuditLog.id))]
+    assert actions.count("admin.set_password") == 2
+
+
+def test_delete_ends_the_admins_token(cli) -> None:
+    token = cli("admins", "create", "gone@example.com").output.strip().splitlines()[-1]
+    assert admin_api_status(token) == 200
+    refused = cli("admins", "delete", "gone@example.com", input="n\n")
+    assert refused.exit_code == 1 and admin_api_status(token) == 200  # not confirmed: nothing changes
+    result = cli("admins", "delete", "gone@example.com", "--yes")
+    assert result.exit_code == 0 and "deleted admin" in result.output
+    assert admin_api_status(token) == 401
+    assert rows(select(Admin).where(Admin.email == "gone@example.com")) == []
+    assert "admin.delete" in [a.action for a in rows(select(AuditLog))]
+    assert cli("admins", "delete", "gone@example.com", "--yes").exit_code == 1
 
 
 async def test_token_lookup_ignores_malformed_tokens(db_session, settings) -> None:
