@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Literal
 
@@ -202,21 +202,33 @@ class PastEffectiveFrom(ValueError):
     race that refresh and rewrite the history the ledger was charged by."""
 
     def __init__(self, effective_from: datetime, now: datetime) -> None:
-        super().__init__("effective_from must not be in the past (omit it to start now)")
+        super().__init__("effective_from must not be in the past (omit it to start as soon as it can)")
         self.effective_from = effective_from
         self.now = now
 
 
+# How far ahead a new price row starts at the earliest. Gateways reload their price book every 10 s
+# (``gateway.deps.PRICE_REFRESH_INTERVAL_S``): a row starting sooner would be in effect before some
+# gateway had it, which would price the requests arriving meanwhile by the old row, while the ledger's
+# rollups and statements price them by the new one. Omitted, a row starts this far ahead.
+PRICE_LEAD = timedelta(seconds=15)
+
+
 def new_price_start(effective_from: datetime | None, now: datetime | None = None) -> datetime:
-    """Where a new price row starts: ``effective_from``, or ``now`` when omitted. Raises
-    ``PastEffectiveFrom`` when it is before ``now``, and ``ValueError`` when it has no timezone. The
-    one check behind both the admin API (``POST /admin/v1/prices``) and ``tollgate prices set``."""
+    """Where a new price row starts: ``effective_from``, or ``now + PRICE_LEAD`` when omitted. Raises
+    ``PastEffectiveFrom`` when it is before ``now``, and ``ValueError`` when it is sooner than
+    ``PRICE_LEAD`` ahead, from the year 3000 on, or without a timezone. The one check behind both the
+    admin API (``POST /admin/v1/prices``) and ``tollgate prices set``."""
     now = now or datetime.now(UTC)
-    start = effective_from or now
+    earliest = now + PRICE_LEAD
+    start = effective_from or earliest
     if start.tzinfo is None:
         raise ValueError("effective_from must be timezone-aware")
     if start < now:
         raise PastEffectiveFrom(start, now)
+    if start < earliest:
+        raise ValueError(f"effective_from must be at least {PRICE_LEAD.seconds} s ahead: every gateway "
+                         "loads new prices within that time (omit it to start as soon as it can)")
     if start >= LATEST_PRICE_START:
         # Far enough from Python's and Postgres' year 9999 that no time zone carries it past (a row
         # stored in year 10000 could not be read back, and every gateway's price book would stop loading).

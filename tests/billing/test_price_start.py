@@ -1,5 +1,6 @@
 """``billing.prices.new_price_start``: the one rule for where a new price row starts, shared by the admin
-API and ``tollgate prices set``: now when omitted, never in the past, always timezone-aware."""
+API and ``tollgate prices set``: ``PRICE_LEAD`` ahead when omitted (every gateway has loaded it by then),
+never sooner, never in the past, always timezone-aware."""
 
 from __future__ import annotations
 
@@ -7,16 +8,24 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from billing.prices import PastEffectiveFrom, new_price_start
+from billing.prices import PRICE_LEAD, PastEffectiveFrom, new_price_start
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 
 
-def test_omitted_starts_now_and_future_or_now_is_kept() -> None:
-    assert new_price_start(None, NOW) == NOW
-    assert new_price_start(NOW, NOW) == NOW
+def test_omitted_starts_a_lead_ahead_and_a_later_start_is_kept() -> None:
+    assert new_price_start(None, NOW) == NOW + PRICE_LEAD
+    assert new_price_start(NOW + PRICE_LEAD, NOW) == NOW + PRICE_LEAD
     later = NOW + timedelta(days=3)
     assert new_price_start(later, NOW) == later
+
+
+@pytest.mark.parametrize("soon", [NOW, NOW + PRICE_LEAD - timedelta(microseconds=1)])
+def test_a_start_sooner_than_the_lead_is_refused(soon: datetime) -> None:
+    """Some gateway would not have the row yet: it would price by the old one what the ledger's rollups
+    price by the new one."""
+    with pytest.raises(ValueError, match="at least 15 s ahead"):
+        new_price_start(soon, NOW)
 
 
 @pytest.mark.parametrize("past", [NOW - timedelta(microseconds=1), NOW - timedelta(days=400)])
@@ -34,7 +43,7 @@ def test_naive_start_is_refused() -> None:
 
 def test_default_now_is_the_clock() -> None:
     before = datetime.now(UTC)
-    assert before <= new_price_start(None) <= datetime.now(UTC)
+    assert before + PRICE_LEAD <= new_price_start(None) <= datetime.now(UTC) + PRICE_LEAD
     with pytest.raises(PastEffectiveFrom):
         new_price_start(before - timedelta(seconds=1))
 
@@ -48,3 +57,9 @@ def test_a_start_from_the_year_3000_on_is_refused() -> None:
                   datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-5)))):
         with pytest.raises(ValueError, match="before 3000-01-01"):
             new_price_start(start, NOW)
+
+
+def test_the_lead_outlasts_the_gateways_price_book_refresh() -> None:
+    from gateway.deps import PRICE_REFRESH_INTERVAL_S
+
+    assert PRICE_LEAD.total_seconds() > PRICE_REFRESH_INTERVAL_S

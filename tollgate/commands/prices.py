@@ -68,7 +68,8 @@ def prices() -> None:
 @click.option("--batch-cache-pin", callback=_pico, help="[half of the cache pin price]")
 @click.option("--batch-cache-retention", callback=_pico, help="[half of the cache retention price]")
 @click.option("--effective-from", callback=_when,
-              help="ISO 8601 start, now or later (UTC if no offset) [now].")
+              help="ISO 8601 start (UTC if no offset), at least 15 s ahead, once every gateway has "
+                   "loaded it [in 15 s].")
 def set_price(model: str, input_: int, output: int, effective_from: datetime | None,
               **optional: int | None) -> None:
     """Set MODEL's price from --effective-from on."""
@@ -81,7 +82,7 @@ def set_price(model: str, input_: int, output: int, effective_from: datetime | N
         raise click.BadParameter(
             f"{exc.effective_from.isoformat()} is in the past (now {exc.now.isoformat(timespec='seconds')}): "
             "a price row takes effect now or later, never retroactively (gateways have already billed "
-            "by the row in effect). Omit --effective-from to start now.",
+            "by the row in effect). Omit --effective-from to start as soon as every gateway has it.",
             param_hint="'--effective-from'") from None
     except ValueError as exc:  # too far ahead
         raise click.BadParameter(str(exc), param_hint="'--effective-from'") from None
