@@ -71,8 +71,8 @@ def start_platform(root: Path, extra_env: dict[str, str]) -> tuple[subprocess.Po
             raise RuntimeError(f"tollgate up did not start:\n{(root / 'up.log').read_text()[-4000:]}")
         time.sleep(0.5)
     env = {**env, **read_env_file(data_dir / "env")}
-    # A price for the demo model ($0.50 / $1.50 per million tokens; batch half), from now on (a price row
-    # never starts in the past); until the gateways' price book refreshes, the demo price applies.
+    # A price for the demo model ($0.50 / $1.50 per million tokens; batch half), from 15 s on (a price row
+    # starts once every gateway has loaded it: billing.prices.PRICE_LEAD); until then the demo price.
     subprocess.run([sys.executable, "-m", "tollgate", "prices", "set", MODEL, "--input", "0.5", "--output",
                     "1.5"], env=env, check=True, capture_output=True, cwd=root)
     return proc, env
