@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from sqladmin import Admin, ModelView
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
@@ -40,6 +41,14 @@ class _ReadOnly(ModelView):
     can_import = False
     page_size = 50
     page_size_options = [50, 100, 500]
+
+    async def get_object_for_details(self, request: Request) -> Any:
+        """None (sqladmin's 404) for an id that is no value of the key's type (``/details/abc`` for an
+        integer key, or one past its range), where sqladmin's conversion raised a 500."""
+        try:
+            return await super().get_object_for_details(request)
+        except (ValueError, DBAPIError):
+            return None
 
 
 class LedgerView(_ReadOnly, model=UsageEvent):

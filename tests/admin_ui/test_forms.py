@@ -158,6 +158,10 @@ async def test_refusals_render_pages(dashboard: Dashboard,
     no_price = await client.post("/admin/prices", data={"csrf_token": token, "model": "m", "input": "x",
                                                         "output": "2"})
     assert no_price.status_code == 400
+    # A record id that is no value of its key (sqladmin's conversion raised: a 500) is not found.
+    for path in ("/admin/db/audit-log/details/abc", "/admin/db/budget-alert/details/x1",
+                 f"/admin/db/audit-log/details/{2**70}"):
+        assert (await client.get(path)).status_code == 404, path
 
 
 async def test_a_price_with_embedding_prices_shows_in_the_table(
