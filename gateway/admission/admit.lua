@@ -1,5 +1,6 @@
 -- Admit one request, atomically. KEYS: 1 request bucket, 2 token bucket, 3 leases (zset lease id ->
--- expiry ms), 4 cost holds (hash lease id -> estimated pico-USD, '_total'), 5 spend (hash month -> pico-USD).
+-- expiry ms), 4 cost holds (hash lease id -> estimated pico-USD, '_total'), 5 spend (hash month -> pico-USD),
+-- 6 batch leases and 7 batch holds (the batch lines in flight: ``batch_admit.lua``).
 -- ARGV: 1 rpm, 2 tpm, 3 max concurrency, 4 budget (each -1 for no limit), 5 window us,
 -- 6 reserved tokens, 7 lease id, 8 lease ttl ms, 9 estimated cost (decimal integer string).
 -- Returns {verdict, requests left, requests reset ms, tokens left, tokens reset ms, retry ms}.
@@ -16,6 +17,7 @@ local est_cost = ARGV[9]
 local now = now_us()
 local now_ms = math.floor(now / 1000)
 prune_leases(KEYS[3], KEYS[4], now_ms)
+prune_leases(KEYS[6], KEYS[7], now_ms)
 
 local req_level, req_reset, tok_level, tok_reset = 0, 0, 0, 0
 if rpm > 0 then
@@ -36,6 +38,7 @@ end
 if budget >= 0 then
   local spent = tonumber(redis.call('HGET', KEYS[5], redis_month()) or '0')
   local held = tonumber(redis.call('HGET', KEYS[4], '_total') or '0')
+    + tonumber(redis.call('HGET', KEYS[7], '_total') or '0')
   if spent + held >= budget then return answer('quota', -1) end
 end
 if rpm == 0 or tpm == 0 or max_conc == 0 then return answer('blocked', -1) end

@@ -52,7 +52,7 @@ class AdmissionRejected(RateLimitError):
     """429: a rate limit, the concurrency cap or the monthly budget said no."""
 
 
-def _script(name: str) -> str:
+def admission_script(name: str) -> str:
     common = resources.files(__package__).joinpath("common.lua").read_text()
     body = resources.files(__package__).joinpath(name).read_text()
     return MONTH_OF_LUA + common + body
@@ -68,6 +68,13 @@ def admission_keys(tenant_id: int) -> tuple[str, str, str, str]:
     return f"{prefix}:rpm", f"{prefix}:tpm", f"{prefix}:leases", f"{prefix}:holds"
 
 
+def batch_hold_keys(tenant_id: int) -> tuple[str, str]:
+    """(batch leases, batch holds) of a tenant: the cost its batch lines in flight may still reach, which
+    interactive admission counts against the budget as the batch tier counts interactive holds."""
+    prefix = f"tollgate:adm:{tenant_tag(tenant_id)}"
+    return f"{prefix}:batch_leases", f"{prefix}:batch_holds"
+
+
 def _limit_arg(limit: int | None) -> int:
     return -1 if limit is None else limit
 
@@ -79,9 +86,9 @@ class AdmissionController:
         self._redis = redis
         self._window_us = round(settings.rate_limit_window_s * 1_000_000)
         self._lease_ttl_ms = max(1, round(settings.stream_lease_ttl_s * 1000))
-        self._admit = redis.register_script(_script("admit.lua"))
-        self._settle = redis.register_script(_script("settle.lua"))
-        self._renew = redis.register_script(_script("renew.lua"))
+        self._admit = redis.register_script(admission_script("admit.lua"))
+        self._settle = redis.register_script(admission_script("settle.lua"))
+        self._renew = redis.register_script(admission_script("renew.lua"))
         # The two per-request round trips (admit; settle + usage record) go over a lean connection
         # where the client allows it (``gateway.admission.resp``); everything else uses redis-py.
         self._lean = LeanRedis.for_client(redis)
@@ -100,7 +107,8 @@ class AdmissionController:
                                         code="account_deactivated")
         lease_id = uuid.uuid4().hex
         rpm_key, tpm_key, leases_key, holds_key = admission_keys(limits.tenant_id)
-        keys = [rpm_key, tpm_key, leases_key, holds_key, spend_key(limits.tenant_id)]
+        keys = [rpm_key, tpm_key, leases_key, holds_key, spend_key(limits.tenant_id),
+                *batch_hold_keys(limits.tenant_id)]
         args: list[str | int] = [
             _limit_arg(limits.rpm_limit), _limit_arg(limits.tpm_limit),
             _limit_arg(limits.max_concurrency), _limit_arg(limits.monthly_budget_pico_usd),

@@ -9,9 +9,11 @@
 - ``router`` is a ``BatchRouter``: the model's ``batch`` pool replicas, plus its ``interactive`` replicas
   while they are under the soak watermark;
 - ``admission`` is ``BatchAdmission``: the tenant's batch tokens-per-day quota (``batch_tpd_limit``,
-  separate from TPM), its status and monthly budget; a line that does not fit now is *deferred*
-  (``BatchDeferred``), never failed. Spend is added to the month (``billing.spend.record_spend``)
-  exactly once per line request id.
+  separate from TPM), its status and monthly budget, counting what every request in flight may still
+  cost (a line holds its estimate until it settles, and interactive admission counts those holds as
+  the line counts interactive ones); a line that does not fit now is *deferred* (``BatchDeferred``),
+  never failed. Spend is added to the month (``billing.spend.record_spend``) exactly once per line
+  request id.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from datetime import UTC, datetime
 from redis.asyncio import Redis
 
 from billing.outbox import UsageRecord, append_usage
-from billing.spend import month_field, month_to_date_spend, record_spend, tenant_tag
+from billing.spend import month_field, record_spend, spend_key, tenant_tag
+from gateway.admission.controller import admission_keys, admission_script, batch_hold_keys
 from gateway.admission.limits import Admission, TenantLimits
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineClient
@@ -43,6 +46,17 @@ BATCH_REQUEST_CLASS = "batch"
 NEVER_SHED_MS = 10**9
 BILLED_TTL_S = 3 * 24 * 3600
 TPD_TTL_S = 2 * 24 * 3600
+
+# KEYS: 1 batch leases, 2 batch holds; ARGV: 1 line request id. Releases the line's cost hold.
+_RELEASE_HOLD_LUA = """
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if held then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HINCRBY', KEYS[2], '_total', '-' .. held)
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return held
+"""
 
 # KEYS[1] = the tenant's TPD hash; ARGV = limit (-1: none), tokens to reserve. The day is Redis's
 # (``TIME``), so every worker agrees on it. Returns {day, 1 admitted | 0 refused, used after}.
@@ -123,32 +137,45 @@ class BatchRouter(Router):
 
 
 class BatchAdmission:
-    """The ``AdmissionPolicy`` of batch lines (see the module docstring)."""
+    """The ``AdmissionPolicy`` of batch lines (see the module docstring). A line admitted holds its
+    estimated cost against the monthly budget until it settles (or ``hold_ttl_s`` passes: its worker
+    died), as an interactive request does, and each side counts the other's holds: concurrent lines
+    cannot overshoot the budget by more than one request's cost either."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, hold_ttl_s: float = 660.0) -> None:
         self.redis = redis
+        self._hold_ttl_ms = round(hold_ttl_s * 1000)
+        self._admit = redis.register_script(admission_script("batch_admit.lua"))
 
     async def admit(self, limits: TenantLimits, request_id: str, reserved_tokens: int,
                     estimated_cost_pico_usd: int) -> Admission:
         if limits.status != "active":
             raise BatchDeferred(f"tenant {limits.tenant_id} is {limits.status}")
-        if limits.monthly_budget_pico_usd is not None:
-            spent = await month_to_date_spend(self.redis, limits.tenant_id, month_field(datetime.now(UTC)))
-            if spent + estimated_cost_pico_usd > limits.monthly_budget_pico_usd:
-                raise BatchDeferred(f"tenant {limits.tenant_id} is over its monthly budget")
+        budget = -1 if limits.monthly_budget_pico_usd is None else limits.monthly_budget_pico_usd
+        _, _, leases, holds = admission_keys(limits.tenant_id)
+        if not await self._admit(keys=[spend_key(limits.tenant_id), leases, holds,
+                                       *batch_hold_keys(limits.tenant_id)],
+                                 args=[budget, request_id, self._hold_ttl_ms, str(estimated_cost_pico_usd)]):
+            raise BatchDeferred(f"tenant {limits.tenant_id} is over its monthly budget")
         limit = -1 if limits.batch_tpd_limit is None else limits.batch_tpd_limit
         day, admitted, _used = await self.redis.eval(
             _TPD_RESERVE_LUA, 1, tpd_key(limits.tenant_id), str(limit), str(reserved_tokens), str(TPD_TTL_S))
         day = day.decode() if isinstance(day, bytes) else str(day)
         if not admitted:
+            await self._release(limits.tenant_id, request_id)
             raise BatchDeferred(f"tenant {limits.tenant_id} has used its batch tokens for today")
         return Admission(request_id=request_id, tenant_id=limits.tenant_id, lease_id=day,
                          reserved_tokens=reserved_tokens, headers={}, month=month_field(datetime.now(UTC)))
+
+    async def _release(self, tenant_id: int, request_id: str) -> None:
+        leases, holds = batch_hold_keys(tenant_id)
+        await self.redis.eval(_RELEASE_HOLD_LUA, 2, leases, holds, request_id)
 
     async def settle(self, admission: Admission, used_tokens: int, cost_pico_usd: int) -> None:
         if admission.settled:
             return
         admission.settled = True
+        await self._release(admission.tenant_id, admission.request_id)
         await self.redis.hincrby(tpd_key(admission.tenant_id), admission.lease_id,
                                  used_tokens - admission.reserved_tokens)
         # Month-to-date spend once per line, however often the line was generated.
@@ -187,5 +214,6 @@ class BatchRuntime(GatewayRuntime):
 
     @classmethod
     def admission_for(cls, redis: Redis, settings: Settings) -> BatchAdmission:  # type: ignore[override]
-        return BatchAdmission(redis)
+        # A line's hold outlives the longest it may run (its worker died: the hold lapses after that).
+        return BatchAdmission(redis, hold_ttl_s=settings.request_timeout_s + 60)
 

@@ -241,6 +241,50 @@ async def test_a_request_is_charged_to_the_month_it_was_admitted_in(controller) 
     assert await record_spend(controller._redis, 5, 7, "2020-01") == ("2020-01", 307)
 
 
+async def test_batch_lines_and_interactive_requests_count_each_others_holds(controller, redis_client) -> None:
+    """A batch line holds its estimate until it settles, as an interactive request does, and each side
+    counts the other's holds: lines in flight (2 chains x 8 of them) cannot overshoot the budget by more
+    than one request's cost, and neither can the interactive requests admitted beside them."""
+    from gateway.admission.controller import batch_hold_keys
+    from gateway.batches.runtime import BatchAdmission, BatchDeferred
+
+    batch = BatchAdmission(redis_client, hold_ttl_s=60)
+    tenant = limits(tenant_id=6, budget=1_000)
+    lines = [await batch.admit(tenant, f"line-{i}", 10, 300) for i in range(3)]  # 900 held
+    with pytest.raises(BatchDeferred):
+        await batch.admit(tenant, "line-3", 10, 300)  # 900 + 300 > 1,000
+    interactive = await controller.admit(tenant, "interactive", 10, 150)  # 900 < 1,000: 1,050 held
+    with pytest.raises(AdmissionRejected):
+        await controller.admit(tenant, "next", 10, 1)  # the lines' holds count: 1,050 >= 1,000
+    with pytest.raises(BatchDeferred):
+        await batch.admit(tenant, "line-4", 10, 10)  # and the interactive one's
+    await batch.settle(lines[0], 10, 250)  # its hold released, its cost spent: 250 + 750 held
+    await controller.settle(interactive, 10, 100)  # 350 spent + 600 held
+    await batch.admit(tenant, "line-0", 10, 40)  # a retry: 990
+    with pytest.raises(BatchDeferred):
+        await batch.admit(tenant, "line-5", 10, 20)
+    _, holds = batch_hold_keys(6)
+    await batch.admit(tenant, "line-1", 10, 5)  # admitted again, a line replaces its own hold
+    assert int(await redis_client.hget(holds, "_total")) == 40 + 5 + 300
+
+
+async def test_a_batch_hold_lapses_with_its_worker(controller, redis_client) -> None:
+    """A line whose worker died never settles: its hold lapses after the ttl instead of blocking the
+    tenant's budget for good."""
+    from gateway.admission.controller import batch_hold_keys
+    from gateway.batches.runtime import BatchAdmission, BatchDeferred
+
+    batch = BatchAdmission(redis_client, hold_ttl_s=60)
+    tenant = limits(tenant_id=7, budget=1_000)
+    await batch.admit(tenant, "dead", 10, 1_000)
+    with pytest.raises(BatchDeferred):
+        await batch.admit(tenant, "next", 10, 1)
+    leases, _ = batch_hold_keys(7)
+    await redis_client.zadd(leases, {"dead": 1})  # its ttl passed
+    await batch.admit(tenant, "next", 10, 1)
+    await controller.admit(tenant, "interactive", 10, 1)
+
+
 async def test_batch_spend_counts_against_the_same_budget(controller) -> None:
     tenant = limits(tenant_id=4, budget=1_000)
     month, total = await record_spend(controller._redis, 4, 1_000)
