@@ -40,6 +40,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -56,6 +57,42 @@ REQUEST_CLASSES = ("interactive", "batch")
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def contains_nul(value: Any) -> bool:
+    """Whether a JSON value has a NUL character (U+0000) in a string or a key: Postgres' jsonb and text
+    cannot hold one."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(contains_nul(k) or contains_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(contains_nul(v) for v in value)
+    return False
+
+
+def without_nul(value: Any) -> Any:
+    """``value`` with every NUL in its strings and keys replaced by U+FFFD (the replacement character)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    return value
+
+
+class TextJSONB(TypeDecorator[Any]):
+    """JSONB for what clients send and models write (batch lines and their answers, stored responses):
+    a NUL character, which a model may generate and JSON allows, is stored as U+FFFD. Postgres refuses
+    it, and one such row used to fail its whole transaction again and again (a batch run, every flush of
+    stored responses)."""
+
+    impl = JSONB
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        return without_nul(value) if contains_nul(value) else value
 
 
 def _created_at() -> Mapped[datetime]:
@@ -498,14 +535,14 @@ class BatchItem(Base):
     line: Mapped[int] = mapped_column(Integer, nullable=False)
     custom_id: Mapped[str] = mapped_column(Text, nullable=False)
     request_id: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
-    request_body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    request_body: Mapped[dict[str, Any]] = mapped_column(TextJSONB, nullable=False)
     status: Mapped[str] = mapped_column(String(16), nullable=False, server_default="pending")
     lease_owner: Mapped[str | None] = mapped_column(String(128))
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     response_status: Mapped[int | None] = mapped_column(Integer)
-    response: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
-    error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    response: Mapped[dict[str, Any] | None] = mapped_column(TextJSONB)
+    error: Mapped[dict[str, Any] | None] = mapped_column(TextJSONB)
     served_pool: Mapped[str | None] = mapped_column(String(32))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -547,9 +584,9 @@ class StoredResponse(Base):
     previous_response_id: Mapped[str | None] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     model: Mapped[str] = mapped_column(String(256), nullable=False)
-    request: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
-    input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False)
-    body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    request: Mapped[dict[str, Any] | None] = mapped_column(TextJSONB)
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(TextJSONB, nullable=False)
+    body: Mapped[dict[str, Any]] = mapped_column(TextJSONB, nullable=False)
     usage_pending: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
     created_at: Mapped[datetime] = _created_at()
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

@@ -196,6 +196,25 @@ async def test_responses_lines_run_through_the_same_generation_service(
     assert batch["usage"]["output_tokens"] == sum(u["output_tokens"] for u in bodies) > 0
 
 
+async def test_a_nul_character_in_a_line_is_stored_and_the_line_runs(
+        runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
+    """Postgres' jsonb refuses U+0000 (JSON allows it, and a model may write one): the line's body used to
+    fail the validation on every try (the batch stuck validating), and an answer with one failed its
+    whole run until the line's attempts were spent, billed and never delivered. Stored as U+FFFD."""
+    nul = line("nul", messages=[{"role": "user", "content": "before\u0000after"}])
+    batch, output, items = await run_whole_batch(runner, files_gateway, "/v1/chat/completions", [nul])
+    assert batch["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    assert output[0]["response"]["status_code"] == 200
+    [item] = items
+    assert item.request_body["messages"][0]["content"] == "before\ufffdafter"
+    async with files_gateway.db.session() as session:
+        await session.execute(update(BatchItem).where(BatchItem.id == item.id).values(
+            response={"choices": [{"message": {"content": "x\x00y"}}]}))
+    async with files_gateway.db.session() as session:
+        stored = await session.scalar(select(BatchItem.response).where(BatchItem.id == item.id))
+    assert stored == {"choices": [{"message": {"content": "x\ufffdy"}}]}
+
+
 async def test_embeddings_lines(runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
     lines = [json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
                          "body": {"model": "tiny", "input": [f"Hello {i}", "again"]}}) for i in range(2)]

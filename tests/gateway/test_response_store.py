@@ -97,6 +97,25 @@ async def test_readable_at_once_then_flushed_then_read_from_postgres(runtime: Ga
     assert await runtime.redis.xlen(RESPONSE_STREAM) == 0
 
 
+async def test_a_nul_character_is_stored_as_a_replacement_and_holds_up_no_flush(runtime: GatewayRuntime,
+                                                                                 owner: Owner) -> None:
+    """Postgres' jsonb refuses U+0000, which JSON allows and a model may write. A response carrying one
+    failed every flush, other tenants' responses with it; it is stored with U+FFFD instead."""
+    store = ResponseStore(runtime, owner[0])
+    poisoned = stored(owner, 1, input_items=[{"type": "message", "role": "user", "content": "a\x00b"}],
+                      request={"input": "a\x00b"})
+    poisoned.body = {**poisoned.body, "output_text": "x\x00y", "k\x00": 1}
+    clean = stored(owner, 2)
+    await store.put(poisoned)
+    await store.put(clean)
+    assert (await flush(runtime))["inserted"] == 2
+    row = await row_in_postgres(runtime, poisoned.id)
+    assert row is not None and row.input_items[0]["content"] == "a\ufffdb"
+    assert row.body["output_text"] == "x\ufffdy" and row.body["k\ufffd"] == 1
+    assert row.request == {"input": "a\ufffdb"}
+    assert await row_in_postgres(runtime, clean.id) is not None
+
+
 async def test_a_conversation_spans_postgres_and_redis(runtime: GatewayRuntime, owner: Owner) -> None:
     store = ResponseStore(runtime, owner[0])
     first, second = stored(owner, 1), stored(owner, 2, previous=f"resp_store_{owner[0]}_1")
