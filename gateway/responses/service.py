@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import orjson
 
 from engine.protocol import CacheSpec, DeltaRecord
@@ -383,6 +384,15 @@ class _Output:
                 events += self.builder.call(call, complete=not cut)
         return events + self.builder.finish(usage, cut_short=cut)
 
+    async def _settle_if_cancelled(self) -> None:
+        """The client went away (or a background run was cancelled): ``finish`` now, before the object is
+        built and stored, since the engine's count of what it computed until the abort comes with it, and
+        the stored object must show the usage the request is billed. (Idempotent: the response's own
+        ``finish`` later does nothing.)"""
+        if self.generation.status == STATUS_CANCELLED:
+            with anyio.CancelScope(shield=True):
+                await self.generation.finish()
+
     async def _stored(self) -> None:
         """Store the response as it ended (once; never raises: the client has its answer already)."""
         save, self._save = self._save, None
@@ -396,6 +406,7 @@ class _Output:
         try:
             async for record in self.generation.records():
                 self._feed(record)
+            await self._settle_if_cancelled()
             self._finish()
         finally:
             await self._stored()
@@ -410,6 +421,7 @@ class _Output:
             async for record in self.generation.records():
                 for event in self._feed(record):
                     yield _frame(event)
+            await self._settle_if_cancelled()
             final = self._finish()
             # Stored before the client sees the end: a follow-up sent on response.completed finds it.
             await self._stored()
@@ -417,6 +429,8 @@ class _Output:
                 yield _frame(event)
         finally:
             if self.builder.status == STATUS_IN_PROGRESS:  # the client went away mid-stream
+                self.generation.cancel()
+                await self._settle_if_cancelled()
                 usage = response_usage(self.generation.usage, self.generation.reports_lifetimes)
                 self.builder.finish(usage, cancelled=True)
             await self._stored()

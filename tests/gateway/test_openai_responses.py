@@ -288,6 +288,43 @@ async def test_store_false_keeps_nothing_and_a_stream_is_stored_as_it_ended(
     assert fetched == final
 
 
+async def test_a_stream_the_client_abandons_is_stored_with_the_usage_it_was_billed(
+        client: httpx.AsyncClient, gateway: GatewayUnderTest) -> None:
+    """The client reads a few events and goes away: the stored object is cancelled and shows the engine's
+    count until the abort, the usage its ledger row bills (it showed zeros)."""
+    import json as jsonlib
+
+    from tests.polling import eventually
+
+    body = {"model": MODEL, "input": "Tell a long story", "max_output_tokens": 1500, "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "essay", "schema": {
+                "type": "object", "properties": {"essay": {"type": "string", "minLength": 1400}},
+                "required": ["essay"], "additionalProperties": False}}}}
+    response_id = None
+    async with client.stream("POST", "/responses", json=body) as streamed:
+        request_id = streamed.headers["x-request-id"]
+        deltas = 0
+        async for line in streamed.aiter_lines():
+            if line.startswith("data: "):
+                event = jsonlib.loads(line[6:])
+                response_id = response_id or event.get("response", {}).get("id")
+                deltas += event["type"] == "response.output_text.delta"
+                if deltas >= 5:
+                    break
+    assert response_id is not None
+
+    async def stored() -> dict[str, Any] | None:
+        got = await client.get(f"/responses/{response_id}")
+        return got.json() if got.status_code == 200 else None
+
+    kept = await eventually(stored, "the abandoned response stored")
+    [record] = await wait_for_usage(gateway.settings.redis_url, request_id)
+    assert kept["status"] == record["status"] == "cancelled"
+    assert record["completion_tokens"] >= 5
+    assert (kept["usage"]["input_tokens"], kept["usage"]["output_tokens"]) == (
+        record["prompt_tokens"], record["completion_tokens"])
+
+
 async def test_previous_response_id_continues_the_conversation_from_the_cache(
         client: httpx.AsyncClient) -> None:
     first = (await client.post("/responses", json={"model": MODEL, "input": LONG, "max_output_tokens": 4,
