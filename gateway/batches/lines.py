@@ -219,8 +219,8 @@ async def execute_line(runtime: BatchRuntime, principal: Principal, endpoint: st
     except GatewayError as exc:  # the engine failed the line after it started
         return LineResult(status_code=exc.status, body=exc.body(), served_pool=generation.served_pool,
                           cost_pico_usd=generation.cost_pico_usd)
-    if response is None or stop.is_set():
-        return LineResult()
+    if response is None or stop.is_set():  # stopped: what it computed was billed (unless it runs again)
+        return LineResult(served_pool=generation.served_pool, cost_pico_usd=generation.cost_pico_usd)
     return LineResult(status_code=200, body=response, served_pool=generation.served_pool,
                       cost_pico_usd=generation.cost_pico_usd)
 

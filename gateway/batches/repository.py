@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import case, delete, func, insert, literal, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -87,11 +87,15 @@ async def renew_leases(session: AsyncSession, ids: Sequence[int], owner: str,
     return set(rows)
 
 
-async def release_line(session: AsyncSession, item_id: int, owner: str, *, refund_attempt: bool) -> None:
-    """Put a line we hold back to ``pending`` (it did not start, or will be retried)."""
+async def release_line(session: AsyncSession, item_id: int, owner: str, *, refund_attempt: bool,
+                       cost_pico_usd: int = 0) -> None:
+    """Put a line we hold back to ``pending`` (it did not start, or will be retried); ``cost_pico_usd``:
+    what a stopped attempt of it was billed (kept on the line, whatever ends it)."""
     values: dict[str, Any] = {"status": "pending", "lease_owner": None, "lease_expires_at": None}
     if refund_attempt:
         values["attempts"] = BatchItem.attempts - 1
+    if cost_pico_usd:
+        values["cost_pico_usd"] = func.coalesce(BatchItem.cost_pico_usd, 0) + cost_pico_usd
     await session.execute(update(BatchItem).where(
         BatchItem.id == item_id, BatchItem.lease_owner == owner, BatchItem.status == "running")
         .values(**values))
@@ -136,11 +140,16 @@ async def count_open_lines(session: AsyncSession, batch_id: str) -> tuple[int, i
 
 
 async def stop_pending_lines(session: AsyncSession, batch_id: str, status: str, error: dict[str, Any],
-                             at: datetime) -> int:
-    """Lines that never started end as ``cancelled``/``expired`` with ``error``."""
+                             at: datetime, billed_error: dict[str, Any] | None = None) -> int:
+    """The lines not running end as ``cancelled``/``expired``: with ``error`` if nothing of them was billed
+    (they never started), with ``billed_error`` if a stopped attempt was (``release_line``)."""
+    error_type = BatchItem.__table__.c.error.type
+    chosen = error if billed_error is None else case(
+        (func.coalesce(BatchItem.cost_pico_usd, 0) > 0, literal(billed_error, error_type)),
+        else_=literal(error, error_type))
     result = cast(CursorResult[Any], await session.execute(
         update(BatchItem).where(BatchItem.batch_id == batch_id, BatchItem.status == "pending")
-        .values(status=status, error=error, finished_at=at)))
+        .values(status=status, error=chosen, finished_at=at)))
     return result.rowcount or 0
 
 

@@ -65,6 +65,13 @@ GAVE_UP = {"code": "batch_attempts_exhausted",
 CANCELLED = {"code": "batch_cancelled", "message": "The batch was cancelled before this request ran."}
 EXPIRED = {"code": "batch_expired",
            "message": "This request could not be executed before the completion window expired."}
+# The same for a line stopped while it ran: what it computed until then is billed (batch_items.cost_pico_usd).
+CANCELLED_RUNNING = {"code": "batch_cancelled",
+                     "message": "The batch was cancelled while this request was running; the tokens it had "
+                                "computed are billed."}
+EXPIRED_RUNNING = {"code": "batch_expired",
+                   "message": "The completion window expired while this request was running; the tokens it "
+                              "had computed are billed."}
 WRITE_BATCH_LINES = 500
 
 
@@ -197,7 +204,8 @@ class BatchRunner:
                 return batch.status
             if cancelling or batch.expired_at is not None:
                 await repo.stop_pending_lines(session, batch_id, "cancelled" if cancelling else "expired",
-                                              CANCELLED if cancelling else EXPIRED, now)
+                                              CANCELLED if cancelling else EXPIRED, now,
+                                              CANCELLED_RUNNING if cancelling else EXPIRED_RUNNING)
             pending, running = await repo.count_open_lines(session, batch_id)
             if pending or running:
                 return batch.status
@@ -346,7 +354,8 @@ class _Chunk:
                 await repo.release_line(session, line.id, self.owner, refund_attempt=True)
                 return
             if result.status_code is None:  # stopped by cancel/expiry/lost lease: finalize decides
-                await repo.release_line(session, line.id, self.owner, refund_attempt=False)
+                await repo.release_line(session, line.id, self.owner, refund_attempt=False,
+                                        cost_pico_usd=result.cost_pico_usd)
                 return
             retryable = result.status_code >= 500 and line.attempts < settings.batch_max_attempts
             if not result.succeeded and retryable:

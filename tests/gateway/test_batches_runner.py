@@ -136,6 +136,34 @@ async def test_expiry_keeps_finished_lines_and_expires_the_rest(runner: BatchRun
     assert all(e["response"] is None and e["error"]["code"] == "batch_expired" for e in expired)
 
 
+async def test_a_line_stopped_while_running_says_it_was_billed(runner: BatchRunner,
+                                                                files_gateway: GatewayUnderTest) -> None:
+    """A cancelled batch's line that had started keeps what its stopped attempt was billed, and its error
+    says so; one that never ran says it never ran (it said so for both)."""
+    from gateway.batches import repository as repo
+    from gateway.batches.runner import CANCELLED, CANCELLED_RUNNING
+
+    tenant = await make_tenant_key(files_gateway)
+    async with api_client(files_gateway, tenant) as client:
+        batch_id = await start_batch(client, [line("ran"), line("waited")])
+        assert await runner.validate(batch_id) == "in_progress"
+    async with files_gateway.db.session() as session:
+        items = {i.custom_id: i for i in await session.scalars(
+            select(BatchItem).where(BatchItem.batch_id == batch_id))}
+        ran = items["ran"]
+        await session.execute(update(BatchItem).where(BatchItem.id == ran.id).values(
+            status="running", lease_owner="me"))
+        await repo.release_line(session, ran.id, "me", refund_attempt=False, cost_pico_usd=1_234)
+        await repo.stop_pending_lines(session, batch_id, "cancelled", CANCELLED, datetime.now(UTC),
+                                      CANCELLED_RUNNING)
+    async with files_gateway.db.session() as session:
+        stopped = {i.custom_id: i for i in await session.scalars(
+            select(BatchItem).where(BatchItem.batch_id == batch_id))}
+    assert stopped["ran"].cost_pico_usd == 1_234 and stopped["ran"].error == CANCELLED_RUNNING
+    assert not stopped["waited"].cost_pico_usd and stopped["waited"].error == CANCELLED
+    assert {i.status for i in stopped.values()} == {"cancelled"}
+
+
 async def test_the_batch_token_quota_defers_lines_instead_of_failing_them(
         runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
     # A line reserves its prompt (over 10 tokens) + max_tokens (30): a quota of 60 admits one line a day.
