@@ -13,12 +13,7 @@ local now_ms = math.floor(now_us() / 1000)
 prune_leases(KEYS[2], KEYS[3], now_ms)
 prune_leases(KEYS[4], KEYS[5], now_ms)
 -- A line admitted again (a retry) replaces its own hold rather than adding to it.
-local previous = redis.call('HGET', KEYS[5], line_id)
-if previous then
-  redis.call('HDEL', KEYS[5], line_id)
-  redis.call('HINCRBY', KEYS[5], '_total', '-' .. previous)
-  redis.call('ZREM', KEYS[4], line_id)
-end
+release_lease(KEYS[4], KEYS[5], line_id)
 if budget >= 0 then
   local spent = tonumber(redis.call('HGET', KEYS[1], redis_month()) or '0')
   local held = tonumber(redis.call('HGET', KEYS[3], '_total') or '0')

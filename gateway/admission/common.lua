@@ -29,17 +29,22 @@ local function bucket_store(key, level, cap, window_us, now)
   redis.call('PEXPIRE', key, full_in_ms(level, cap, window_us) + 1000)
 end
 
+-- Release one lease and its cost hold (hash id -> pico-USD, '_total'); returns what was held, if anything.
+local function release_lease(leases, holds, id)
+  redis.call('ZREM', leases, id)
+  local held = redis.call('HGET', holds, id)
+  if held then
+    redis.call('HDEL', holds, id)
+    redis.call('HINCRBY', holds, '_total', '-' .. held)
+  end
+  return held
+end
+
 -- Drop leases whose expiry has passed (their gateway died or stalled) and release their cost holds.
 local function prune_leases(leases, holds, now_ms)
-  local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now_ms)
-  for _, id in ipairs(expired) do
-    local held = redis.call('HGET', holds, id)
-    if held then
-      redis.call('HDEL', holds, id)
-      redis.call('HINCRBY', holds, '_total', '-' .. held)
-    end
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now_ms)) do
+    release_lease(leases, holds, id)
   end
-  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', leases, '-inf', now_ms) end
 end
 
 -- Keep the lease set and the holds hash alive as long as their longest lease.

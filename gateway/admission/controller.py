@@ -62,16 +62,20 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _prefix(tenant_id: int) -> str:
+    return f"tollgate:adm:{tenant_tag(tenant_id)}"  # every key of a tenant in one Redis Cluster slot
+
+
 def admission_keys(tenant_id: int) -> tuple[str, str, str, str]:
-    """(request bucket, token bucket, leases, cost holds) of a tenant; one Redis Cluster slot."""
-    prefix = f"tollgate:adm:{tenant_tag(tenant_id)}"
+    """(request bucket, token bucket, leases, cost holds) of a tenant."""
+    prefix = _prefix(tenant_id)
     return f"{prefix}:rpm", f"{prefix}:tpm", f"{prefix}:leases", f"{prefix}:holds"
 
 
 def batch_hold_keys(tenant_id: int) -> tuple[str, str]:
     """(batch leases, batch holds) of a tenant: the cost its batch lines in flight may still reach, which
     interactive admission counts against the budget as the batch tier counts interactive holds."""
-    prefix = f"tollgate:adm:{tenant_tag(tenant_id)}"
+    prefix = _prefix(tenant_id)
     return f"{prefix}:batch_leases", f"{prefix}:batch_holds"
 
 

@@ -14,12 +14,7 @@ if tpm > 0 and delta ~= 0 then
   if level > tpm then level = tpm end
   bucket_store(KEYS[1], level, tpm, window_us, now)
 end
-redis.call('ZREM', KEYS[2], lease_id)
-local held = redis.call('HGET', KEYS[3], lease_id)
-if held then
-  redis.call('HDEL', KEYS[3], lease_id)
-  redis.call('HINCRBY', KEYS[3], '_total', '-' .. held)
-end
+release_lease(KEYS[2], KEYS[3], lease_id)
 local month = ARGV[6]
 if month == nil or month == '' then month = month_of(math.floor(now / 1000000)) end
 if cost ~= '0' then redis.call('HINCRBY', KEYS[4], month, cost) end

@@ -47,17 +47,6 @@ NEVER_SHED_MS = 10**9
 BILLED_TTL_S = 3 * 24 * 3600
 TPD_TTL_S = 2 * 24 * 3600
 
-# KEYS: 1 batch leases, 2 batch holds; ARGV: 1 line request id. Releases the line's cost hold.
-_RELEASE_HOLD_LUA = """
-local held = redis.call('HGET', KEYS[2], ARGV[1])
-if held then
-  redis.call('HDEL', KEYS[2], ARGV[1])
-  redis.call('HINCRBY', KEYS[2], '_total', '-' .. held)
-end
-redis.call('ZREM', KEYS[1], ARGV[1])
-return held
-"""
-
 # KEYS[1] = the tenant's TPD hash; ARGV = limit (-1: none), tokens to reserve. The day is Redis's
 # (``TIME``), so every worker agrees on it. Returns {day, 1 admitted | 0 refused, used after}.
 _TPD_RESERVE_LUA = """
@@ -146,6 +135,7 @@ class BatchAdmission:
         self.redis = redis
         self._hold_ttl_ms = round(hold_ttl_s * 1000)
         self._admit = redis.register_script(admission_script("batch_admit.lua"))
+        self._release_hold = redis.register_script(admission_script("release.lua"))
 
     async def admit(self, limits: TenantLimits, request_id: str, reserved_tokens: int,
                     estimated_cost_pico_usd: int) -> Admission:
@@ -168,8 +158,7 @@ class BatchAdmission:
                          reserved_tokens=reserved_tokens, headers={}, month=month_field(datetime.now(UTC)))
 
     async def _release(self, tenant_id: int, request_id: str) -> None:
-        leases, holds = batch_hold_keys(tenant_id)
-        await self.redis.eval(_RELEASE_HOLD_LUA, 2, leases, holds, request_id)
+        await self._release_hold(keys=list(batch_hold_keys(tenant_id)), args=[request_id])
 
     async def settle(self, admission: Admission, used_tokens: int, cost_pico_usd: int) -> None:
         if admission.settled:
