@@ -36,7 +36,7 @@ from billing.rollups import CACHE_KINDS
 from gateway.admin import service
 from gateway.admin.schemas import usd_string
 from gateway.admission.rejections import REASONS, RETENTION_S, rejection_counts
-from tollgate.models import Tenant, UsageHourly
+from tollgate.models import LATEST_TIME, Tenant, UsageHourly
 from tollgate.settings import Settings
 
 MAX_RANGE_DAYS = 366
@@ -77,9 +77,6 @@ class UsageRange:
                 "granularity": self.granularity}
 
 
-LAST_DAY = date(3000, 1, 1)
-
-
 def parse_range(start: str | None, end: str | None, granularity: str | None, *,
                 today: date | None = None) -> UsageRange:
     """The range of the query (``YYYY-MM-DD`` days, both included); ``ValueError`` explains a bad one."""
@@ -91,8 +88,8 @@ def parse_range(start: str | None, end: str | None, granularity: str | None, *,
         raise ValueError("dates must look like 2026-01-31") from None
     if first > last:
         raise ValueError("the start date must not be after the end date")
-    if last >= LAST_DAY:  # the range's end (a day later) must stay a datetime
-        raise ValueError(f"dates must be before {LAST_DAY.isoformat()}")
+    if last >= LATEST_TIME.date():  # the range's end (a day later) must stay a datetime
+        raise ValueError(f"dates must be before {LATEST_TIME.date().isoformat()}")
     days = (last - first).days + 1
     if days > MAX_RANGE_DAYS:
         raise ValueError(f"at most {MAX_RANGE_DAYS} days at once")

@@ -40,6 +40,8 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Literal
 
+from tollgate.models import LATEST_TIME
+
 RequestClass = Literal["interactive", "batch"]
 REQUEST_CLASSES: tuple[str, ...] = ("interactive", "batch")
 PICO_PER_TOKEN_PER_USD_PER_MTOK = 1_000_000  # 1 USD / 1e6 tokens = 1e12 pico-USD / 1e6 tokens
@@ -229,14 +231,9 @@ def new_price_start(effective_from: datetime | None, now: datetime | None = None
     if start < earliest:
         raise ValueError(f"effective_from must be at least {PRICE_LEAD.seconds} s ahead: every gateway "
                          "loads new prices within that time (omit it to start as soon as it can)")
-    if start >= LATEST_PRICE_START:
-        # Far enough from Python's and Postgres' year 9999 that no time zone carries it past (a row
-        # stored in year 10000 could not be read back, and every gateway's price book would stop loading).
-        raise ValueError(f"effective_from must be before {LATEST_PRICE_START.date().isoformat()}")
+    if start >= LATEST_TIME:  # a row stored in year 10000 could not be read back: no price book would load
+        raise ValueError(f"effective_from must be before {LATEST_TIME.date().isoformat()}")
     return start
-
-
-LATEST_PRICE_START = datetime(3000, 1, 1, tzinfo=UTC)
 
 
 def pico_to_usd_per_mtok(pico_per_token: int) -> Decimal:

@@ -37,7 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.rollups import DETAIL_COLUMNS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
 from billing.spend import month_bounds
-from tollgate.models import Tenant, UsageHourly
+from tollgate.models import BIGINT_MAX, Tenant, UsageHourly
 
 PICO_PER_CENT = 10**10
 PICO_PER_USD = 10**12
@@ -179,7 +179,7 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
 
 async def find_tenant_id(session: AsyncSession, ref: str | int) -> int:
     """A tenant id from an id or a name."""
-    if (isinstance(ref, int) or ref.isdigit()) and 0 <= int(ref) < 2**63:  # ids are BIGINT: beyond, none
+    if (isinstance(ref, int) or ref.isdigit()) and 0 <= int(ref) <= BIGINT_MAX:  # beyond: no such id
         tenant = await session.get(Tenant, int(ref))
         if tenant is not None:
             return tenant.id

@@ -16,7 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -49,6 +49,14 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
+
+# The ranges the columns hold: BIGINT (ids, limits, pico-USD) and INTEGER; past them Postgres refuses the
+# value (a request naming one is answered 4xx, or not found).
+BIGINT_MAX = 2**63 - 1
+INTEGER_MAX = 2**31 - 1
+# The latest time a request may name (a price's start, a usage range's end): far enough from Python's and
+# Postgres' year 9999 that no time zone or bucket arithmetic carries it past.
+LATEST_TIME = datetime(3000, 1, 1, tzinfo=UTC)
 
 TENANT_STATUSES = ("active", "suspended")
 SUSPENDED_REASONS = ("admin", "billing")

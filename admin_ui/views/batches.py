@@ -19,11 +19,10 @@ from starlette.responses import Response
 from admin_ui.session import CurrentAdmin, check_csrf
 from admin_ui.web import redirect, render, unit_of_work
 from gateway.admin.auth import AdminPrincipal
-from gateway.admin.schemas import BIGINT_MAX
 from gateway.batches.service import CANCELLABLE, BatchService
 from gateway.errors import GatewayError
 from gateway.tenants.repository import AuditLogRepository
-from tollgate.models import BATCH_STATUSES, Batch, Tenant
+from tollgate.models import BATCH_STATUSES, BIGINT_MAX, Batch, Tenant
 
 logger = logging.getLogger("tollgate.admin_ui.batches")
 

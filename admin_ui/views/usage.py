@@ -20,8 +20,8 @@ from admin_ui.session import CurrentAdmin
 from admin_ui.usage_data import UsageRange, parse_range, tenant_breakdown, usage_csv_rows, usage_series
 from admin_ui.web import SECURITY_HEADERS, render
 from gateway.admin import service
-from gateway.admin.schemas import BIGINT_MAX
 from gateway.errors import GatewayError
+from tollgate.models import BIGINT_MAX
 
 router = APIRouter(prefix="/admin")
 TenantFilter = Annotated[int | None, Query(ge=1, le=BIGINT_MAX)]

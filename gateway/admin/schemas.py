@@ -24,8 +24,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from billing.prices import PRICE_FIELDS, pico_to_usd_per_mtok, usd_per_mtok_to_pico
 from gateway.tenants.schemas import (
-    BIGINT_MAX,
-    INTEGER_MAX,
     PICO_PER_USD,
     ApiKeyCreate,
     ApiKeyRead,
@@ -35,6 +33,7 @@ from gateway.tenants.schemas import (
     TenantUpdate,
     pico_usd_from_usd,
 )
+from tollgate.models import BIGINT_MAX, INTEGER_MAX
 
 FLOAT_EXACT_DIGITS = 15
 

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from tollgate.models import BIGINT_MAX, INTEGER_MAX
+
 PICO_PER_USD = 10**12
 TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,127}$"
 
@@ -41,11 +43,6 @@ def pico_usd_from_usd(amount: str | int | Decimal) -> int:
     if pico != pico.to_integral_value():
         raise ValueError(f"{amount!r} USD has a fraction smaller than a pico-dollar")
     return int(pico)
-
-
-# The columns' ranges (BIGINT; max_concurrency an INTEGER): past them the database refuses the row.
-BIGINT_MAX = 2**63 - 1
-INTEGER_MAX = 2**31 - 1
 
 
 class _Limits(BaseModel):

@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.tenants.keys import generate_key, hash_key, parse_key, verify_key
 from gateway.tenants.repository import ApiKeyRepository, AuditLogRepository, TenantRepository
-from gateway.tenants.schemas import BIGINT_MAX, ApiKeyCreate, TenantCreate, TenantUpdate
-from tollgate.models import SUSPENDED_REASONS, ApiKey, Tenant
+from gateway.tenants.schemas import ApiKeyCreate, TenantCreate, TenantUpdate
+from tollgate.models import BIGINT_MAX, SUSPENDED_REASONS, ApiKey, Tenant
 from tollgate.settings import Settings
 
 

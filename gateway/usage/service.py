@@ -35,6 +35,7 @@ from typing import Any
 from billing.rollups import CACHE_KINDS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
 from gateway.errors import InvalidRequestError
 from gateway.usage.repository import UsageRepository, UsageRow
+from tollgate.models import LATEST_TIME
 
 WIDTH_S = {"1m": 60, "1h": 3600, "1d": 86400}
 USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, max) buckets per page
@@ -76,9 +77,7 @@ def decode_cursor(page: str) -> int:
                                   code="invalid_value") from None
 
 
-# Timestamps past this (3000-01-01, Unix seconds) are refused: bucket arithmetic and datetimes stay far
-# from Python's and Postgres' year 9999.
-MAX_TIME_S = 32_503_680_000
+MAX_TIME_S = int(LATEST_TIME.timestamp())  # later times are refused (tollgate.models.LATEST_TIME)
 
 
 def plan_page(start_time: int, end_time: int | None, width: str, limit: int | None, page: str | None,
