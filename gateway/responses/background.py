@@ -52,7 +52,6 @@ from billing.outbox import UsageRecord, append_usage
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.errors import GatewayError
-from gateway.openai.encoding import response_usage
 from gateway.openai.streaming import collect_until
 from gateway.responses.output import STATUS_CANCELLED, STATUS_FAILED, STATUS_IN_PROGRESS, STATUS_QUEUED
 from gateway.responses.schemas import CreateResponseRequest
@@ -132,9 +131,8 @@ async def _run(runtime: GatewayRuntime, response_id: str, principal: Principal, 
     except GatewayError as exc:
         await _fail(runtime, response_id, exc)
         return STATUS_FAILED
-    generation = answer.generation
     try:
-        await collect_until(lambda: _cancelled(runtime, response_id), generation, answer.body)
+        await collect_until(lambda: _cancelled(runtime, response_id), answer.generation, answer.body)
     except GatewayError:
         pass  # stored as failed by the response itself
     async with runtime.sessions() as session:
@@ -142,13 +140,8 @@ async def _run(runtime: GatewayRuntime, response_id: str, principal: Principal, 
         await session.execute(update(StoredResponse).where(StoredResponse.id == response_id,
                                                            StoredResponse.usage_pending.is_not(None))
                               .values(usage_pending=None))
-        row = await session.get(StoredResponse, response_id, with_for_update=True)
-        if row is not None and row.status == STATUS_CANCELLED:
-            # Stored as it stopped, before the engine's count of what it computed until its abort came
-            # (``finish``): the object shows the usage it was billed, as a completed one does.
-            row.body = {**row.body, "usage": response_usage(generation.usage, generation.reports_lifetimes)}
         await session.commit()
-        return row.status if row is not None else None
+        return await session.scalar(select(StoredResponse.status).where(StoredResponse.id == response_id))
 
 
 async def _renew(runtime: GatewayRuntime, response_id: str, holder: str, ttl_ms: int) -> None:
