@@ -119,10 +119,8 @@ async def create_admin(session: AsyncSession, email: str, *, settings: Settings,
     admins = repository.AdminRepository(session)
     if await admins.get_by_email(email) is not None:
         raise AdminConflict(f"an admin {email!r} already exists (use `tollgate admins rotate-token`)")
-    if password is not None and not password:
-        raise AdminError("the admin password must not be empty")
+    password_hash = _password_hash(password)
     token = generate_admin_token()
-    password_hash = PasswordHasher().hash(password) if password else None
     try:
         async with session.begin_nested():
             admin = await admins.add(Admin(email=email, password_hash=password_hash,
@@ -145,6 +143,13 @@ async def rotate_admin_token(session: AsyncSession, email: str, *, settings: Set
     return admin, token
 
 
+def _password_hash(password: str | None) -> str | None:
+    """The argon2 hash of a dashboard password (None: no password login); an empty one is refused."""
+    if password is not None and not password:
+        raise AdminError("the admin password must not be empty")
+    return PasswordHasher().hash(password) if password else None
+
+
 async def _admin(session: AsyncSession, email: str) -> Admin:
     admin = await repository.AdminRepository(session).get_by_email(normalize_email(email))
     if admin is None:
@@ -156,10 +161,9 @@ async def set_admin_password(session: AsyncSession, email: str, password: str | 
                              actor: str) -> Admin:
     """Set (or with None, remove) the admin's dashboard password; every dashboard session of that admin
     ends (``admin_ui.session``: a session carries a fingerprint of the password hash)."""
-    if password is not None and not password:
-        raise AdminError("the admin password must not be empty")
+    password_hash = _password_hash(password)
     admin = await _admin(session, email)
-    admin.password_hash = PasswordHasher().hash(password) if password else None
+    admin.password_hash = password_hash
     await repository.AdminRepository(session).flush()
     await AuditLogRepository(session).record(actor, "admin.set_password", details={
         "admin_id": admin.id, "password_set": password is not None})

@@ -81,10 +81,10 @@ def set_price(model: str, input_: int, output: int, effective_from: datetime | N
     except PastEffectiveFrom as exc:
         raise click.BadParameter(
             f"{exc.effective_from.isoformat()} is in the past (now {exc.now.isoformat(timespec='seconds')}): "
-            "a price row takes effect now or later, never retroactively (gateways have already billed "
+            "a price row takes effect later, never retroactively (gateways have already billed "
             "by the row in effect). Omit --effective-from to start as soon as every gateway has it.",
             param_hint="'--effective-from'") from None
-    except ValueError as exc:  # too far ahead
+    except ValueError as exc:  # too soon, too far ahead, or no timezone
         raise click.BadParameter(str(exc), param_hint="'--effective-from'") from None
     price = Price.of(input=input_, output=output, **optional)
     try:
