@@ -135,7 +135,15 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """Whether a server may listen on ``port`` of 127.0.0.1 now.
+
+    The probe binds with ``SO_REUSEADDR``, as every server Tollgate starts does (uvicorn, Postgres,
+    Redis): on Linux that bind fails while any process listens on the port, or holds it in a live
+    connection, but succeeds over the TIME_WAIT leftovers of connections that a stopped server closed
+    first. Those last a minute after a drain and shutdown, and would otherwise make a ``tollgate up``
+    right after Ctrl-C refuse ports that its servers could bind."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

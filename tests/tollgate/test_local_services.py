@@ -108,4 +108,30 @@ def test_free_ports_are_below_the_ephemeral_range_and_bindable() -> None:
         port = free_port()
         assert 10_000 <= port < _ephemeral_floor()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as every server we start binds
             s.bind(("127.0.0.1", port))
+
+
+def test_a_port_is_free_over_time_wait_leftovers_but_not_while_something_listens() -> None:
+    """What lets ``tollgate up`` start again right after Ctrl-C: the connections a stopped server closed
+    first stay in TIME_WAIT on its port for a minute, and its successor can bind over them."""
+    import socket
+
+    from tollgate.local_services import free_port, port_is_free
+
+    port = free_port()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    assert not port_is_free(port)
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server closes first, as a draining server does: its side goes to TIME_WAIT
+    assert client.recv(1) == b""
+    client.close()
+    listener.close()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as plain:
+        with pytest.raises(OSError):  # the leftover is there: a bind without SO_REUSEADDR is refused
+            plain.bind(("127.0.0.1", port))
+    assert port_is_free(port)
