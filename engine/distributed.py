@@ -12,7 +12,11 @@ split, Megatron-style, needs two all-reduces per decoder layer and nothing else 
   with zero rows); an embedding lookup is all-reduced (each rank contributes its rows), the logits
   all-gathered and cut back to V columns;
 - norms, RoPE and biases of all-reduced outputs: whole on every rank (a bias is added once, after the
-  sum).
+  sum);
+- mixtures of experts: by default every rank holds every expert with its intermediate dimension split
+  (as the dense MLP); with expert parallelism (``expert_parallel``) rank r holds experts
+  ``[r * E / N, (r + 1) * E / N)`` whole, and runs only the slots routed to them. Either way the router
+  is whole on every rank and the layer's output is all-reduced.
 
 ``ShardSizes`` is the arithmetic (pure); ``TensorParallel`` wraps ``torch.distributed`` (NCCL on GPUs,
 gloo on the CPU). With ``size == 1`` every collective is the identity and nothing is initialised: the
@@ -44,6 +48,11 @@ class ShardSizes:
     intermediate_size: int
     vocab_size: int  # the whole vocabulary
     vocab_per_rank: int  # rows of the embedding / LM head on each rank (the last shard padded)
+    num_experts: int = 0  # experts held on this rank (0: a dense model)
+    first_expert: int = 0  # global index of its first expert
+    moe_intermediate_size: int = 0  # each held expert's intermediate size on this rank
+    shared_intermediate_size: int = 0  # the shared expert's, on this rank
+    expert_parallel: bool = False
 
     @property
     def vocab_start(self) -> int:
@@ -55,9 +64,9 @@ class ShardSizes:
         return max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
 
     @classmethod
-    def of(cls, args: ModelArgs, rank: int = 0, size: int = 1) -> ShardSizes:
+    def of(cls, args: ModelArgs, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> ShardSizes:
         """Rank ``rank``'s share; ``ValueError`` naming the dimension that ``size`` does not divide."""
-        check_divisible(args, size)
+        check_divisible(args, size, expert_parallel)
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a tensor-parallel group of {size}")
         heads = args.num_heads // size
@@ -65,13 +74,27 @@ class ShardSizes:
             kv_heads, first_kv = args.num_kv_heads // size, rank * (args.num_kv_heads // size)
         else:  # fewer KV heads than ranks: each is replicated on size / num_kv_heads consecutive ranks
             kv_heads, first_kv = 1, rank // (size // args.num_kv_heads)
+        experts: dict[str, int | bool] = {}
+        if args.moe is not None:
+            moe = args.moe
+            experts = dict(shared_intermediate_size=moe.shared_intermediate_size // size,
+                           expert_parallel=expert_parallel)
+            if expert_parallel:
+                held = moe.num_experts // size
+                experts |= dict(num_experts=held, first_expert=rank * held,
+                                moe_intermediate_size=moe.intermediate_size)
+            else:
+                experts |= dict(num_experts=moe.num_experts,
+                                moe_intermediate_size=moe.intermediate_size // size)
         return cls(rank=rank, size=size, num_heads=heads, num_kv_heads=kv_heads, first_head=rank * heads,
                    first_kv_head=first_kv, intermediate_size=args.intermediate_size // size,
-                   vocab_size=args.vocab_size, vocab_per_rank=-(-args.vocab_size // size))
+                   vocab_size=args.vocab_size, vocab_per_rank=-(-args.vocab_size // size),
+                   **experts)  # type: ignore[arg-type]
 
 
-def check_divisible(args: ModelArgs, size: int) -> None:
-    """``ValueError`` unless a model of ``args`` splits over ``size`` ranks."""
+def check_divisible(args: ModelArgs, size: int, expert_parallel: bool = False) -> None:
+    """``ValueError`` unless a model of ``args`` splits over ``size`` ranks (its experts whole per rank
+    with ``expert_parallel``, else each expert's intermediate dimension)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if args.num_heads % size:
@@ -83,15 +106,29 @@ def check_divisible(args: ModelArgs, size: int) -> None:
     if args.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the model's intermediate size "
                          f"{args.intermediate_size}")
+    moe = args.moe
+    if expert_parallel and moe is None:
+        raise ValueError("expert parallelism needs a mixture-of-experts model")
+    if moe is not None:
+        if expert_parallel and moe.num_experts % size:
+            raise ValueError(f"with expert parallelism, tensor_parallel_size {size} must divide the model's "
+                             f"{moe.num_experts} experts")
+        if not expert_parallel and moe.intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the experts' intermediate size "
+                             f"{moe.intermediate_size} (or use expert parallelism)")
+        if moe.shared_intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the shared expert's intermediate size "
+                             f"{moe.shared_intermediate_size}")
 
 
 class TensorParallel:
     """This process's rank in the replica's tensor-parallel group, and its collectives. ``size == 1``: a
     group of one (no ``torch.distributed`` state; every collective returns its input)."""
 
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> None:
         self.rank = rank
         self.size = size
+        self.expert_parallel = expert_parallel  # experts split whole over the ranks (see module docs)
         self._started = False
 
     @property

@@ -2,7 +2,9 @@
 
 The model is constructed on the ``meta`` device (no memory, no random init), materialised empty on the
 target device in the target dtype, then every parameter is filled from the safetensors files by its
-HF name; q/k/v and gate/up are copied into their row ranges of the fused ``qkv_proj``/``gate_up_proj``.
+HF name; q/k/v and gate/up are copied into their row ranges of the fused ``qkv_proj``/``gate_up_proj``,
+and a mixture of experts' per-expert tensors (``...experts.N.gate_proj/up_proj/down_proj``, after the
+family's renames, ``engine.models.registry``) into its stacked ``experts.w13`` / ``experts.w2``.
 Invariants: every parameter is written exactly once from the checkpoint, shapes must match exactly,
 and a missing or unexpected tensor is a ``ValueError`` naming it (never a silently random weight).
 Random weights only when asked for by name (``load_format="random"``: a ``config.json`` alone, for
@@ -16,8 +18,9 @@ The RoPE cache stays float32 whatever the model dtype.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -27,7 +30,7 @@ from engine.attention.base import AttentionBackend
 from engine.distributed import ShardSizes, TensorParallel
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import model_class
+from engine.models.registry import checkpoint_renames, model_class
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -61,11 +64,26 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _fused_shards(args: ModelArgs, shard: ShardSizes | None = None) -> dict[str, tuple[str, int, int]]:
-    """HF projection name -> (fused name, first row, number of rows) on this rank."""
+# A routed expert's projection in the checkpoint (after the family's renames).
+_EXPERT = re.compile(
+    r"^(?P<parent>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _intermediate(hf_name: str, shard: ShardSizes) -> int:
+    """This rank's intermediate size of the MLP that ``hf_name`` belongs to."""
+    return shard.shared_intermediate_size if ".shared_experts." in hf_name else shard.intermediate_size
+
+
+def _fused_shards(
+    args: ModelArgs, shard: ShardSizes | None = None, inter: int | None = None
+) -> dict[str, tuple[str, int, int]]:
+    """HF projection name -> (fused name, first row, number of rows) on this rank; ``inter``: the MLP's
+    intermediate size on this rank (default: the dense MLP's)."""
     shard = shard or ShardSizes.of(args)
     q, kv = shard.num_heads * args.head_dim, shard.num_kv_heads * args.head_dim
-    inter = shard.intermediate_size
+    inter = shard.intermediate_size if inter is None else inter
     return {
         "q_proj": ("qkv_proj", 0, q),
         "k_proj": ("qkv_proj", q, kv),
@@ -84,26 +102,33 @@ def _source_slice(hf_name: str, args: ModelArgs, shard: ShardSizes) -> tuple[int
         return 0, shard.first_head * d, shard.num_heads * d
     if proj in ("k_proj", "v_proj"):
         return 0, shard.first_kv_head * d, shard.num_kv_heads * d
+    inter = _intermediate(hf_name, shard)
     if proj in ("gate_proj", "up_proj"):
-        return 0, shard.rank * shard.intermediate_size, shard.intermediate_size
+        return 0, shard.rank * inter, inter
     if proj == "o_proj" and leaf == "weight":
         return 1, shard.first_head * d, shard.num_heads * d
     if proj == "down_proj" and leaf == "weight":
-        return 1, shard.rank * shard.intermediate_size, shard.intermediate_size
+        return 1, shard.rank * inter, inter
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, shard.vocab_start, shard.vocab_rows
     return None
 
 
-def _expected_hf_names(model: nn.Module, shards: dict[str, tuple[str, int, int]]) -> set[str]:
+def _expected_hf_names(
+    model: nn.Module, shards: dict[str, tuple[str, int, int]], args: ModelArgs
+) -> set[str]:
     by_fused: dict[str, list[str]] = {}
     for hf, (fused, _, _) in shards.items():
         by_fused.setdefault(fused, []).append(hf)
     names: set[str] = set()
+    num_experts = args.moe.num_experts if args.moe is not None else 0
     for name, _ in model.named_parameters():  # tied weights appear once, under the embedding's name
         module, _, leaf = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
-        if proj in by_fused:
+        if module.endswith(".experts") and leaf in ("w13", "w2"):  # every expert, held here or not
+            projs = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
+            names.update(f"{module}.{e}.{p}.weight" for e in range(num_experts) for p in projs)
+        elif proj in by_fused:
             names.update(f"{parent}.{hf}.{leaf}" for hf in by_fused[proj])
         else:
             names.add(name)
@@ -119,30 +144,44 @@ def load_weights(
     shard = shard or ShardSizes.of(args)
     params = dict(model.named_parameters())
     shards = _fused_shards(args, shard)
-    expected = _expected_hf_names(model, shards)
+    expected = _expected_hf_names(model, shards, args)
+    renames = checkpoint_renames(args)
     seen: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
+            for stored_name in f.keys():
+                hf_name = stored_name
+                for old, new in renames:
+                    hf_name = hf_name.replace(old, new)
                 if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if hf_name == "lm_head.weight" and args.tie_word_embeddings:
                     continue
+                layer = _LAYER.match(hf_name)
+                if layer and int(layer.group(1)) >= args.num_layers and args.model_type == "glm4_moe":
+                    continue  # GLM's multi-token-prediction layers, past the decoder: not served
                 if hf_name not in expected:
-                    raise ValueError(f"{path.name}: unexpected tensor {hf_name!r} for {args.architecture}")
+                    raise ValueError(
+                        f"{path.name}: unexpected tensor {stored_name!r} for {args.architecture}"
+                    )
                 if hf_name in seen:
-                    raise ValueError(f"{path.name}: tensor {hf_name!r} appears twice in the checkpoint")
+                    raise ValueError(f"{path.name}: tensor {stored_name!r} appears twice in the checkpoint")
+                expert = _EXPERT.match(hf_name)
+                if expert is not None:
+                    _load_expert(f, stored_name, expert, params, shard)
+                    seen.add(hf_name)
+                    continue
                 part = _source_slice(hf_name, args, shard) if shard.size > 1 else None
                 if part is None:
-                    tensor = f.get_tensor(hf_name)
+                    tensor = f.get_tensor(stored_name)
                 else:
                     dim, first, length = part
-                    view = f.get_slice(hf_name)
+                    view = f.get_slice(stored_name)
                     tensor = view[first:first + length] if dim == 0 else view[:, first:first + length]
                 module, _, leaf = hf_name.rpartition(".")
                 parent, _, proj = module.rpartition(".")
                 if proj in shards:
-                    fused, row, rows = shards[proj]
+                    fused, row, rows = _fused_shards(args, shard, _intermediate(hf_name, shard))[proj]
                     target = params[f"{parent}.{fused}.{leaf}"].narrow(0, row, rows)
                 else:
                     target = params[hf_name]
@@ -158,6 +197,29 @@ def load_weights(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}")
+
+
+def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[str, torch.Tensor],
+                 shard: ShardSizes) -> None:
+    """Copy one routed expert's projection into its place in the stacked ``experts.w13`` / ``w2``: with
+    expert parallelism only the experts this rank holds (whole), else this rank's intermediate slice."""
+    local = int(match["expert"]) - shard.first_expert
+    if not 0 <= local < shard.num_experts:
+        return  # another rank's expert
+    proj, inter = match["proj"], shard.moe_intermediate_size
+    first = 0 if shard.expert_parallel else shard.rank * inter
+    view = f.get_slice(stored_name)
+    if proj == "down_proj":
+        target = params[f"{match['parent']}.w2"][local]
+        tensor = view[:, first:first + inter]
+    else:
+        row = 0 if proj == "gate_proj" else inter
+        target = params[f"{match['parent']}.w13"][local].narrow(0, row, inter)
+        tensor = view[first:first + inter]
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"{stored_name!r} has shape {tuple(view.get_shape())}: the model expects this "
+                         f"rank's {tuple(target.shape)} of it")
+    target.copy_(tensor)
 
 
 LOAD_FORMATS = ("safetensors", "random")

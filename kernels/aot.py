@@ -5,7 +5,8 @@ lowers a kernel to PTX and assembles it with the ``ptxas`` that Triton ships; no
 involved. What this module adds is *which* specialisations to compile: it calls every launcher the way
 the engine's forward pass does (``store_kv_cache``, ``paged_decode_attention`` at every split count the
 engine can choose, ``extend_attention``, ``rms_norm`` with and without the fused residual and over
-head rows for q/k-norm, ``rotary_embedding``, ``silu_and_mul``) on CPU tensors laid out as the engine
+head rows for q/k-norm, ``rotary_embedding``, ``silu_and_mul``, and ``fused_moe``'s grouped GEMMs for
+the mixtures of experts) on CPU tensors laid out as the engine
 lays them out (q/k/v views of one qkv projection, a ``[2, blocks, 16, kv_heads, head_dim]`` cache),
 under :func:`kernels._common.recorded_launches`. The launchers' own checks and choice functions
 (``decode_tile_config``, ``extend_tile_config``, block sizes, ``num_warps``) therefore decide what is
@@ -73,6 +74,11 @@ class ServedShape:
     hidden_size: int
     intermediate_size: int
     qk_norm: bool = False  # Qwen3's per-head RMSNorm of q and k
+    # Mixtures of experts (engine/models/moe.py): experts per layer, experts per token, each expert's
+    # intermediate size. 0 experts: a dense model.
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def group(self) -> int:
@@ -90,6 +96,10 @@ SERVED_SHAPES = {
         ServedShape("llama3.2-1b", 32, 8, 64, 2048, 8192),
         ServedShape("tinyllama-1.1b", 32, 4, 64, 2048, 5632),
         ServedShape("qwen1.5-0.5b", 16, 16, 64, 1024, 2816),
+        ServedShape("qwen3-30b-a3b", 32, 4, 128, 2048, 6144, qk_norm=True, num_experts=128, top_k=8,
+                    moe_intermediate_size=768),
+        ServedShape("mixtral-8x7b", 32, 8, 128, 4096, 14336, num_experts=8, top_k=2,
+                    moe_intermediate_size=14336),
     )
 }
 
@@ -199,6 +209,15 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
             kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale=scale,
                                            max_seq_len=context, num_splits=splits)  # fmt: skip
         kernels.silu_and_mul(torch.empty((tokens, 2 * shape.intermediate_size), dtype=dtype))
+        if shape.num_experts:
+            # The grouped GEMMs at a decode batch and at a prefill's token count (their tiles differ).
+            e, inter = shape.num_experts, shape.moe_intermediate_size
+            w13 = torch.empty((e, 2 * inter, shape.hidden_size), dtype=dtype)
+            w2 = torch.empty((e, shape.hidden_size, inter), dtype=dtype)
+            for n in (seqs, 512):
+                ids = torch.arange(n * shape.top_k, dtype=torch.int64).remainder(e).view(n, shape.top_k)
+                kernels.fused_moe(torch.empty((n, shape.hidden_size), dtype=dtype), w13, w2,
+                                  torch.empty((n, shape.top_k), dtype=torch.float32), ids)
     return launches
 
 

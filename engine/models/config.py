@@ -1,5 +1,8 @@
 """``ModelArgs``: the few numbers a decoder needs, read from a Hugging Face ``config.json``. No torch.
 
+Mixtures of experts (Qwen3-MoE, Mixtral, GLM-4.5) add ``MoEArgs``; GLM's partial rotary embedding is
+``partial_rotary_dim`` (``rotary_dim``: the rotated dimensions of a head).
+
 Accepts both the classic layout (``rope_theta`` + ``rope_scaling``) and transformers 5's
 ``rope_parameters``. Invariants checked in ``__post_init__`` (``ValueError``): positive sizes,
 ``num_heads`` a multiple of ``num_kv_heads``, ``hidden_act == "silu"``, a supported RoPE type
@@ -15,6 +18,52 @@ from pathlib import Path
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
+ROUTERS = ("softmax", "sigmoid_grouped")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEArgs:
+    """A mixture-of-experts feed-forward (``engine.models.moe``), as a checkpoint's config describes it.
+
+    ``router``: ``softmax`` (Qwen3-MoE, Mixtral: softmax over all experts, then the top k, renormalised
+    over the k when ``renormalize``) or ``sigmoid_grouped`` (GLM-4.5 / DeepSeek-V3: sigmoid scores, the
+    top k chosen on scores plus ``e_score_correction_bias`` within the best ``topk_groups`` of
+    ``num_groups`` expert groups, weighted by the plain scores, renormalised, times ``routed_scaling``).
+    ``dense_layers``: the layers that keep a dense MLP of the model's ``intermediate_size``.
+    ``shared_intermediate_size``: a shared expert every token goes through as well (0: none)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "softmax"
+    renormalize: bool = True
+    dense_layers: tuple[int, ...] = ()
+    shared_intermediate_size: int = 0
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size", "num_groups", "topk_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"config.json: {name} of the experts must be a positive integer, got {value!r}"
+                )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok ({self.top_k}) exceeds the "
+                             f"{self.num_experts} experts")
+        if self.router not in ROUTERS:
+            raise ValueError(f"MoE router {self.router!r} is not supported ({ROUTERS})")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError(f"config.json: {self.num_experts} experts do not split into n_group "
+                             f"{self.num_groups} with topk_group {self.topk_groups}")
+        if self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(f"config.json: topk_group {self.topk_groups} of {self.num_groups} groups holds "
+                             f"fewer than num_experts_per_tok ({self.top_k}) experts")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +91,9 @@ class ModelArgs:
     hidden_act: str = "silu"
     sliding_window: int | None = None
     torch_dtype: str | None = None
+    moe: MoEArgs | None = None
+    # Dimensions of each head that RoPE rotates (the first ones; GLM's partial rotary); None: all.
+    partial_rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -56,10 +108,19 @@ class ModelArgs:
             raise ValueError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
         if self.hidden_act != "silu":
             raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.partial_rotary_dim is not None and (
+            self.partial_rotary_dim % 2 or not 0 < self.partial_rotary_dim <= self.head_dim
+        ):
+            raise ValueError(f"config.json: partial_rotary_factor gives {self.partial_rotary_dim} rotary "
+                             f"dimensions of {self.head_dim}: must be even and positive")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"config.json: rope type {self.rope_type!r} is not supported ({ROPE_TYPES})")
         if self.rope_type != "default" and self.rope_params.get("factor", 0) <= 0:
             raise ValueError(f"config.json: rope type {self.rope_type!r} needs a positive factor")
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.partial_rotary_dim or self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -89,9 +150,12 @@ class ModelArgs:
         rope_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         rope_params = {k: float(v) for k, v in rope.items() if k in rope_keys}
 
+        moe = _moe_args(cfg, model_type)
+        partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+        partial_rotary_dim = int(head_dim * partial) if partial < 1.0 else None
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding_window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding_window = None
         return cls(
             architecture=archs[0] if archs else "",
@@ -111,12 +175,15 @@ class ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (and none on o_proj); Llama-style attention_bias covers all four.
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            o_bias=model_type not in ("qwen2", "glm4_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type == "qwen3" or (model_type == "qwen3_moe")
+            or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_window=sliding_window,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            moe=moe,
+            partial_rotary_dim=partial_rotary_dim,
         )
 
     @classmethod
@@ -126,3 +193,33 @@ class ModelArgs:
             raise ValueError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
         with path.open(encoding="utf-8") as f:
             return cls.from_hf_config(json.load(f))
+
+
+def _moe_args(cfg: dict[str, Any], model_type: str) -> MoEArgs | None:
+    """The experts of a Qwen3-MoE, Mixtral or GLM-4.5 config (None for a dense model)."""
+    layers = cfg["num_hidden_layers"]
+    # transformers 5 writes ``num_local_experts`` where the published configs say ``num_experts`` /
+    # ``n_routed_experts``: both are read.
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    if model_type == "qwen3_moe":
+        if not experts:
+            return None
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step)
+        return MoEArgs(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                       intermediate_size=cfg["moe_intermediate_size"],
+                       renormalize=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+    if model_type == "mixtral":
+        return MoEArgs(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                       intermediate_size=cfg["intermediate_size"], renormalize=True)
+    if model_type == "glm4_moe":
+        inter = cfg["moe_intermediate_size"]
+        return MoEArgs(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                       intermediate_size=inter, router="sigmoid_grouped",
+                       renormalize=bool(cfg.get("norm_topk_prob", True)),
+                       dense_layers=tuple(range(min(layers, cfg.get("first_k_dense_replace", 0)))),
+                       shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+                       num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
+                       routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)))
+    return None

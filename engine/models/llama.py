@@ -1,8 +1,10 @@
-"""The Llama / Mistral / Qwen2 / Qwen3 decoder family as plain ``nn.Module``s over the paged KV cache.
+"""The Llama-style decoder as plain ``nn.Module``s over the paged KV cache: Llama, Mistral, Qwen2, Qwen3,
+and the mixtures of experts built on the same attention (Qwen3-MoE, Mixtral, GLM-4.5).
 
-One implementation covers the family's variants, switched by ``ModelArgs``: GQA, RoPE (rope_theta,
-linear or llama3-style scaling; rotate-half layout), RMSNorm, SwiGLU, Qwen2's q/k/v biases, Qwen3's
-per-head q/k RMSNorm and explicit ``head_dim``, tied embeddings. Invariants:
+One implementation covers the variants, switched by ``ModelArgs``: GQA, RoPE (rope_theta, linear or
+llama3-style scaling; rotate-half layout; GLM's partial rotary dimensions), RMSNorm, SwiGLU, Qwen2's q/k/v
+biases, Qwen3's per-head q/k RMSNorm and explicit ``head_dim``, tied embeddings, and per layer a dense
+MLP or a ``MoE`` block (``engine.models.moe``: router, grouped experts, shared expert). Invariants:
 
 - Inputs are packed: a step's new tokens of every sequence are rows of one ``[T]`` tensor (no padding,
   no batch dimension); ``positions [T]`` are their positions inside their own sequences.
@@ -150,8 +152,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or llama3 scaling applied."""
-    dim = args.head_dim
+    """Inverse frequencies ``[rotary_dim / 2]`` (float32), with linear or llama3 scaling applied."""
+    dim = args.rotary_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     p = args.rope_params
     if args.rope_type == "linear":
@@ -171,7 +173,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """The RoPE table ``cos_sin [max_positions, head_dim]`` (cos | sin halves), float32, on the model's
+    """The RoPE table ``cos_sin [max_positions, rotary_dim]`` (cos | sin halves), float32, on the model's
     device; the ``Ops`` rotate queries and keys with it."""
 
     cos_sin: torch.Tensor  # a registered (non-persistent) buffer
@@ -198,6 +200,7 @@ class Attention(nn.Module):
                  shard: ShardSizes, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, args.head_dim
+        self.rotary_dim = args.rotary_dim
         self.q_size, self.kv_size = shard.num_heads * args.head_dim, shard.num_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, args.hidden_size, args.o_bias, tp)
@@ -223,40 +226,63 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos_sin = self._rotary[0].cos_sin
+        partial = self.rotary_dim < self.head_dim
         # Per-head RMSNorm over rows of head_dim (reshape packs the rows); q_norm and k_norm are set together.
         fused = None
         if self.q_norm is not None and self.k_norm is not None:
-            if isinstance(self._ops, NativeOps):
+            if isinstance(self._ops, NativeOps) and not partial:
                 fused = self._ops.norm_rotary(q, k, (self.q_norm, self.k_norm), positions, cos_sin)
             if fused is None:
                 head_dim = self.head_dim
                 q = self.q_norm(q.reshape(-1, head_dim)).view(num_tokens, self.num_heads, head_dim)
                 k = self.k_norm(k.reshape(-1, head_dim)).view(num_tokens, self.num_kv_heads, head_dim)
-        q, k = self._ops.rotary(q, k, positions, cos_sin) if fused is None else fused
+        if partial:  # GLM: only the first rotary_dim dimensions of each head turn
+            rd = self.rotary_dim
+            q_rot, k_rot = TorchOps.rotary(q[..., :rd], k[..., :rd], positions, cos_sin)
+            q, k = torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)
+        else:
+            q, k = self._ops.rotary(q, k, positions, cos_sin) if fused is None else fused
         out = self._backend.forward(q, k, v, kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, ops: Ops, shard: ShardSizes, tp: TensorParallel) -> None:
+    """The gated MLP with this rank's ``intermediate`` columns; ``down_proj`` all-reduces over ``tp``."""
+
+    def __init__(self, hidden_size: int, intermediate: int, bias: bool, ops: Ops, tp: TensorParallel) -> None:
         super().__init__()
         self._ops = ops
-        inter = shard.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * inter, bias=args.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, D]
 
 
+def feed_forward(args: ModelArgs, layer: int, ops: Ops, shard: ShardSizes, tp: TensorParallel,
+                 fused_kernels: bool) -> nn.Module:
+    """Layer ``layer``'s feed-forward: the dense MLP, or for a mixture of experts (``args.moe``) the
+    ``MoE`` block on its sparse layers (with its shared expert, if any)."""
+    moe = args.moe
+    if moe is None or not moe.is_sparse(layer):
+        return MLP(args.hidden_size, shard.intermediate_size, args.mlp_bias, ops, tp)
+    from engine.models.moe import MoE
+
+    shared = None
+    if moe.shared_intermediate_size:
+        # No all-reduce of its own: the MoE block reduces the experts' and the shared expert's sum once.
+        shared = MLP(args.hidden_size, shard.shared_intermediate_size, False, ops, TensorParallel())
+    return MoE(moe, args.hidden_size, shard, tp, use_kernel=fused_kernels, shared_experts=shared)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops,
-                 shard: ShardSizes, tp: TensorParallel) -> None:
+                 shard: ShardSizes, tp: TensorParallel, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.self_attn = Attention(args, rotary, backend, ops, shard, tp)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.mlp = MLP(args, ops, shard, tp)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -279,14 +305,16 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int, ops: Ops,
-                 shard: ShardSizes, tp: TensorParallel) -> None:
+                 shard: ShardSizes, tp: TensorParallel, fused_kernels: bool = False) -> None:
         super().__init__()
         # The loader fills every weight from the checkpoint, so the random init is skipped: under its
         # meta-device mode, Embedding's normal_ imports torch._dynamo (~2 s of CPU on the first load).
         self.embed_tokens = VocabParallelEmbedding(shard, args.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(args, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, self.rotary_emb, backend, ops, shard, tp) for _ in range(args.num_layers)
+            DecoderLayer(args, self.rotary_emb, backend, ops, shard, tp,
+                         feed_forward(args, i, ops, shard, tp, fused_kernels))
+            for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
 
@@ -320,9 +348,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.tp = tp = tp or TensorParallel()
-        self.shard = shard = ShardSizes.of(args, tp.rank, tp.size)
+        self.shard = shard = ShardSizes.of(args, tp.rank, tp.size, tp.expert_parallel)
         ops: Ops = TritonOps() if fused_kernels else NativeOps()
-        self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings, ops, shard, tp)
+        self.model = LlamaModel(args, backend, max_positions or args.max_position_embeddings, ops, shard, tp,
+                                fused_kernels)
         self.lm_head = nn.Linear(args.hidden_size, shard.vocab_per_rank, bias=False)
         self.tie_weights()
 

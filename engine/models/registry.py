@@ -1,7 +1,9 @@
 """Which model class serves a checkpoint: by ``config.json``'s ``architectures``, else its ``model_type``.
 
-Every supported architecture is the Llama decoder family, implemented once in ``engine.models.llama``;
-an unknown one is a ``ValueError`` that names the supported ones.
+Every supported architecture is a Llama-style decoder, implemented once in ``engine.models.llama``
+(dense MLPs, or ``engine.models.moe`` blocks where ``ModelArgs.moe`` says so); an unknown one is a
+``ValueError`` that names the supported ones. ``checkpoint_renames`` maps a family's checkpoint names
+onto the model's where they differ (Mixtral's ``block_sparse_moe.experts.N.w1/w2/w3``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,23 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Glm4MoeForCausalLM": LlamaForCausalLM,
 }
 _MODEL_TYPES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
+    "mixtral": LlamaForCausalLM,
+    "glm4_moe": LlamaForCausalLM,
+}
+# (checkpoint substring, model substring), applied in order to every tensor name.
+_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                (".w2.", ".down_proj.")),
 }
 
 
@@ -36,3 +49,7 @@ def model_class(args: ModelArgs) -> type[LlamaForCausalLM]:
         f"unsupported model architecture {args.architecture or args.model_type!r}; "
         f"supported: {', '.join(supported_architectures())}"
     )
+
+
+def checkpoint_renames(args: ModelArgs) -> tuple[tuple[str, str], ...]:
+    return _RENAMES.get(args.model_type, ())

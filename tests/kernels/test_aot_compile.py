@@ -56,7 +56,7 @@ def test_every_kernel_is_compiled_for_each_arch_and_dtype(compiled):
         seen[r["kernel"]].add((r["arch"], r["dtype"]))
     want = {(arch, dtype) for arch in ARCHS for dtype in aot.DTYPES}
     kernels = {"rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
-               "merge_splits", "extend_attention"}  # fmt: skip
+               "merge_splits", "extend_attention", "fused_moe"}  # fmt: skip
     assert set(seen) == kernels
     assert all(seen[k] == want for k in kernels), dict(seen)
 
@@ -156,6 +156,17 @@ def test_llama3_8b_and_qwen3_shapes_are_compiled(compiled):
     assert {"llama3-8b", "qwen3-0.6b"} <= shapes
     qk_norm_rows = [r for r in compiled if r["kernel"] == "rms_norm" and r["constexprs"]["HIDDEN"] == 128]
     assert qk_norm_rows, "Qwen3's per-head q/k RMSNorm (rows of head_dim) is not compiled"
+
+
+def test_mixtures_of_experts_compile_both_grouped_gemms_at_decode_and_prefill_tiles(compiled):
+    """Each MoE shape's two grouped GEMMs (gate_up over tokens, down weighted over slots), at the tile a
+    decode batch gets and the one a prefill gets."""
+    for shape in ("qwen3-30b-a3b", "mixtral-8x7b"):
+        for arch in ARCHS:
+            rows = [r["constexprs"] for r in compiled if r["kernel"] == "fused_moe" and r["arch"] == arch]
+            top_k = aot.SERVED_SHAPES[shape].top_k
+            assert {(c["TOP_K"], c["MUL_ROUTED_WEIGHT"], c["BLOCK_M"]) for c in rows} >= {
+                (top_k, False, 16), (top_k, False, 64), (1, True, 16), (1, True, 64)}, (shape, arch, rows)
 
 
 def test_recorded_launches_run_nothing_and_follow_the_recording_arch():

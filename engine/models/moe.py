@@ -1,0 +1,164 @@
+"""The mixture-of-experts feed-forward: a router picks each token's top-k experts, the experts run as
+grouped GEMMs, and a shared expert (where the family has one) adds its output.
+
+Parameters (the loader stacks the checkpoint's per-expert tensors into them):
+  gate.weight                  [E, hidden]               the router, whole on every rank
+  gate.e_score_correction_bias [E]                       sigmoid_grouped routers only (float32)
+  experts.w13                  [E_local, 2 * I_local, hidden]  gate rows, then up rows, of each held expert
+  experts.w2                   [E_local, hidden, I_local]
+  shared_experts.*             a dense ``MLP`` of the shared expert's size (families that have one)
+
+Routers, as the reference implementations compute them (``route``), in float32:
+- ``softmax`` (Qwen3-MoE, Mixtral): softmax over all experts, the top k, renormalised over the k when
+  the config says so;
+- ``sigmoid_grouped`` (GLM-4.5, DeepSeek-V3): sigmoid scores; experts are chosen on score + correction
+  bias, only within the ``topk_groups`` best of ``num_groups`` groups (a group's strength: the sum of its
+  two best biased scores); weights are the unbiased scores, renormalised, times ``routed_scaling``.
+
+Experts: with the Triton kernels (``fused_kernels``: CUDA + triton), ``kernels.fused_moe`` (two launches
+for all experts); else
+``grouped_experts``, which sorts the (token, expert) slots by expert and runs each expert's rows as one
+GEMM pair (a loop over the experts that were chosen, never over tokens). With tensor parallelism the
+output is a partial sum that ``MoE`` all-reduces (``engine.distributed``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import ShardSizes, TensorParallel
+from engine.models.config import MoEArgs
+
+
+def route(logits: torch.Tensor, moe: MoEArgs, correction_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights [T, k] float32, topk_ids [T, k] int64)`` from router ``logits [T, E]``."""
+    logits = logits.float()
+    if moe.router == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    scores = logits.sigmoid()
+    biased = scores if correction_bias is None else scores + correction_bias.float()
+    if moe.num_groups > 1:
+        per_group = moe.num_experts // moe.num_groups
+        grouped = biased.view(-1, moe.num_groups, per_group)
+        group_strength = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, groups]
+        best_groups = group_strength.topk(moe.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_strength, dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = biased.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling, ids
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """The experts in PyTorch: each held expert's slots as one ``[n, hidden] @ [hidden, 2I]`` GEMM, the
+    gated activation, one ``[n, I] @ [I, hidden]`` GEMM, weighted, added into their tokens' rows in
+    expert order (as the reference implementations add them). ``first_expert``: global id of ``w13[0]``
+    (expert parallelism); slots of experts not held here add nothing."""
+    num_tokens, top_k = topk_ids.shape
+    held = w13.shape[0]
+    out = torch.zeros_like(x)
+    local = topk_ids.reshape(-1) - first_expert
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local.clamp(-1, held).add(1), minlength=held + 2)[1:held + 1].tolist()
+    start = int((local < 0).sum())  # other ranks' lower experts sort first
+    inter = w13.shape[1] // 2
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start:start + n]
+        start += n
+        tokens = slots // top_k
+        gate, up = F.linear(x[tokens], w13[expert]).split(inter, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[expert])
+        h = h * topk_weights.reshape(-1)[slots].unsqueeze(-1).to(h.dtype)
+        out.index_add_(0, tokens, h)
+    return out
+
+
+class Experts(nn.Module):
+    """This rank's experts, stacked (see module docs)."""
+
+    def __init__(self, shard: ShardSizes, hidden_size: int, use_kernel: bool) -> None:
+        super().__init__()
+        inter = shard.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(shard.num_experts, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(shard.num_experts, hidden_size, inter))
+        self.first_expert = shard.first_expert
+        self.expert_parallel = shard.expert_parallel
+        self._use_kernel = use_kernel
+        self._expert_map: torch.Tensor | None = None
+
+    def expert_map(self, num_experts: int, device: torch.device) -> torch.Tensor | None:
+        """Global expert id -> index in ``w13``, -1 for experts held elsewhere (expert parallelism)."""
+        if not self.expert_parallel:
+            return None
+        if self._expert_map is None or self._expert_map.device != device:
+            held = self.w13.shape[0]
+            m = torch.full((num_experts,), -1, dtype=torch.int32)
+            m[self.first_expert:self.first_expert + held] = torch.arange(held, dtype=torch.int32)
+            self._expert_map = m.to(device)
+        return self._expert_map
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                num_experts: int) -> torch.Tensor:
+        if self._use_kernel:
+            import kernels
+
+            return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                                     expert_map=self.expert_map(num_experts, x.device))
+        return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+
+
+class Router(nn.Module):
+    def __init__(self, moe: MoEArgs, hidden_size: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if moe.router == "sigmoid_grouped":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The sigmoid routers score in float32 (the references run their router in float32).
+        if self.moe.router == "sigmoid_grouped":
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
+        return route(logits, self.moe, self.e_score_correction_bias)
+
+
+class MoE(nn.Module):
+    """Router + experts (+ shared expert); ``forward(x [T, hidden]) -> [T, hidden]``, whole on every
+    rank."""
+
+    def __init__(self, moe: MoEArgs, hidden_size: int, shard: ShardSizes, tp: TensorParallel,
+                 use_kernel: bool, shared_experts: nn.Module | None = None) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = Router(moe, hidden_size)
+        self.experts = Experts(shard, hidden_size, use_kernel)
+        self.shared_experts = shared_experts  # a dense MLP whose down projection does not all-reduce
+        self._tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids, self.moe.num_experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self._tp.all_reduce(out)
