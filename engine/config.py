@@ -68,6 +68,9 @@ class EngineConfig:
     # Tensor parallelism (``engine.distributed``): the model's heads, MLP and vocabulary split over this
     # many ranks (GPUs ``cuda:K .. K+N-1``, or N processes sharing the CPU), one replica.
     tensor_parallel_size: int = 1
+    # Mixtures of experts over the ranks: each rank holds E / N whole experts (expert parallelism),
+    # instead of a slice of every expert's intermediate dimension (the default).
+    enable_expert_parallel: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

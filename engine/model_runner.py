@@ -145,10 +145,12 @@ class ModelRunner:
             _keep_large_allocations_on_the_heap()
         model_dir = Path(config.model)
         self.args = args = ModelArgs.from_pretrained(model_dir)
-        self.shard = shard = ShardSizes.of(args, rank, size)  # ValueError before any rank starts
+        expert_parallel = config.enable_expert_parallel
+        # ValueError before any rank starts
+        self.shard = shard = ShardSizes.of(args, rank, size, expert_parallel)
         self.max_model_len = self._resolve_max_model_len(args, config.max_model_len)
         self.vocab_size: int = args.vocab_size
-        self.tp = TensorParallel(rank, size)
+        self.tp = TensorParallel(rank, size, expert_parallel)
         self.workers: RankWorkers | None = None
         if size > 1:
             if self.device.type == "cpu":  # the ranks share the host's cores

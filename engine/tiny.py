@@ -14,22 +14,30 @@ Invariants:
 - ``config.json``'s ``vocab_size`` equals the tokenizer's size (ordinary tokens, then special tokens).
 - All archs share one tokenizer and one set of special tokens; only ``llama`` uses a BOS token
   (``<|begin_of_text|>``, added by the post-processor and by the chat template's ``bos_token``).
-- The three archs cover the decoder family's variants: ``llama`` has llama3-style ``rope_scaling`` and an
+- The dense archs cover the decoder family's variants: ``llama`` has llama3-style ``rope_scaling`` and an
   untied ``lm_head``; ``qwen2`` has q/k/v biases and tied embeddings; ``qwen3`` has per-head q/k RMSNorm,
   an explicit ``head_dim`` (``heads * head_dim != hidden_size``) and tied embeddings.
+- The mixtures of experts are written as their published checkpoints are (per-expert tensors, the hub's
+  config keys): ``qwen3_moe`` (8 experts, top-2 renormalised, q/k RMSNorm), ``mixtral`` (4 experts, top-2,
+  ``block_sparse_moe.experts.N.w1/w2/w3``), ``glm4_moe`` (a dense first layer, then 8 routed experts in 2
+  groups with a sigmoid router, a correction bias and a scaling factor, a shared expert, q/k/v biases and
+  partial RoPE).
 """
 
 from __future__ import annotations
 
 import json
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+# The mixtures of experts among them (``tollgate model create-tiny --family``).
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|im_end|>"
@@ -126,6 +134,12 @@ _ARCH_DIMS: dict[str, dict] = {
     # heads * head_dim = 128 != hidden_size = 64: exercises the explicit head_dim path.
     "qwen3": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   intermediate_size=192, num_hidden_layers=2),
+    "qwen3_moe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      intermediate_size=192, num_hidden_layers=2),
+    "mixtral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=64, num_hidden_layers=2),
+    "glm4_moe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=128, num_hidden_layers=3),
 }
 INITIALIZER_RANGE = 0.08
 
@@ -197,6 +211,28 @@ def _model_config(arch: str, vocab_size: int, bos_id: int | None, eos_ids: list[
             rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                               original_max_position_embeddings=512),
         )
+    if arch == "qwen3_moe":
+        return dict(
+            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", **common,
+            rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=False, use_sliding_window=False,
+            sliding_window=None, max_window_layers=dims["num_hidden_layers"], num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], router_aux_loss_coef=0.001,
+        )
+    if arch == "mixtral":
+        return dict(
+            architectures=["MixtralForCausalLM"], model_type="mixtral", **common,
+            rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
+            num_experts_per_tok=2, router_aux_loss_coef=0.001,
+        )
+    if arch == "glm4_moe":
+        return dict(
+            architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", **common,
+            rope_theta=1000000.0, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+            tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+            routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+        )
     if arch == "qwen2":
         return dict(
             architectures=["Qwen2ForCausalLM"], model_type="qwen2", **common,
@@ -218,8 +254,9 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     head_dim = config["head_dim"]
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
-    qkv_bias = config["model_type"] == "qwen2"
-    qk_norm = config["model_type"] == "qwen3"
+    model_type = config["model_type"]
+    qkv_bias = model_type == "qwen2" or config.get("attention_bias", False)
+    qk_norm = model_type in ("qwen3", "qwen3_moe")
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
@@ -243,6 +280,9 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
         w[p + "self_attn.o_proj.weight"] = normal(hidden, q_dim)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if model_type in MOE_FAMILIES and i >= config.get("first_k_dense_replace", 0):
+            w.update(_experts(config, p, normal))
+            continue
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden)
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter)
@@ -250,6 +290,33 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     if not config["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(config["vocab_size"], hidden)
     return {k: v.contiguous() for k, v in w.items()}
+
+
+def _experts(config: dict, prefix: str, normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One sparse layer's router and experts, named as the family's published checkpoints name them."""
+    hidden = config["hidden_size"]
+    if config["model_type"] == "mixtral":
+        experts, inter = config["num_local_experts"], config["intermediate_size"]
+        w = {prefix + "block_sparse_moe.gate.weight": normal(experts, hidden)}
+        for e in range(experts):
+            q = f"{prefix}block_sparse_moe.experts.{e}."
+            w |= {q + "w1.weight": normal(inter, hidden), q + "w3.weight": normal(inter, hidden),
+                  q + "w2.weight": normal(hidden, inter)}
+        return w
+    experts = config.get("num_experts") or config["n_routed_experts"]
+    inter = config["moe_intermediate_size"]
+    w = {prefix + "mlp.gate.weight": normal(experts, hidden)}
+    for e in range(experts):
+        q = f"{prefix}mlp.experts.{e}."
+        w |= {q + "gate_proj.weight": normal(inter, hidden), q + "up_proj.weight": normal(inter, hidden),
+              q + "down_proj.weight": normal(hidden, inter)}
+    if config["model_type"] == "glm4_moe":
+        shared = inter * config["n_shared_experts"]
+        w[prefix + "mlp.gate.e_score_correction_bias"] = normal(experts)
+        q = prefix + "mlp.shared_experts."
+        w |= {q + "gate_proj.weight": normal(shared, hidden), q + "up_proj.weight": normal(shared, hidden),
+              q + "down_proj.weight": normal(hidden, shared)}
+    return w
 
 
 def create_tiny_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:

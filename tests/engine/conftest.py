@@ -1,8 +1,10 @@
 """Engine test fixtures: tiny random-weight checkpoints, written once per test session (per xdist worker).
 
-``tiny_llama_dir`` / ``tiny_qwen2_dir`` / ``tiny_qwen3_dir`` are directories holding a complete HF
+``tiny_llama_dir`` / ``tiny_qwen2_dir`` / ``tiny_qwen3_dir`` (and the mixtures of experts,
+``tiny_qwen3_moe_dir`` / ``tiny_mixtral_dir`` / ``tiny_glm4_moe_dir``) are directories holding a complete HF
 checkpoint (config, safetensors, BPE tokenizer, chat template) from ``engine.tiny``; treat them as
-read-only, they are shared by every test of the session.
+read-only, they are shared by every test of the session. ``hf_moe_dirs`` holds the MoE families with
+weights that transformers wrote.
 
 ``one_torch_thread`` (a module opts in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)
 runs the module with one intra-op torch thread and restores the previous count after it.
@@ -36,6 +38,44 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory, "glm4_moe")
+
+
+def transformers_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str, seed: int = 1) -> Path:
+    """A tiny checkpoint whose weights transformers' own class wrote (``from_config`` with a fixed seed,
+    then ``save_pretrained``, float32), beside ``engine.tiny``'s tokenizer and chat template: the
+    reference the engine's families are held against, independent of ``engine.tiny``'s weight writer."""
+    import transformers
+
+    out = create_tiny_checkpoint(tmp_path_factory.mktemp(f"hf_{arch}"), arch=arch, seed=0)
+    config = transformers.AutoConfig.from_pretrained(out)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    (out / "model.safetensors").unlink()
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per MoE family, a checkpoint written by transformers (see ``transformers_checkpoint``)."""
+    from engine.tiny import MOE_FAMILIES
+
+    return {family: transformers_checkpoint(tmp_path_factory, family) for family in MOE_FAMILIES}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-_ARCHS = ("llama", "qwen2", "qwen3")
+# engine.tiny.ARCHS, spelled out so that `tollgate --help` imports no torch.
+_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
 
 
 @click.group()
@@ -21,8 +22,8 @@ def model() -> None:
 
 @model.command("create-tiny")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(_ARCHS), default="llama", show_default=True,
-              help="Decoder family variant to write.")
+@click.option("--arch", "--family", "arch", type=click.Choice(_ARCHS), default="llama", show_default=True,
+              help="Model family to write: a dense decoder or a mixture of experts.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random weights (same seed, same files).")
 def create_tiny(directory: Path, arch: str, seed: int) -> None:
@@ -93,6 +94,9 @@ def create_copying(directory: Path, seed: int) -> None:
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the model over this many GPUs (cuda:K.. from --device) or CPU processes; one "
                    "replica, rank 0 serving.")
+@click.option("--enable-expert-parallel", is_flag=True, default=False,
+              help="Mixtures of experts: give each rank a subset of the experts, whole, instead of a slice "
+                   "of every expert (the default). Measure both: either can be faster.")
 @click.option("--overlap/--no-overlap", default=None,
               help="Schedule step N+1 while the device runs step N (default: on for CUDA, off on the CPU).")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=120.0, show_default=True,
@@ -124,6 +128,7 @@ def engine(
     num_speculative_tokens: int,
     speculative_max_batch: int,
     tensor_parallel_size: int,
+    enable_expert_parallel: bool,
     overlap: bool | None,
     drain_timeout_s: float,
 ) -> None:
@@ -174,12 +179,14 @@ def engine(
             num_prediction_tokens=2 * num_speculative_tokens,
             speculative_max_batch=speculative_max_batch,
             tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
         )
-        if tensor_parallel_size > 1:
+        if tensor_parallel_size > 1 or enable_expert_parallel:
             from engine.distributed import check_divisible
             from engine.models.config import ModelArgs
 
-            check_divisible(ModelArgs.from_pretrained(model_path), tensor_parallel_size)
+            check_divisible(ModelArgs.from_pretrained(model_path), tensor_parallel_size,
+                            enable_expert_parallel)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     serve(config, host=host, port=port, pool=pool, model_name=model_name, internal_token=token,
