@@ -57,8 +57,10 @@ def test_a_tiny_qwen3_moe_is_served_through_the_sdk_and_its_cached_tokens_billed
                     " WHERE model = 'tiny-qwen3-moe' ORDER BY created_at").fetchall()
 
             wait_until(lambda: len(ledger()) == 2, "both requests in the ledger", timeout_s=60)
-            price = conn.execute("SELECT input, cached_input, output FROM prices"
-                                 " WHERE model = 'tiny-qwen3-moe' ORDER BY effective_from DESC LIMIT 1").fetchone()
+            price = conn.execute(
+                "SELECT input, cached_input, output FROM prices WHERE model = 'tiny-qwen3-moe'"
+                " ORDER BY effective_from DESC LIMIT 1"
+            ).fetchone()
             assert price is not None
             for (prompt, hit, completion, cost), usage in zip(ledger(), (first, second), strict=True):
                 details = usage.prompt_tokens_details
