@@ -44,7 +44,7 @@ def test_cli_rejects_unknown_arch(tmp_path: Path) -> None:
 
 def test_invalid_arguments_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch must be one of"):
-        create_tiny_checkpoint(tmp_path, arch="mixtral")
+        create_tiny_checkpoint(tmp_path, arch="gpt_oss")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         create_tiny_checkpoint(tmp_path / "file")
@@ -142,3 +142,10 @@ def test_engine_command_builds_config_and_serves(tmp_path: Path, monkeypatch: py
 
     result = CliRunner().invoke(main, ["engine", "--model", str(tmp_path / "missing")])
     assert result.exit_code != 0 and "is not a directory" in result.output
+
+
+def test_the_cli_offers_every_family_the_writer_knows() -> None:
+    from engine.tiny import ARCHS
+    from tollgate.commands.model import _ARCHS
+
+    assert _ARCHS == ARCHS
