@@ -30,6 +30,7 @@ from engine.attention.base import AttentionBackend
 from engine.distributed import ShardSizes, TensorParallel
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mxfp4 import dequantize_mxfp4
 from engine.models.registry import checkpoint_renames, model_class
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -67,6 +68,11 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 # A routed expert's projection in the checkpoint (after the family's renames).
 _EXPERT = re.compile(
     r"^(?P<parent>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+# gpt-oss's experts: one tensor per layer for all experts (``gate_up_proj [E, H, 2I]`` with gate and up
+# interleaved, ``down_proj [E, I, H]``), or their MXFP4 ``_blocks`` + ``_scales``, and biases.
+_FUSED_EXPERTS = re.compile(
+    r"^(?P<parent>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<part>_bias|_blocks|_scales)?$"
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -111,6 +117,8 @@ def _source_slice(hf_name: str, args: ModelArgs, shard: ShardSizes) -> tuple[int
         return 1, shard.rank * inter, inter
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, shard.vocab_start, shard.vocab_rows
+    if leaf == "sinks":  # gpt-oss: one per query head
+        return 0, shard.first_head, shard.num_heads
     return None
 
 
@@ -125,7 +133,10 @@ def _expected_hf_names(
     for name, _ in model.named_parameters():  # tied weights appear once, under the embedding's name
         module, _, leaf = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
-        if module.endswith(".experts") and leaf in ("w13", "w2"):  # every expert, held here or not
+        if module.endswith(".experts") and args.model_type == "gpt_oss":  # all experts in one tensor
+            proj = "gate_up_proj" if leaf.startswith("w13") else "down_proj"
+            names.add(f"{module}.{proj}" + ("_bias" if leaf.endswith("_bias") else ""))
+        elif module.endswith(".experts") and leaf in ("w13", "w2"):  # every expert, held here or not
             projs = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
             names.update(f"{module}.{e}.{p}.weight" for e in range(num_experts) for p in projs)
         elif proj in by_fused:
@@ -147,6 +158,7 @@ def load_weights(
     expected = _expected_hf_names(model, shards, args)
     renames = checkpoint_renames(args)
     seen: set[str] = set()
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 blocks / scales waiting for their other half
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored_name in f.keys():
@@ -160,12 +172,35 @@ def load_weights(
                 layer = _LAYER.match(hf_name)
                 if layer and int(layer.group(1)) >= args.num_layers and args.model_type == "glm4_moe":
                     continue  # GLM's multi-token-prediction layers, past the decoder: not served
+                fused = _FUSED_EXPERTS.match(hf_name) if args.model_type == "gpt_oss" else None
+                if fused is not None and fused["part"] in ("_blocks", "_scales"):
+                    whole = f"{fused['parent']}.{fused['proj']}"
+                    halves = packed.setdefault(whole, {})
+                    halves[fused["part"]] = f.get_tensor(stored_name)
+                    if len(halves) == 2:
+                        stacked = "w13" if fused["proj"] == "gate_up_proj" else "w2"
+                        target = params[f"{fused['parent']}.{stacked}"]
+                        rows = dequantize_mxfp4(halves["_blocks"], halves["_scales"], target.dtype)
+                        _load_fused_experts(rows, fused["parent"], fused["proj"], "", params, shard)
+                        del packed[whole]
+                        seen.add(whole)
+                    continue
                 if hf_name not in expected:
                     raise ValueError(
                         f"{path.name}: unexpected tensor {stored_name!r} for {args.architecture}"
                     )
                 if hf_name in seen:
                     raise ValueError(f"{path.name}: tensor {stored_name!r} appears twice in the checkpoint")
+                if fused is not None:
+                    tensor = f.get_tensor(stored_name)
+                    if fused["proj"] == "gate_up_proj" and not fused["part"]:
+                        tensor = tensor.transpose(1, 2)  # [E, H, 2I] -> rows [E, 2I, H]
+                    elif fused["proj"] == "down_proj" and not fused["part"]:
+                        tensor = tensor.transpose(1, 2)  # [E, I, H] -> rows [E, H, I]
+                    _load_fused_experts(tensor, fused["parent"], fused["proj"], fused["part"] or "", params,
+                                        shard)
+                    seen.add(hf_name)
+                    continue
                 expert = _EXPERT.match(hf_name)
                 if expert is not None:
                     _load_expert(f, stored_name, expert, params, shard)
@@ -193,6 +228,9 @@ def load_weights(
                                      f"the model expects {tuple(target.shape)}")
                 target.copy_(tensor)
                 seen.add(hf_name)
+    if packed:
+        raise ValueError(f"checkpoint {model_dir} has MXFP4 tensors without their other half: "
+                         f"{', '.join(f'{name} {sorted(halves)}' for name, halves in packed.items())}")
     missing = sorted(expected - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -219,6 +257,35 @@ def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[st
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(f"{stored_name!r} has shape {tuple(view.get_shape())}: the model expects this "
                          f"rank's {tuple(target.shape)} of it")
+    target.copy_(tensor)
+
+
+def _load_fused_experts(rows: torch.Tensor, parent: str, proj: str, part: str,
+                        params: dict[str, torch.Tensor], shard: ShardSizes) -> None:
+    """gpt-oss: this rank's share of one layer's experts, from a tensor of all of them with its output
+    features as rows (``gate_up`` rows interleave gate and up; biases are ``[E, rows]``): the held
+    experts, de-interleaved into ``[gate | up]``, sliced on the intermediate dimension without expert
+    parallelism."""
+    inter = shard.moe_intermediate_size
+    first = 0 if shard.expert_parallel else shard.rank * inter
+    held = rows[shard.first_expert:shard.first_expert + shard.num_experts]
+    if proj == "gate_up_proj":
+        target = params[f"{parent}.w13{part}"]
+        gate, up = held[:, 0::2], held[:, 1::2]
+        halves = (gate[:, first:first + inter], up[:, first:first + inter])
+        for i, half in enumerate(halves):
+            part_target = target.narrow(1, i * inter, inter)
+            _copy_checked(part_target, half, f"{parent}.{proj}{part}")
+    elif part == "_bias":
+        _copy_checked(params[f"{parent}.w2_bias"], held, f"{parent}.{proj}{part}")
+    else:
+        _copy_checked(params[f"{parent}.w2"], held[:, :, first:first + inter], f"{parent}.{proj}")
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"{name!r}: this rank's part has shape {tuple(tensor.shape)}, the model expects "
+                         f"{tuple(target.shape)}")
     target.copy_(tensor)
 
 

@@ -29,9 +29,9 @@ One runner per engine replica, driven from the engine thread; its device work ru
   order, the input ids are broadcast from rank 0's device inside the forward pass, and every rank ends
   the pass with the whole logits (only rank 0 samples). The KV pool holds this rank's KV heads; every
   rank has the same number of blocks (the smallest any rank has memory for).
-- ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``,
-  capped at an enabled sliding window, since attention here is always full); the engine further caps
-  it at the KV pool's capacity.
+- ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``; a
+  sliding-window layer masks its window in attention and caps nothing); the engine further caps it at
+  the KV pool's capacity.
 """
 
 from __future__ import annotations
@@ -244,12 +244,7 @@ class ModelRunner:
         limit = args.max_position_embeddings
         if requested is not None and requested > limit:
             raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
-        max_len = requested or limit
-        if args.sliding_window is not None and max_len > args.sliding_window:
-            logger.warning("max_model_len capped at the sliding window (%d tokens): attention is always full",
-                           args.sliding_window)
-            max_len = args.sliding_window
-        return max_len
+        return requested or limit
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -21,7 +21,9 @@ Invariants:
   config keys): ``qwen3_moe`` (8 experts, top-2 renormalised, q/k RMSNorm), ``mixtral`` (4 experts, top-2,
   ``block_sparse_moe.experts.N.w1/w2/w3``), ``glm4_moe`` (a dense first layer, then 8 routed experts in 2
   groups with a sigmoid router, a correction bias and a scaling factor, a shared expert, q/k/v biases and
-  partial RoPE).
+  partial RoPE), ``gpt_oss`` (layers alternating a 16-token sliding window and full attention, attention
+  sinks, YaRN RoPE, biased attention, 4 experts with biases and the clamped SwiGLU, all experts of a layer
+  in one tensor; with ``mxfp4=True`` the experts are stored in MXFP4, as the released checkpoints are).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 # The mixtures of experts among them (``tollgate model create-tiny --family``).
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|im_end|>"
@@ -140,7 +142,11 @@ _ARCH_DIMS: dict[str, dict] = {
                     intermediate_size=64, num_hidden_layers=2),
     "glm4_moe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                      intermediate_size=128, num_hidden_layers=3),
+    "gpt_oss": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=32, num_hidden_layers=2),
 }
+# gpt-oss's sliding window, scaled down (128 in the released models) so that test prompts exceed it.
+GPT_OSS_WINDOW = 16
 INITIALIZER_RANGE = 0.08
 
 
@@ -225,6 +231,18 @@ def _model_config(arch: str, vocab_size: int, bos_id: int | None, eos_ids: list[
             rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
             num_experts_per_tok=2, router_aux_loss_coef=0.001,
         )
+    if arch == "gpt_oss":
+        layers = dims["num_hidden_layers"]
+        return dict(
+            architectures=["GptOssForCausalLM"], model_type="gpt_oss", **common,
+            attention_bias=True, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=GPT_OSS_WINDOW, swiglu_limit=7.0, router_aux_loss_coef=0.9,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            # The released YaRN (factor 32 over 4096) scaled down, so that every band of the ramp is used.
+            rope_theta=150000.0,
+            rope_scaling=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                              original_max_position_embeddings=256),
+        )
     if arch == "glm4_moe":
         return dict(
             architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", **common,
@@ -255,7 +273,7 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
     model_type = config["model_type"]
-    qkv_bias = model_type == "qwen2" or config.get("attention_bias", False)
+    qkv_bias = model_type in ("qwen2", "gpt_oss") or config.get("attention_bias", False)
     qk_norm = model_type in ("qwen3", "qwen3_moe")
 
     def normal(*shape: int) -> torch.Tensor:
@@ -279,6 +297,9 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
         w[p + "self_attn.o_proj.weight"] = normal(hidden, q_dim)
+        if model_type == "gpt_oss":
+            w[p + "self_attn.o_proj.bias"] = normal(hidden)
+            w[p + "self_attn.sinks"] = 1.0 + torch.randn(config["num_attention_heads"], generator=g)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
         if model_type in MOE_FAMILIES and i >= config.get("first_k_dense_replace", 0):
             w.update(_experts(config, p, normal))
@@ -295,6 +316,14 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
 def _experts(config: dict, prefix: str, normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
     """One sparse layer's router and experts, named as the family's published checkpoints name them."""
     hidden = config["hidden_size"]
+    if config["model_type"] == "gpt_oss":  # all experts of a layer in one tensor, gate and up interleaved
+        experts, inter = config["num_local_experts"], config["intermediate_size"]
+        q = prefix + "mlp."
+        return {q + "router.weight": normal(experts, hidden), q + "router.bias": normal(experts),
+                q + "experts.gate_up_proj": normal(experts, hidden, 2 * inter),
+                q + "experts.gate_up_proj_bias": normal(experts, 2 * inter),
+                q + "experts.down_proj": normal(experts, inter, hidden),
+                q + "experts.down_proj_bias": normal(experts, hidden)}
     if config["model_type"] == "mixtral":
         experts, inter = config["num_local_experts"], config["intermediate_size"]
         w = {prefix + "block_sparse_moe.gate.weight": normal(experts, hidden)}
@@ -319,10 +348,30 @@ def _experts(config: dict, prefix: str, normal: Callable[..., torch.Tensor]) -> 
     return w
 
 
-def create_tiny_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny random-weight checkpoint of ``arch`` into ``out_dir`` (created if needed)."""
+def mxfp4_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's expert tensors as the released checkpoints store them: MXFP4 ``_blocks`` and ``_scales``
+    of each projection with its output features as rows (``[E, 2I, H / 32, 16]``, ``[E, H, I / 32,
+    16]``), biases unchanged."""
+    from engine.models.mxfp4 import quantize_mxfp4
+
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2))
+        else:
+            out[name] = tensor
+    return out
+
+
+def create_tiny_checkpoint(
+    out_dir: str | Path, arch: str = "llama", seed: int = 0, mxfp4: bool = False
+) -> Path:
+    """Write a tiny random-weight checkpoint of ``arch`` into ``out_dir`` (created if needed); ``mxfp4``:
+    gpt-oss's experts in MXFP4, with the ``quantization_config`` the released checkpoints carry."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if mxfp4 and arch != "gpt_oss":
+        raise ValueError("mxfp4 experts exist for gpt_oss only")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     out = Path(out_dir)
@@ -343,6 +392,9 @@ def create_tiny_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int =
     bos_id = ids[BOS_TOKEN] if llama_bos else None
 
     config = _model_config(arch, tok.get_vocab_size(with_added_tokens=True), bos_id, eos_ids, ids[PAD_TOKEN])
+    if mxfp4:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
         "bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": ids[PAD_TOKEN], "do_sample": False,
@@ -365,7 +417,9 @@ def create_tiny_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int =
         "pad_token": PAD_TOKEN,
         "additional_special_tokens": ["<|im_start|>", EOS_TOKEN],
     })
-    save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(config, seed)
+    save_file(mxfp4_experts(weights) if mxfp4 else weights, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     return out
 
 

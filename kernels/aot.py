@@ -79,6 +79,10 @@ class ServedShape:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
+    # gpt-oss: attention sinks and sliding-window layers (beside full ones), biased experts.
+    sliding_window: int = 0
+    attention_sinks: bool = False
+    expert_bias: bool = False
 
     @property
     def group(self) -> int:
@@ -100,6 +104,8 @@ SERVED_SHAPES = {
                     moe_intermediate_size=768),
         ServedShape("mixtral-8x7b", 32, 8, 128, 4096, 14336, num_experts=8, top_k=2,
                     moe_intermediate_size=14336),
+        ServedShape("gpt-oss-120b", 64, 8, 64, 2880, 2880, num_experts=128, top_k=4,
+                    moe_intermediate_size=2880, sliding_window=128, attention_sinks=True, expert_bias=True),
     )
 }
 
@@ -208,16 +214,33 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
         for splits in DECODE_SPLITS:
             kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale=scale,
                                            max_seq_len=context, num_splits=splits)  # fmt: skip
+        if shape.attention_sinks or shape.sliding_window:
+            # gpt-oss's layers: sinks on every layer, a window on every other one.
+            sinks = torch.empty(h, dtype=torch.float32) if shape.attention_sinks else None
+            for window in {shape.sliding_window or None, None}:
+                q, _, _ = qkv(tokens)
+                kernels.extend_attention(q, kv_cache[0], kv_cache[1], block_tables, query_start_loc, seq_lens,
+                                         max_query_len=2, scale=scale, sinks=sinks, window=window)
+                q, _, _ = qkv(seqs)
+                for splits in (1, 4):
+                    kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], block_tables, seq_lens,
+                                                   scale=scale, max_seq_len=context, num_splits=splits,
+                                                   sinks=sinks, window=window)
         kernels.silu_and_mul(torch.empty((tokens, 2 * shape.intermediate_size), dtype=dtype))
         if shape.num_experts:
             # The grouped GEMMs at a decode batch and at a prefill's token count (their tiles differ).
             e, inter = shape.num_experts, shape.moe_intermediate_size
             w13 = torch.empty((e, 2 * inter, shape.hidden_size), dtype=dtype)
             w2 = torch.empty((e, shape.hidden_size, inter), dtype=dtype)
+            biases = {}
+            if shape.expert_bias:
+                biases = dict(w13_bias=torch.empty((e, 2 * inter), dtype=dtype),
+                              w2_bias=torch.empty((e, shape.hidden_size), dtype=dtype),
+                              activation="swiglu_oai")
             for n in (seqs, 512):
                 ids = torch.arange(n * shape.top_k, dtype=torch.int64).remainder(e).view(n, shape.top_k)
                 kernels.fused_moe(torch.empty((n, shape.hidden_size), dtype=dtype), w13, w2,
-                                  torch.empty((n, shape.top_k), dtype=torch.float32), ids)
+                                  torch.empty((n, shape.top_k), dtype=torch.float32), ids, **biases)
     return launches
 
 

@@ -12,6 +12,8 @@ Shapes:
   key/value_cache  [num_blocks, block_size, num_kv_heads, head_dim]
   block_tables     [B, max_blocks] int32/int64 (arbitrary block ids; entries past the context unread)
   query_start_loc  [B + 1] int32/int64, cumulative; seq_lens [B] (context including the new tokens)
+  sinks            optional [num_heads] float32 attention-sink logits (gpt-oss), in every softmax's sum
+  window           optional sliding window: query at position p sees positions (p - window, p]
   out              [T, num_heads, head_dim]
 
 Design:
@@ -24,6 +26,9 @@ Design:
 - Online softmax in base 2, fp32 accumulation, finite initial max (fully masked padding rows give 0).
 - The grid covers ``cdiv(max_query_len, BLOCK_M)`` query tiles per sequence; tiles past a sequence's
   own length exit at once, so ``max_query_len`` (host metadata) is the only host-side number needed.
+- A sliding window starts the KV loop at the tile's first query's window (earlier tiles are never
+  loaded) and masks every tile (``SLIDING``: rows of one tile see different windows). Sinks rescale the
+  running sum once at the end, as the decode kernel does.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from kernels._common import (
     next_power_of_2,
     target_capability,
 )
-from kernels.paged_decode_attention import gather_paged_kv
+from kernels.paged_decode_attention import check_sinks_and_window, gather_paged_kv, softmax_with_sinks
 
 # Rows (query tokens x group heads) per program, keys per tile, warps and pipeline stages: see
 # extend_tile_config().
@@ -69,6 +74,7 @@ def _extend_attention_tile(
     dim_mask,
     tile_start,
     kv_end,
+    window,
     sm_scale_log2,
     stride_kc_block,
     stride_kc_slot,
@@ -77,9 +83,11 @@ def _extend_attention_tile(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One K/V tile of the online softmax; ``MASKED`` applies the length and causal masks."""
+    """One K/V tile of the online softmax; ``MASKED`` applies the length and causal masks, ``SLIDING``
+    the window too."""
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     in_block = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -94,6 +102,8 @@ def _extend_attention_tile(
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
     if MASKED:
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -113,8 +123,10 @@ def _extend_attention_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     out_ptr,
     sm_scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kc_block,
@@ -133,6 +145,8 @@ def _extend_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -171,19 +185,29 @@ def _extend_attention_kernel(
     # and the part of the chunk already behind the tile) need neither the causal nor the length mask.
     # Only the tiles that cross the diagonal pay for masking.
     unmasked_end = tl.minimum(prefix_len + q_tile * BLOCK_M + 1, kv_end) // BLOCK_N * BLOCK_N
+    masked_start = unmasked_end
+    if SLIDING:  # every tile masked, from the first query's window on
+        unmasked_end = 0
+        masked_start = tl.maximum(prefix_len + q_tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
     for tile_start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _extend_attention_tile(
             q, m_i, l_i, acc, k_base, v_base, block_table_row, q_pos, dims, dim_mask, tile_start, kv_end,
-            sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-            PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+            window, sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+            PAGE_SIZE, BLOCK_N, False, False, DOT_PRECISION,
         )  # fmt: skip
-    for tile_start in range(unmasked_end, kv_end, BLOCK_N):
+    for tile_start in range(masked_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _extend_attention_tile(
             q, m_i, l_i, acc, k_base, v_base, block_table_row, q_pos, dims, dim_mask, tile_start, kv_end,
-            sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+            window, sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+            PAGE_SIZE, BLOCK_N, True, SLIDING, DOT_PRECISION,
         )  # fmt: skip
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + q_heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_offsets = (q_start + token.to(tl.int64))[:, None] * stride_ot + q_heads[:, None] * stride_oh
     tl.store(out_ptr + out_offsets + dims[None, :], acc.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -219,9 +243,12 @@ def extend_attention(
     scale: float,
     out: torch.Tensor | None = None,
     tile: TileConfig | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context; returns ``out [T, H, D]``.
-    ``tile`` overrides :func:`extend_tile_config` (for tuning).
+    ``tile`` overrides :func:`extend_tile_config` (for tuning); ``sinks``/``window``: attention sinks
+    and a sliding window (module docs).
 
     ``max_query_len`` must be at least the longest chunk (it sizes the grid; a smaller value would
     leave tokens unwritten), which is why it is required rather than read back from the device.
@@ -240,6 +267,7 @@ def extend_attention(
     if query_start_loc.shape[0] != batch + 1:
         raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {batch} sequences")
     check_block_tables(block_tables, batch, device)
+    check_sinks_and_window(sinks, window, num_heads, device)
     if num_tokens and not 1 <= max_query_len <= num_tokens:
         raise ValueError(f"max_query_len must be in [1, {num_tokens}] (the token count), got {max_query_len}")
     if out is None:
@@ -256,14 +284,15 @@ def extend_attention(
     count_launch("extend_attention")
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len, tile.block_m))
     launcher_for(_extend_attention_kernel, device, dtype)[grid](
-        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * _LOG2E, q.stride(0), q.stride(1),
+        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        q if sinks is None else sinks, out, scale * _LOG2E, window or 0, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=next_power_of_2(group), HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=page_size, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        BLOCK_N=tile.block_n, SLIDING=bool(window), HAS_SINKS=sinks is not None,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         **tile.launch_options,
     )  # fmt: skip
     return out
@@ -278,6 +307,8 @@ def extend_attention_reference(
     seq_lens: torch.Tensor,
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """PyTorch reference: per sequence, gather the context and run causal softmax attention in fp32."""
     out = torch.empty_like(q)
@@ -290,6 +321,11 @@ def extend_attention_reference(
         v = gather_paged_kv(value_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len, device=q.device)[None, :] > q_pos, float("-inf"))
-        out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        hidden = key_pos > q_pos
+        if window:
+            hidden |= key_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        probs = softmax_with_sinks(scores, sinks)
+        out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

@@ -114,6 +114,7 @@ def fused_moe_config(
 def _fused_moe_kernel(
     a_ptr,
     b_ptr,
+    bias_ptr,
     c_ptr,
     topk_weights_ptr,
     sorted_token_ids_ptr,
@@ -126,8 +127,10 @@ def _fused_moe_kernel(
     stride_am,
     stride_be,
     stride_bn,
+    stride_bias_e,
     stride_cm,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -167,6 +170,9 @@ def _fused_moe_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_BIAS:  # the expert's bias, before the routing weight (as the reference adds it)
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=slot_mask, other=0.0)
         acc = acc * weight[:, None]
@@ -220,6 +226,7 @@ def moe_align_block_size(
 def _grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
+    bias: torch.Tensor | None,
     c: torch.Tensor,
     topk_weights: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -232,10 +239,11 @@ def _grouped_gemm(
     grid = (triton.cdiv(sorted_slots.numel(), cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     count_launch("fused_moe")
     launcher_for(_fused_moe_kernel, a.device, a.dtype)[grid](
-        a, b, c, topk_weights, sorted_slots, block_experts, num_padded,
+        a, b, b if bias is None else bias, c, topk_weights, sorted_slots, block_experts, num_padded,
         n, k, sorted_slots.numel(), topk_weights.numel(),
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight, IEEE=a.dtype == torch.float32,
+        a.stride(0), b.stride(0), b.stride(1), 0 if bias is None else bias.stride(0), c.stride(0),
+        TOP_K=top_k, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
+        IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -249,9 +257,16 @@ def fused_moe(
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
     config: MoETileConfig | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """``out[t] = sum_j topk_weights[t, j] * expert(topk_ids[t, j])(x[t])`` for the gated experts
-    ``w13``/``w2`` held here (see the module docs); ``config``: an explicit tile (benchmarks)."""
+    ``w13``/``w2`` held here (see the module docs); ``config``: an explicit tile (benchmarks).
+    ``w13_bias [E, 2I]`` / ``w2_bias [E, H]``: the projections' biases; ``activation``: ``silu`` or
+    gpt-oss's clamped ``swiglu_oai`` (``swiglu_alpha``, ``swiglu_limit``)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -268,6 +283,14 @@ def fused_moe(
                          f"must both be [{num_tokens}, top_k]")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=INDEX_DTYPES, device=x.device)
+    for name, bias, shape in (("w13_bias", w13_bias, (num_experts, two_inter)),
+                              ("w2_bias", w2_bias, (num_experts, hidden))):
+        if bias is not None:
+            check_tensor(name, bias, ndim=2, dtypes=(x.dtype,), device=x.device, last_dim_contiguous=True)
+            if tuple(bias.shape) != shape:
+                raise ValueError(f"{name} must be {shape}, got {tuple(bias.shape)}")
+    if activation not in ("silu", "swiglu_oai"):
+        raise ValueError(f"activation must be silu or swiglu_oai, got {activation!r}")
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -283,12 +306,23 @@ def fused_moe(
     # written: zeros, so that they add nothing to the sum (and the activation reads no garbage).
     alloc = torch.empty if expert_map is None else torch.zeros
     gate_up = alloc((num_slots, two_inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, aligned, top_k, False, cfg)
-    act = silu_and_mul(gate_up)
+    _grouped_gemm(x, w13, w13_bias, gate_up, weights, aligned, top_k, False, cfg)
+    if activation == "silu":
+        act = silu_and_mul(gate_up)
+    else:
+        act = swiglu_oai(gate_up, swiglu_alpha, swiglu_limit)
     down = alloc((num_slots, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, weights, aligned, 1, True, cfg)
+    _grouped_gemm(act, w2, w2_bias, down, weights, aligned, 1, True, cfg)
     out.copy_(down.view(num_tokens, top_k, hidden).float().sum(dim=1))
     return out
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of ``[n, 2I]`` (gate | up): gate clamped above at ``limit``, up to
+    ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(alpha * gate)``; computed in fp32, rounded once."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(gate_up.dtype)
 
 
 def fused_moe_reference(
@@ -298,6 +332,11 @@ def fused_moe_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """Slot by slot in fp32: each (token, expert) pair's gated MLP, weighted, summed over the k pairs."""
     num_tokens, top_k = topk_ids.shape
@@ -311,6 +350,14 @@ def fused_moe_reference(
                 if e < 0:
                     continue
             h = w13[e].float() @ x[t].float()
-            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += float(topk_weights[t, j]) * (w2[e].float() @ act)
+            if w13_bias is not None:
+                h += w13_bias[e].float()
+            if activation == "silu":
+                act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            else:
+                act = swiglu_oai(h[None], swiglu_alpha, swiglu_limit)[0]
+            y = w2[e].float() @ act
+            if w2_bias is not None:
+                y += w2_bias[e].float()
+            out[t] += float(topk_weights[t, j]) * y
     return out.to(x.dtype)

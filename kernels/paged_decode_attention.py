@@ -8,6 +8,10 @@ Shapes (B = number of sequences, one query token each):
                 block ``block_tables[b, i]``; ids are arbitrary (shuffled, with holes) and entries past
                 ``cdiv(seq_lens[b], block_size)`` are never read.
   seq_lens      [B] int32/int64: tokens in the cache for each sequence, the new one included.
+  sinks         optional [num_heads] float32: a learned logit per head that joins each softmax's
+                denominator and weighs no value (gpt-oss's attention sinks)
+  window        optional sliding window: the query sees only its last ``window`` positions (itself
+                included), as a sliding-window layer does; None or 0: the whole context
   out           [B, num_heads, head_dim]
 
 Design:
@@ -28,6 +32,10 @@ Design:
   a given batch size (CUDA-graph friendly); each program derives its token range from ``seq_lens`` on
   the device, so one grid serves every context length. It is a runtime argument, not a constexpr: one
   compiled kernel serves every split count (only split / unsplit are two specialisations).
+- Sliding window: the token range starts at ``seq_len - window`` instead of 0, so keys outside the
+  window are never loaded (the splits divide the window, not the context). Sinks: a sink logit ``s`` of
+  a head adds ``exp(s - max)`` to its softmax sum; unsplit at the end of the program, split in the merge
+  (once, not once per split).
 """
 
 from __future__ import annotations
@@ -71,11 +79,13 @@ def _paged_decode_attention_kernel(
     value_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     out_ptr,
     lse_ptr,
     sm_scale_log2,
     num_splits,
     group,
+    window,
     stride_qb,
     stride_qh,
     stride_kc_block,
@@ -96,6 +106,7 @@ def _paged_decode_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -103,9 +114,11 @@ def _paged_decode_attention_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    # Splits start on tile boundaries so only the last tile of a split is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # A sliding-window layer (window > 0): only the last `window` positions exist for this query.
+    first = tl.maximum(seq_len - tl.where(window > 0, window, seq_len), 0)
+    # Splits start on tile boundaries (from the window's first key) so only the last tile is ragged.
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -145,6 +158,13 @@ def _paged_decode_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS and not SPLIT:  # split: the merge adds the sink once
+        sink = tl.load(sinks_ptr + q_heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        m_i = m_new
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + dims[None, :]
@@ -158,6 +178,7 @@ def _paged_decode_attention_kernel(
 def _merge_splits_kernel(
     partial_ptr,
     lse_ptr,
+    sinks_ptr,
     out_ptr,
     num_splits,
     stride_pb,
@@ -170,6 +191,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -177,11 +199,15 @@ def _merge_splits_kernel(
     dims = tl.arange(0, BLOCK_D)
     split_mask = splits < num_splits
     lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
+    # The sink joins the merge as one more "split" with a log-sum-exp of its logit and no values.
+    sink = float("-inf")
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+    lse_max = tl.maximum(tl.max(lse, axis=0), sink)
     # Every split empty only for seq_len == 0; subtracting 0 then keeps exp2(-inf) = 0 instead of NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp2(lse - lse_max)
-    denom = tl.sum(weights, axis=0)
+    denom = tl.sum(weights, axis=0) + tl.exp2(sink - lse_max)
     partial = tl.load(
         partial_ptr + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
         mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM),
@@ -237,8 +263,11 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tile: TileConfig | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns ``out [B, H, D]``.
+    ``sinks``/``window``: attention sinks and a sliding window (see the module docs).
 
     ``num_splits`` fixes the split-K factor (keep it fixed under CUDA-graph capture); ``None`` picks it
     from ``max_seq_len``, which is read from ``seq_lens`` (a host sync) if not given. ``tile`` overrides
@@ -256,6 +285,7 @@ def paged_decode_attention(
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for {batch} query rows")
+    check_sinks_and_window(sinks, window, num_heads, device)
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -281,6 +311,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=tile.block_n,
         SPLIT=num_splits > 1,
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         **tile.launch_options,
     )
@@ -295,10 +326,12 @@ def paged_decode_attention(
     count_launch("paged_decode_attention")
     kernel = launcher_for(_paged_decode_attention_kernel, device, dtype)
     grid = (batch, num_kv_heads, num_splits)
+    sinks_arg = q if sinks is None else sinks  # never read without sinks
     if num_splits == 1:
         kernel[grid](
-            q, key_cache, value_cache, block_tables, seq_lens, out, out,
-            scale * _LOG2E, 1, group, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+            q, key_cache, value_cache, block_tables, seq_lens, sinks_arg, out, out,
+            scale * _LOG2E, 1, group, window or 0, q.stride(0), q.stride(1), *cache_strides,
+            block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
             **common,
         )  # fmt: skip
@@ -309,18 +342,39 @@ def paged_decode_attention(
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     kernel[grid](
-        q, key_cache, value_cache, block_tables, seq_lens, partial, lse,
-        scale * _LOG2E, num_splits, group, q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+        q, key_cache, value_cache, block_tables, seq_lens, sinks_arg, partial, lse,
+        scale * _LOG2E, num_splits, group, window or 0, q.stride(0), q.stride(1), *cache_strides,
+        block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         **common,
     )  # fmt: skip
     launcher_for(_merge_splits_kernel, device, dtype)[(batch, num_heads)](
-        partial, lse, out, num_splits,
+        partial, lse, sinks_arg, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
+
+
+def check_sinks_and_window(sinks: torch.Tensor | None, window: int | None, num_heads: int,
+                           device: torch.device) -> None:
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device)
+        if sinks.shape[0] != num_heads:
+            raise ValueError(f"sinks must have one logit per query head ({num_heads}), got {sinks.shape[0]}")
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be a non-negative int (0: no window), got {window!r}")
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of ``scores [H, ..., S]`` (fp32), with each head's sink logit in
+    the denominator when ``sinks [H]`` is given (the sink's own probability is dropped)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.float().view(-1, *([1] * (scores.dim() - 1))).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -339,6 +393,8 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,
     *,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """PyTorch reference: gather each sequence's K/V, softmax in fp32, output in q's dtype."""
     out = torch.empty_like(q)
@@ -347,5 +403,7 @@ def paged_decode_attention_reference(
         k = gather_paged_kv(key_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
         v = gather_paged_kv(value_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
-        out[b] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+        if window:
+            scores[:, : max(0, seq_len - window)] = float("-inf")
+        out[b] = torch.einsum("ht,thd->hd", softmax_with_sinks(scores, sinks), v).to(q.dtype)
     return out

@@ -26,10 +26,13 @@ a prefill chunk after a prefix-cache hit or earlier chunks, or one decode token)
   called by the runner) and reuses in every layer; ``None`` when nobody planned, and a backend then
   derives it per call.
 
-Contract of ``forward(q, k, v, kv_cache, meta)``: first store ``k``/``v`` of the new tokens at
-``slot_mapping``, then return, for each new token, causal attention of its query over positions
-``0 .. its own`` of its sequence (read through the cache), with GQA (query head ``h`` uses kv head
-``h // (num_heads // num_kv_heads)``) and softmax scale ``scale``. Shapes: ``q [T, num_heads, head_dim]``,
+Contract of ``forward(q, k, v, kv_cache, meta, window=None, sinks=None)``: first store ``k``/``v`` of
+the new tokens at ``slot_mapping``, then return, for each new token, causal attention of its query over
+positions ``0 .. its own`` of its sequence (read through the cache; with a sliding ``window``, only the
+last ``window`` of them), with GQA (query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``),
+softmax scale ``scale``, and each head's sink logit ``sinks[h]`` added to its softmax's denominator.
+The cache keeps every position either way: a sliding-window layer only reads fewer.
+Shapes: ``q [T, num_heads, head_dim]``,
 ``k``/``v [T, num_kv_heads, head_dim]`` (possibly strided views of the fused qkv projection; only the last
 dimension is guaranteed contiguous), output ``[T, num_heads, head_dim]`` in ``q``'s dtype.
 """
@@ -97,5 +100,10 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping``; return attention ``[T, H, D]``."""
+        """Store ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping``; return attention ``[T, H, D]``.
+        ``window``: this layer's sliding window (a query at position p sees (p - window, p]); ``sinks``
+        ``[num_heads]`` float32: attention-sink logits in each head's softmax sum (gpt-oss)."""

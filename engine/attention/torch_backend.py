@@ -112,12 +112,17 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, NB, BS, KVH, D]
         plan = meta.plan if isinstance(meta.plan, _Plan) else self.plan(meta, q.dtype)
         self.store(k, v, kv_cache, meta.slot_mapping, all_valid=plan.all_slots_valid)
         if meta.num_seqs == 0:
             return torch.empty_like(q)
+        if window or sinks is not None:
+            return self._windowed(q, kv_cache, meta, window or 0, sinks)
         native = plan.native_decode
         if native is not None and not (q.is_contiguous() and kv_cache.is_contiguous()):
             q, kv_cache = q.contiguous(), kv_cache.contiguous()
@@ -132,6 +137,42 @@ class TorchAttentionBackend(AttentionBackend):
         elif plan.decode_buckets:
             self._decode(q, kv_cache, plan.decode_buckets, out)
         self._extend(q, k, v, kv_cache, meta, out)
+        return out
+
+    def _windowed(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+        """Sliding-window and/or attention-sink layers, sequence by sequence in fp32: each sequence's
+        visible keys (its last ``window + query_len - 1`` positions at most) gathered from the cache, an
+        explicit causal and window mask, and the sinks as an extra logit column of the softmax."""
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        group = self.num_heads // num_kv_heads
+        block_size = meta.block_size
+        out = torch.empty_like(q)
+        start = 0
+        for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            end = start + query_len
+            first = max(0, seq_len - query_len - window + 1) if window else 0
+            first_block = first // block_size
+            blocks = meta.block_tables[b, first_block:-(-seq_len // block_size)]
+            offset = first_block * block_size  # position of the first gathered key
+            keys = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len - offset]
+            values = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len - offset]
+            queries = q[start:end].view(query_len, num_kv_heads, group, head_dim).float()
+            scores = torch.einsum("qkgd,skd->kgqs", queries, keys.float()) * self.scale  # [KVH, G, Lq, S]
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+            key_pos = torch.arange(offset, seq_len, device=q.device)[None, :]
+            hidden = key_pos > query_pos
+            if window:
+                hidden |= key_pos <= query_pos - window
+            scores.masked_fill_(hidden, float("-inf"))
+            if sinks is not None:
+                sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, query_len, 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+            else:
+                probs = scores.softmax(dim=-1)
+            o = torch.einsum("kgqs,skd->qkgd", probs, values.float())
+            out[start:end] = o.reshape(query_len, self.num_heads, head_dim).to(q.dtype)
+            start = end
         return out
 
     def _native_kernel(self, device: torch.device, dtype: torch.dtype) -> cpu_kernels.Library | None:

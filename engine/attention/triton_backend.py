@@ -56,6 +56,9 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]
         expected = (2, self.num_kv_heads, self.head_dim)
@@ -74,8 +77,9 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_decode_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 scale=self.scale, max_seq_len=meta.max_seq_len, num_splits=self.decode_num_splits,
+                sinks=sinks, window=window,
             )  # fmt: skip
         return extend_attention(
             q, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            max_query_len=meta.max_query_len, scale=self.scale,
+            max_query_len=meta.max_query_len, scale=self.scale, sinks=sinks, window=window,
         )  # fmt: skip

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
-ROUTERS = ("softmax", "sigmoid_grouped")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax")
+ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +27,13 @@ class MoEArgs:
     """A mixture-of-experts feed-forward (``engine.models.moe``), as a checkpoint's config describes it.
 
     ``router``: ``softmax`` (Qwen3-MoE, Mixtral: softmax over all experts, then the top k, renormalised
-    over the k when ``renormalize``) or ``sigmoid_grouped`` (GLM-4.5 / DeepSeek-V3: sigmoid scores, the
+    over the k when ``renormalize``), ``sigmoid_grouped`` (GLM-4.5 / DeepSeek-V3: sigmoid scores, the
     top k chosen on scores plus ``e_score_correction_bias`` within the best ``topk_groups`` of
-    ``num_groups`` expert groups, weighted by the plain scores, renormalised, times ``routed_scaling``).
+    ``num_groups`` expert groups, weighted by the plain scores, renormalised, times ``routed_scaling``)
+    or ``topk_softmax`` (gpt-oss: the top k router logits, a router bias included, softmaxed over the k).
+    ``activation``: ``silu`` (SiLU(gate) * up) or ``swiglu_oai`` (gpt-oss: gate clamped above at
+    ``swiglu_limit``, up to +-limit, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``);
+    ``expert_bias``: the experts' projections carry biases (gpt-oss).
     ``dense_layers``: the layers that keep a dense MLP of the model's ``intermediate_size``.
     ``shared_intermediate_size``: a shared expert every token goes through as well (0: none)."""
 
@@ -42,6 +47,10 @@ class MoEArgs:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    activation: str = "silu"
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "num_groups", "topk_groups"):
@@ -55,6 +64,8 @@ class MoEArgs:
                              f"{self.num_experts} experts")
         if self.router not in ROUTERS:
             raise ValueError(f"MoE router {self.router!r} is not supported ({ROUTERS})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoE activation {self.activation!r} is not supported ({ACTIVATIONS})")
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ValueError(f"config.json: {self.num_experts} experts do not split into n_group "
                              f"{self.num_groups} with topk_group {self.topk_groups}")
@@ -94,6 +105,13 @@ class ModelArgs:
     moe: MoEArgs | None = None
     # Dimensions of each head that RoPE rotates (the first ones; GLM's partial rotary); None: all.
     partial_rotary_dim: int | None = None
+    # Each layer's sliding window (None: full attention); empty: every layer full. A query at position p
+    # of a windowed layer sees positions (p - window, p].
+    layer_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # a learned logit per head in every softmax's sum (gpt-oss)
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -147,8 +165,13 @@ class ModelArgs:
             rope = {**params, **rope}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        rope_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        rope_params = {k: float(v) for k, v in rope.items() if k in rope_keys}
+        rope_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                     "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+        rope_params = {k: float(v) for k, v in rope.items() if k in rope_keys and v is not None}
+        original = rope.get("original_max_position_embeddings")
+        if rope_type == "yarn" and "factor" not in rope_params and original:
+            rope_params["factor"] = cfg.get("max_position_embeddings", 2048) / rope_params[
+                "original_max_position_embeddings"]
 
         moe = _moe_args(cfg, model_type)
         partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
@@ -157,6 +180,7 @@ class ModelArgs:
         sliding_window = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding_window = None
+        layer_windows = _layer_windows(cfg, model_type, sliding_window)
         return cls(
             architecture=archs[0] if archs else "",
             model_type=model_type,
@@ -174,8 +198,8 @@ class ModelArgs:
             rope_params=rope_params,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (and none on o_proj); Llama-style attention_bias covers all four.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type not in ("qwen2", "glm4_moe") and attention_bias,
+            qkv_bias=model_type in ("qwen2", "gpt_oss") or attention_bias,
+            o_bias=model_type == "gpt_oss" or (model_type not in ("qwen2", "glm4_moe") and attention_bias),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3" or (model_type == "qwen3_moe")
             or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
@@ -184,6 +208,8 @@ class ModelArgs:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             moe=moe,
             partial_rotary_dim=partial_rotary_dim,
+            layer_windows=layer_windows,
+            attention_sinks=model_type == "gpt_oss",
         )
 
     @classmethod
@@ -213,6 +239,12 @@ def _moe_args(cfg: dict[str, Any], model_type: str) -> MoEArgs | None:
     if model_type == "mixtral":
         return MoEArgs(num_experts=experts, top_k=cfg["num_experts_per_tok"],
                        intermediate_size=cfg["intermediate_size"], renormalize=True)
+    if model_type == "gpt_oss":
+        return MoEArgs(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                       intermediate_size=cfg["intermediate_size"], router="topk_softmax",
+                       activation="swiglu_oai", expert_bias=True,
+                       swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     if model_type == "glm4_moe":
         inter = cfg["moe_intermediate_size"]
         return MoEArgs(num_experts=experts, top_k=cfg["num_experts_per_tok"],
@@ -223,3 +255,23 @@ def _moe_args(cfg: dict[str, Any], model_type: str) -> MoEArgs | None:
                        num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
                        routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)))
     return None
+
+
+def _layer_windows(
+    cfg: dict[str, Any], model_type: str, sliding_window: int | None
+) -> tuple[int | None, ...]:
+    """Each layer's sliding window: from ``layer_types`` where the config lists them (gpt-oss alternates
+    ``sliding_attention`` and ``full_attention``), Qwen2's layers from ``max_window_layers`` on, else
+    every layer (Mistral, Mixtral)."""
+    layers = cfg["num_hidden_layers"]
+    if not sliding_window:
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != layers:
+            raise ValueError(f"config.json: layer_types lists {len(types)} layers, the model has {layers}")
+        return tuple(sliding_window if t == "sliding_attention" else None for t in types)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        first = cfg.get("max_window_layers", 0)
+        return tuple(sliding_window if i >= first else None for i in range(layers))
+    return (sliding_window,) * layers

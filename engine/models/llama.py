@@ -152,12 +152,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies ``[rotary_dim / 2]`` (float32), with linear or llama3 scaling applied."""
+    """Inverse frequencies ``[rotary_dim / 2]`` (float32), with linear, llama3 or YaRN scaling applied."""
     dim = args.rotary_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     p = args.rope_params
     if args.rope_type == "linear":
         return inv_freq / p["factor"]
+    if args.rope_type == "yarn":
+        return _yarn_inv_freq(args.rope_theta, dim, p)
     if args.rope_type == "llama3":
         factor = p["factor"]
         low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
@@ -170,6 +172,45 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
         return torch.where(wavelen < old_len / high, inv_freq, torch.where(wavelen > old_len / low,
                                                                             inv_freq / factor, scaled))
     return inv_freq
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict[str, float]) -> torch.Tensor:
+    """YaRN: frequencies rotating fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), those rotating more than ``beta_fast`` times kept, with a linear
+    ramp between (over dimension indices, truncated to integers unless ``truncate`` is 0)."""
+    factor, original = p["factor"], p.get("original_max_position_embeddings", 4096.0)
+    beta_fast, beta_slow = p.get("beta_fast") or 32.0, p.get("beta_slow") or 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", 1.0):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other RoPE types)."""
+    if args.rope_type != "yarn":
+        return 1.0
+    p = args.rope_params
+    if p.get("attention_factor"):
+        return p["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = p["factor"]
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -192,13 +233,21 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.args).to(device)
         freqs = torch.outer(torch.arange(self.max_positions, device=device, dtype=torch.float32), inv_freq)
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+        factor = rope_attention_factor(self.args)
+        if factor != 1.0:
+            self.cos_sin *= factor
 
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops,
-                 shard: ShardSizes, tp: TensorParallel) -> None:
+                 shard: ShardSizes, tp: TensorParallel, layer: int = 0) -> None:
         super().__init__()
+        self.window = args.window(layer)
+        # gpt-oss: this rank's heads' sink logits (float32 whatever the model dtype: the kernels read them so)
+        self.sinks: nn.Parameter | None = None
+        if args.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(shard.num_heads))
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, args.head_dim
         self.rotary_dim = args.rotary_dim
         self.q_size, self.kv_size = shard.num_heads * args.head_dim, shard.num_kv_heads * args.head_dim
@@ -242,7 +291,8 @@ class Attention(nn.Module):
             q, k = torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)
         else:
             q, k = self._ops.rotary(q, k, positions, cos_sin) if fused is None else fused
-        out = self._backend.forward(q, k, v, kv_cache, meta)  # [T, H, D]
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = self._backend.forward(q, k, v, kv_cache, meta, window=self.window, sinks=sinks)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -277,10 +327,10 @@ def feed_forward(args: ModelArgs, layer: int, ops: Ops, shard: ShardSizes, tp: T
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops,
-                 shard: ShardSizes, tp: TensorParallel, mlp: nn.Module) -> None:
+                 shard: ShardSizes, tp: TensorParallel, mlp: nn.Module, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.self_attn = Attention(args, rotary, backend, ops, shard, tp)
+        self.self_attn = Attention(args, rotary, backend, ops, shard, tp, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.mlp = mlp
 
@@ -313,7 +363,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(args, max_positions)
         self.layers = nn.ModuleList(
             DecoderLayer(args, self.rotary_emb, backend, ops, shard, tp,
-                         feed_forward(args, i, ops, shard, tp, fused_kernels))
+                         feed_forward(args, i, ops, shard, tp, fused_kernels), i)
             for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)

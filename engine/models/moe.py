@@ -3,12 +3,15 @@ grouped GEMMs, and a shared expert (where the family has one) adds its output.
 
 Parameters (the loader stacks the checkpoint's per-expert tensors into them):
   gate.weight                  [E, hidden]               the router, whole on every rank
-  gate.e_score_correction_bias [E]                       sigmoid_grouped routers only (float32)
+  gate.e_score_correction_bias [E]                       sigmoid_grouped routers only
+  gate.bias                    [E]                       topk_softmax routers only (gpt-oss)
   experts.w13                  [E_local, 2 * I_local, hidden]  gate rows, then up rows, of each held expert
   experts.w2                   [E_local, hidden, I_local]
+  experts.w13_bias / w2_bias   [E_local, 2 * I_local] / [E_local, hidden]   gpt-oss only
   shared_experts.*             a dense ``MLP`` of the shared expert's size (families that have one)
 
-Routers, as the reference implementations compute them (``route``), in float32:
+Routers, as the reference implementations compute them (``route``), in float32 (gpt-oss's
+``topk_softmax``: the top k logits, softmaxed over the k, is the third):
 - ``softmax`` (Qwen3-MoE, Mixtral): softmax over all experts, the top k, renormalised over the k when
   the config says so;
 - ``sigmoid_grouped`` (GLM-4.5, DeepSeek-V3): sigmoid scores; experts are chosen on score + correction
@@ -36,6 +39,9 @@ def route(logits: torch.Tensor, moe: MoEArgs, correction_bias: torch.Tensor | No
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights [T, k] float32, topk_ids [T, k] int64)`` from router ``logits [T, E]``."""
     logits = logits.float()
+    if moe.router == "topk_softmax":  # gpt-oss: choose on the logits, weigh by a softmax over the k
+        values, ids = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.softmax(values, dim=-1), ids
     if moe.router == "softmax":
         probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, moe.top_k, dim=-1)
@@ -58,6 +64,16 @@ def route(logits: torch.Tensor, moe: MoEArgs, correction_bias: torch.Tensor | No
     return weights * moe.routed_scaling, ids
 
 
+def gated_activation(gate_up: torch.Tensor, moe: MoEArgs | None = None) -> torch.Tensor:
+    """``[n, 2I]`` (gate | up) -> ``[n, I]``: SiLU(gate) * up, or gpt-oss's clamped SwiGLU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if moe is None or moe.activation == "silu":
+        return F.silu(gate) * up
+    limit = moe.swiglu_limit
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
+
+
 def grouped_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -65,6 +81,9 @@ def grouped_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    moe: MoEArgs | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts in PyTorch: each held expert's slots as one ``[n, hidden] @ [hidden, 2I]`` GEMM, the
     gated activation, one ``[n, I] @ [I, hidden]`` GEMM, weighted, added into their tokens' rows in
@@ -77,15 +96,14 @@ def grouped_experts(
     order = torch.argsort(local, stable=True)
     counts = torch.bincount(local.clamp(-1, held).add(1), minlength=held + 2)[1:held + 1].tolist()
     start = int((local < 0).sum())  # other ranks' lower experts sort first
-    inter = w13.shape[1] // 2
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         slots = order[start:start + n]
         start += n
         tokens = slots // top_k
-        gate, up = F.linear(x[tokens], w13[expert]).split(inter, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[expert])
+        gate_up = F.linear(x[tokens], w13[expert], None if w13_bias is None else w13_bias[expert])
+        h = F.linear(gated_activation(gate_up, moe), w2[expert], None if w2_bias is None else w2_bias[expert])
         h = h * topk_weights.reshape(-1)[slots].unsqueeze(-1).to(h.dtype)
         out.index_add_(0, tokens, h)
     return out
@@ -94,11 +112,20 @@ def grouped_experts(
 class Experts(nn.Module):
     """This rank's experts, stacked (see module docs)."""
 
-    def __init__(self, shard: ShardSizes, hidden_size: int, use_kernel: bool) -> None:
+    def __init__(self, moe: MoEArgs, shard: ShardSizes, hidden_size: int, use_kernel: bool) -> None:
         super().__init__()
+        self.moe = moe
         inter = shard.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(shard.num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(shard.num_experts, hidden_size, inter))
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if moe.expert_bias:
+            self.w13_bias = nn.Parameter(torch.empty(shard.num_experts, 2 * inter))
+            self.w2_bias = nn.Parameter(torch.empty(shard.num_experts, hidden_size))
+        # With the intermediate dimension split, each rank's down projection is a partial sum: its bias
+        # is added by rank 0 alone, before the all-reduce.
+        self._add_down_bias = shard.expert_parallel or shard.rank == 0
         self.first_expert = shard.first_expert
         self.expert_parallel = shard.expert_parallel
         self._use_kernel = use_kernel
@@ -117,12 +144,17 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int) -> torch.Tensor:
+        w2_bias = self.w2_bias if self._add_down_bias else None
         if self._use_kernel:
             import kernels
 
+            moe = self.moe
             return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
-                                     expert_map=self.expert_map(num_experts, x.device))
-        return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+                                     expert_map=self.expert_map(num_experts, x.device),
+                                     w13_bias=self.w13_bias, w2_bias=w2_bias, activation=moe.activation,
+                                     swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+        return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert, self.moe,
+                               self.w13_bias, w2_bias)
 
 
 class Router(nn.Module):
@@ -131,15 +163,18 @@ class Router(nn.Module):
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self.e_score_correction_bias: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
         if moe.router == "sigmoid_grouped":
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+        if moe.router == "topk_softmax":
+            self.bias = nn.Parameter(torch.empty(moe.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The sigmoid routers score in float32 (the references run their router in float32).
         if self.moe.router == "sigmoid_grouped":
             logits = F.linear(x.float(), self.weight.float())
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, self.bias)
         return route(logits, self.moe, self.e_score_correction_bias)
 
 
@@ -152,7 +187,7 @@ class MoE(nn.Module):
         super().__init__()
         self.moe = moe
         self.gate = Router(moe, hidden_size)
-        self.experts = Experts(shard, hidden_size, use_kernel)
+        self.experts = Experts(moe, shard, hidden_size, use_kernel)
         self.shared_experts = shared_experts  # a dense MLP whose down projection does not all-reduce
         self._tp = tp
 

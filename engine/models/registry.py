@@ -3,7 +3,8 @@
 Every supported architecture is a Llama-style decoder, implemented once in ``engine.models.llama``
 (dense MLPs, or ``engine.models.moe`` blocks where ``ModelArgs.moe`` says so); an unknown one is a
 ``ValueError`` that names the supported ones. ``checkpoint_renames`` maps a family's checkpoint names
-onto the model's where they differ (Mixtral's ``block_sparse_moe.experts.N.w1/w2/w3``).
+onto the model's where they differ (Mixtral's ``block_sparse_moe.experts.N.w1/w2/w3``, gpt-oss's
+``mlp.router``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Glm4MoeForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,
 }
 _MODEL_TYPES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -28,11 +30,13 @@ _MODEL_TYPES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": LlamaForCausalLM,
     "mixtral": LlamaForCausalLM,
     "glm4_moe": LlamaForCausalLM,
+    "gpt_oss": LlamaForCausalLM,
 }
 # (checkpoint substring, model substring), applied in order to every tensor name.
 _RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "mixtral": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                 (".w2.", ".down_proj.")),
+    "gpt_oss": ((".mlp.router.", ".mlp.gate."),),
 }
 
 

@@ -55,6 +55,11 @@ def tiny_glm4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory, "glm4_moe")
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny(tmp_path_factory, "gpt_oss")
+
+
 def transformers_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str, seed: int = 1) -> Path:
     """A tiny checkpoint whose weights transformers' own class wrote (``from_config`` with a fixed seed,
     then ``save_pretrained``, float32), beside ``engine.tiny``'s tokenizer and chat template: the

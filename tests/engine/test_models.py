@@ -147,6 +147,25 @@ def test_rope_inv_freq_matches_transformers(tiny_llama_dir: Path) -> None:
     assert (ratio == 1).any() and (ratio == 0.25).any() and ((ratio > 0.25) & (ratio < 1)).any()
 
 
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_and_attention_factor_match_transformers(truncate: bool, tmp_path: Path) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.models.llama import rope_attention_factor
+
+    cfg = _base_config(architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=32,
+                       max_position_embeddings=4096, num_local_experts=4, num_experts_per_tok=2,
+                       rope_theta=150000.0,
+                       rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": truncate, "original_max_position_embeddings": 256})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.AutoConfig.from_pretrained(tmp_path), None)
+    args = ModelArgs.from_hf_config(cfg)
+    torch.testing.assert_close(rope_inv_freq(args), ref.float())
+    assert rope_attention_factor(args) == pytest.approx(ref_factor)
+    assert rope_attention_factor(args) > 1  # YaRN scales cos and sin up
+
+
 def _base_config(**overrides: object) -> dict:
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -182,7 +201,7 @@ def test_model_args_accepts_transformers5_rope_parameters() -> None:
     [
         ({"num_key_value_heads": 3}, "multiple of"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
         ({"hidden_size": 0}, "hidden_size must be a positive"),
     ],
 )

@@ -1,11 +1,14 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral, GLM-4.5) against transformers, and split over two ranks.
+"""Mixtures of experts (Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss) against transformers, and split over two ranks.
 
 Checkpoints come from two writers: transformers' own classes (``hf_moe_dirs``: ``from_config`` then
 ``save_pretrained``, float32) and ``engine.tiny`` (``tollgate model create-tiny --family``). Held to:
 logits within float32 tolerance of transformers' forward; greedy output token for token equal to
-transformers' ``generate`` with prefix caching on and off, chunked prefill and preemption; the Triton
-fused-MoE path equal to the PyTorch one; tensor parallelism over two CPU ranks (experts split on their
-intermediate dimension, or whole experts per rank with expert parallelism) equal to one rank.
+transformers' ``generate`` with prefix caching on and off, chunked prefill and preemption (gpt-oss's
+16-token sliding window is shorter than the prompts and the outputs); the Triton fused-MoE path equal to
+the PyTorch one; gpt-oss through the Triton attention kernels (windows and sinks) equal to the PyTorch
+backend; its MXFP4 experts equal to transformers' dequantizing path; tensor parallelism over two CPU
+ranks (experts split on their intermediate dimension, or whole experts per rank with expert
+parallelism) equal to one rank.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from tests.engine.test_models import BLOCK, _prefill_meta  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
-FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 
 
 def _load(d: Path, **kwargs: object) -> torch.nn.Module:
@@ -112,7 +115,56 @@ def test_greedy_matches_transformers(family: str, hf_moe_dirs: dict[str, Path]) 
             assert stats.prefix_hit_tokens > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_mxfp4_experts_equal_transformers_dequantized(tmp_path: Path) -> None:
+    """A gpt-oss checkpoint with its experts in MXFP4 (``_blocks`` + ``_scales``, as released), loaded
+    dequantized, gives transformers' logits on the same file (its dequantizing path)."""
+    from engine.tiny import create_tiny_checkpoint
+
+    d = create_tiny_checkpoint(tmp_path / "gpt-oss-mxfp4", arch="gpt_oss", mxfp4=True)
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in f.keys()
+    model = _load(d)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    prompts = _prompts(model.args.vocab_size)
+    with torch.inference_mode():
+        for ours, prompt in zip(_prefill_logits(model, prompts), prompts, strict=True):
+            torch.testing.assert_close(ours, hf(prompt[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_mxfp4_dequantization_equals_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    w = 3 * torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(4))
+    blocks, scales = quantize_mxfp4(w)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2))
+    # Within half a step of each block's grid (E2M1's widest step, 4 to 6, at the block's scale).
+    block_max = w.abs().view(2, 8, 3, 32).amax(-1, keepdim=True)
+    assert ((ours - w).abs().view(2, 8, 3, 32) <= block_max / 3).all()
+    with pytest.raises(ValueError, match="do not match scales"):
+        dequantize_mxfp4(blocks, scales[..., :1], torch.float32)
+
+
+@pytest.mark.slow  # Triton's interpreter on a CPU
+def test_gpt_oss_through_the_triton_attention_kernels_equals_the_torch_backend(
+    tiny_gpt_oss_dir: Path,
+) -> None:
+    """Sliding windows and sinks in the paged kernels, through the engine: prefill, chunked prefill,
+    decode past the window, prefix-cache hits."""
+    pytest.importorskip("kernels")
+    prompts = [[(13 * i + 5 * j) % 200 + 3 for j in range(21 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        with LLM(str(tiny_gpt_oss_dir), attention_backend=backend, max_num_batched_tokens=16) as llm:
+            outputs[backend] = [o.token_ids for _ in range(2) for o in llm.generate(prompts, params)]
+            assert llm.stats.prefix_hit_tokens > 0 and llm.stats.num_partial_prefill_chunks > 0
+    assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_fused_moe_kernel_path_equals_the_torch_path(family: str, hf_moe_dirs: dict[str, Path]) -> None:
     kernels = pytest.importorskip("kernels")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,8 +273,9 @@ TIGHT = dict(block_size=16, num_kv_blocks=10, max_num_seqs=5, max_num_batched_to
 
 @pytest.mark.slow  # a spawned rank per replica
 @pytest.mark.parametrize(("family", "expert_parallel"),
-                         [("qwen3_moe", False), ("qwen3_moe", True), ("glm4_moe", False)],
-                         ids=["qwen3_moe-split", "qwen3_moe-ep", "glm4_moe-split"])
+                         [("qwen3_moe", False), ("qwen3_moe", True), ("glm4_moe", False),
+                          ("gpt_oss", False)],
+                         ids=["qwen3_moe-split", "qwen3_moe-ep", "glm4_moe-split", "gpt_oss-split"])
 def test_two_ranks_give_the_single_rank_tokens(family: str, expert_parallel: bool,
                                                request: pytest.FixtureRequest) -> None:
     model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")

@@ -44,7 +44,7 @@ def test_cli_rejects_unknown_arch(tmp_path: Path) -> None:
 
 def test_invalid_arguments_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch must be one of"):
-        create_tiny_checkpoint(tmp_path, arch="gpt_oss")
+        create_tiny_checkpoint(tmp_path, arch="deepseek_v3")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         create_tiny_checkpoint(tmp_path / "file")

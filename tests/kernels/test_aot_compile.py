@@ -74,11 +74,12 @@ def test_attention_is_compiled_at_every_head_dim_group_and_split_mode(compiled):
                 found[(r["arch"], r["dtype"])].add(key)
         want = {(d, g, 16, s) for d in (64, 128) for g in groups for s in split_modes}
         assert all(want <= got for got in found.values()), (kernel, dict(found))
-    decode = [r for r in compiled if r["kernel"] == "paged_decode_attention"]
+    decode = [r for r in compiled
+              if r["kernel"] == "paged_decode_attention" and not r["constexprs"]["HAS_SINKS"]]
     per_target = defaultdict(list)
     for r in decode:
         per_target[(r["arch"], r["dtype"], r["constexprs"]["HEAD_DIM"])].append(r)
-    # Seven shapes (groups 1, 2, 4 and 8 at head dim 128; 1, 4 and 8 at 64), three decode specialisations
+    # The shapes (groups 1, 2, 4 and 8 at head dim 128; 1, 4 and 8 at 64), three decode specialisations
     # each (unsplit; split in 2-8; split in 16 or 32, where the split count and the log-sum-exp stride are
     # multiples of 16, which Triton specialises on): compiled three times per head dim, not 21 times.
     assert all(len(rows) == 3 for rows in per_target.values()), {k: len(v) for k, v in per_target.items()}
@@ -156,6 +157,20 @@ def test_llama3_8b_and_qwen3_shapes_are_compiled(compiled):
     assert {"llama3-8b", "qwen3-0.6b"} <= shapes
     qk_norm_rows = [r for r in compiled if r["kernel"] == "rms_norm" and r["constexprs"]["HIDDEN"] == 128]
     assert qk_norm_rows, "Qwen3's per-head q/k RMSNorm (rows of head_dim) is not compiled"
+
+
+def test_gpt_oss_attention_compiles_with_sinks_and_sliding_windows(compiled):
+    """gpt-oss's layers: sinks everywhere, a sliding window every other layer, in both attention kernels
+    (decode split and unsplit, and the merge that adds the sink), and its biased experts."""
+    for arch in ARCHS:
+        rows = [r for r in compiled if r["arch"] == arch and r["shape"] == "gpt-oss-120b"]
+        extend = {r["constexprs"]["SLIDING"] for r in rows if r["kernel"] == "extend_attention"
+                  and r["constexprs"]["HAS_SINKS"]}
+        decode = {r["constexprs"]["SPLIT"] for r in rows if r["kernel"] == "paged_decode_attention"
+                  and r["constexprs"]["HAS_SINKS"]}
+        assert extend == {True, False} and decode == {True, False}, (arch, extend, decode)
+        assert any(r["kernel"] == "merge_splits" and r["constexprs"]["HAS_SINKS"] for r in rows)
+        assert any(r["kernel"] == "fused_moe" and r["constexprs"]["HAS_BIAS"] for r in rows)
 
 
 def test_mixtures_of_experts_compile_both_grouped_gemms_at_decode_and_prefill_tiles(compiled):

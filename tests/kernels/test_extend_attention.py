@@ -90,3 +90,40 @@ def test_rejects_bad_inputs(device, rng, paged_kv):
     with pytest.raises(TypeError, match="value_cache must have dtype"):
         extend_attention(q, kv.key_cache, kv.value_cache.half(), kv.block_tables, qsl, kv.seq_lens,
                          max_query_len=3, scale=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [1, 5, 32, 128])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_sliding_window_and_sinks_match_reference(dtype, with_sinks, window, device, rng, paged_kv):
+    """gpt-oss's layers: a query sees only its last ``window`` positions, and each head's sink logit joins
+    the softmax's sum. The cases span windows inside one tile, across tiles and longer than a context."""
+    seq_lens = [n for n, _ in CASES]
+    q_lens = [m for _, m in CASES]
+    kv = paged_kv(seq_lens, num_kv_heads=2, head_dim=64, dtype=dtype, device=device, gen=rng)
+    q = torch.randn((sum(q_lens), 8, 64), generator=rng).to(dtype).to(device)
+    qsl = _query_start_loc(q_lens, device)
+    sinks = (2 * torch.randn(8, generator=rng)).to(device) if with_sinks else None
+    out = extend_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.seq_lens,
+                           max_query_len=max(q_lens), scale=0.125, sinks=sinks, window=window)
+    expected = extend_attention_reference(q, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.seq_lens,
+                                          scale=0.125, sinks=sinks, window=window)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    # The decode kernel (split and unsplit) agrees on the sequences' last tokens.
+    last = (qsl[1:] - 1).long()
+    for splits in (1, 4):
+        decoded = paged_decode_attention(q[last], kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                         scale=0.125, num_splits=splits, sinks=sinks, window=window)
+        torch.testing.assert_close(decoded, expected[last], **TOL[dtype])
+
+
+def test_sinks_and_window_are_checked(device, rng, paged_kv):
+    kv = paged_kv([20], num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device, gen=rng)
+    q = torch.randn((20, 8, 64), generator=rng).to(device)
+    qsl = _query_start_loc([20], device)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        extend_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.seq_lens, max_query_len=20,
+                         scale=0.125, sinks=torch.zeros(4, device=device))
+    with pytest.raises(ValueError, match="window must be a non-negative int"):
+        paged_decode_attention(q[:1], kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                               scale=0.125, window=-3)

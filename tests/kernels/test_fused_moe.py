@@ -117,3 +117,22 @@ def test_explicit_tile_and_bad_inputs(device, rng):
     with pytest.raises(ValueError, match="must both be"):
         fused_moe(x, w13, w2, weights[:3], ids[:3])
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gpt_oss_experts_biases_and_clamped_swiglu(dtype, device, rng):
+    """gpt-oss's experts: biases on both projections, and the clamped SwiGLU (inputs big enough that the
+    clamps bite)."""
+    tokens, experts, top_k, hidden, inter = 19, 8, 4, 48, 24
+    x = (3 * torch.randn((tokens, hidden), generator=rng)).to(dtype).to(device)
+    w13, w2 = experts_weights(experts, hidden, inter, dtype, device, rng)
+    w13_bias = torch.randn((experts, 2 * inter), generator=rng).to(dtype).to(device)
+    w2_bias = torch.randn((experts, hidden), generator=rng).to(dtype).to(device)
+    weights, ids = routed(tokens, experts, top_k, rng)
+    args = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation="swiglu_oai", swiglu_alpha=1.702,
+                swiglu_limit=2.0)
+    out = fused_moe(x, w13, w2, weights.to(device), ids.to(device), **args)
+    expected = fused_moe_reference(x, w13, w2, weights.to(device), ids.to(device), **args)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    with pytest.raises(ValueError, match="activation must be"):
+        fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation="gelu")

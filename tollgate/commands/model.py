@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 # engine.tiny.ARCHS, spelled out so that `tollgate --help` imports no torch.
-_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 
 
 @click.group()
@@ -26,11 +26,15 @@ def model() -> None:
               help="Model family to write: a dense decoder or a mixture of experts.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random weights (same seed, same files).")
-def create_tiny(directory: Path, arch: str, seed: int) -> None:
+@click.option("--mxfp4", is_flag=True, default=False,
+              help="gpt_oss only: store the experts in MXFP4, as the released gpt-oss checkpoints do.")
+def create_tiny(directory: Path, arch: str, seed: int, mxfp4: bool) -> None:
     """Write a tiny random-weight HF checkpoint (real BPE tokenizer + chat template) into DIRECTORY."""
     from engine.tiny import create_tiny_checkpoint
 
-    out = create_tiny_checkpoint(directory, arch=arch, seed=seed)
+    if mxfp4 and arch != "gpt_oss":
+        raise click.UsageError("--mxfp4 needs --family gpt_oss")
+    out = create_tiny_checkpoint(directory, arch=arch, seed=seed, mxfp4=mxfp4)
     click.echo(f"wrote tiny {arch} checkpoint (seed {seed}) to {out}")
 
 
