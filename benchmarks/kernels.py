@@ -71,11 +71,18 @@ class Shapes:
     # (sequences, new tokens per sequence, cached prefix per sequence)
     extend: tuple[tuple[int, int, int], ...] = ((1, 4096, 0), (4, 1024, 0), (4, 512, 3584))
     tokens: int = 8192
+    # The fused MoE layer (Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top 8) at decode batches.
+    moe_hidden: int = 2048
+    moe_experts: int = 128
+    moe_intermediate: int = 768
+    moe_top_k: int = 8
+    moe_batches: tuple[int, ...] = (1, 16, 64)
 
 
 SMOKE = Shapes(
     num_heads=4, num_kv_heads=2, head_dim=64, hidden=96, intermediate=80, block_size=16,
     decode=((2, 40),), extend=((2, 20, 0), (1, 9, 23)), tokens=24,
+    moe_hidden=64, moe_experts=8, moe_intermediate=32, moe_top_k=2, moe_batches=(3,),
 )  # fmt: skip
 
 
@@ -265,7 +272,37 @@ def build_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Cas
         lambda: _assert_close(K.silu_and_mul(gate_up), K.silu_and_mul_reference(gate_up), "silu_and_mul"),
         3 * gate_up.numel() // 2 * size, 0, "torch reference", lambda: K.silu_and_mul_reference(gate_up),
     ))  # fmt: skip
-    return cases + decode_variants
+    return cases + moe_cases(s, dtype, device) + decode_variants
+
+
+def moe_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> list[Case]:
+    """The fused MoE layer at decode batches: its floor is the bytes of the experts the batch routes to
+    (each read once) plus activations; baseline, the engine's PyTorch path (one GEMM pair per expert)."""
+    from engine.models.moe import grouped_experts
+
+    e, h, inter, k = s.moe_experts, s.moe_hidden, s.moe_intermediate, s.moe_top_k
+    w13 = (torch.randn((e, 2 * inter, h), device=device) * h**-0.5).to(dtype)
+    w2 = (torch.randn((e, h, inter), device=device) * inter**-0.5).to(dtype)
+    cases = []
+    for batch in s.moe_batches:
+        x = torch.randn((batch, h), device=device).to(dtype)
+        weights, ids = torch.topk(torch.randn((batch, e), device=device).softmax(-1), k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        touched = int(torch.unique(ids).numel())
+        moved = touched * (3 * h * inter) * dtype.itemsize + 2 * batch * h * dtype.itemsize
+
+        def run(x=x, weights=weights, ids=ids):
+            return K.fused_moe(x, w13, w2, weights, ids)
+
+        def check(run=run, x=x, weights=weights, ids=ids):
+            _assert_close(run(), grouped_experts(x, w13, w2, weights, ids), "fused_moe")
+
+        cases.append(Case(
+            "fused_moe", f"B={batch} E={e} I={inter} top{k} ({touched} experts)", run, check, moved,
+            2 * batch * k * 3 * h * inter, "grouped torch experts",
+            lambda x=x, weights=weights, ids=ids: grouped_experts(x, w13, w2, weights, ids),
+        ))  # fmt: skip
+    return cases
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:

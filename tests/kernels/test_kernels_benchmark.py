@@ -33,7 +33,7 @@ def test_smoke_mode_writes_every_kernel(tmp_path: Path):
     kernels = {r["kernel"] for r in payload["results"]}
     assert kernels == {
         "paged_decode_attention", "extend_attention", "store_kv_cache", "rms_norm+residual",
-        "rotary_embedding", "silu_and_mul",
+        "rotary_embedding", "silu_and_mul", "fused_moe",
     }  # fmt: skip
     assert all(r["floor_us"] > 0 and r["time_us"] > 0 for r in payload["results"])
     # Paged decode again with each other pipeline depth, over the same tensors, after every kernel's own
