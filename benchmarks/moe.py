@@ -19,11 +19,18 @@ device's measured copy bandwidth (a 1 GiB device-to-device copy). Target: at lea
 
     python benchmarks/moe.py                       # CPU table (+ GPU table on a GPU)
     python benchmarks/moe.py --tokens 1 64 --repeat 3 --out benchmarks/out/moe.json
+
+``--tune`` (GPU only) times the fused kernel's candidate tiles at token counts from 1 to 4096 for a layer
+shape (default Qwen3-30B-A3B's; ``--tune-shape E,N,K,TOPK`` for another: N = 2 x the expert width, K =
+hidden) and writes the best per token count to ``kernels/moe_configs/E=..,N=..,device_name=...json``,
+which ``kernels.fused_moe`` then uses on that GPU model (the nearest measured token count). Each candidate
+is checked against the default tile's output first.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -179,6 +186,62 @@ def gpu_table(batches: tuple[int, ...], repeat: int) -> tuple[list[dict[str, Any
     return rows, bandwidth
 
 
+TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def tune_candidates() -> list[Any]:
+    from kernels.fused_moe import MoETileConfig
+
+    return [MoETileConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=s)
+            for m in (16, 32, 64) for n in (64, 128) for k in (64, 128) for g in (1, 8) for w in (4, 8)
+            for s in (3, 4)]  # fmt: skip
+
+
+def tune(shape: tuple[int, int, int, int], repeat: int) -> Path:
+    """Time every candidate tile at each token count on this GPU; write the best of each (see docs)."""
+    import kernels
+    from kernels.fused_moe import CONFIG_DIR, config_file_name
+
+    experts, n, hidden, top_k = shape
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(experts, n, hidden, generator=gen, device=device) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, n // 2, generator=gen, device=device) * (n // 2) ** -0.5).to(dtype)
+    best: dict[str, dict[str, int]] = {}
+    rows = []
+    for tokens in TUNE_TOKENS:
+        x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+        logits = torch.randn(tokens, experts, generator=gen, device=device)
+        weights, ids = torch.topk(logits.softmax(-1), top_k)
+        weights = weights / weights.sum(-1, keepdim=True)
+
+        def run(cfg: Any = None, x: torch.Tensor = x, weights: torch.Tensor = weights,
+                ids: torch.Tensor = ids) -> torch.Tensor:
+            return kernels.fused_moe(x, w13, w2, weights, ids, config=cfg)
+
+        expected = run()
+        timed = []
+        for cfg in tune_candidates():
+            try:
+                got = run(cfg)
+            except Exception:  # noqa: BLE001 - a tile the GPU cannot run (shared memory) is not a candidate
+                continue
+            torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+            timed.append((_cuda_timed(lambda cfg=cfg: run(cfg), repeat), cfg))
+        seconds, cfg = min(timed, key=lambda item: item[0])
+        default_s = _cuda_timed(run, repeat)
+        best[str(tokens)] = dataclasses.asdict(cfg)
+        tile = f"{cfg.block_m}/{cfg.block_n}/{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
+        rows.append([tokens, f"{1e6 * default_s:.1f}", f"{1e6 * seconds:.1f}", f"{default_s / seconds:.2f}x",
+                     tile])
+    headers = ["tokens", "current us", "best us", "speed-up", "best tile (M/N/K group warps stages)"]
+    print(format_table(headers, rows))
+    path = CONFIG_DIR / config_file_name(experts, n, torch.cuda.get_device_name(device))
+    write_json(path, best)
+    print(f"wrote {path}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the per-token loop only up to this many tokens (it is slow)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: all)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "moe.json"))
+    parser.add_argument("--tune", action="store_true", help="GPU only: measure and write tuned tiles (docs)")
+    parser.add_argument("--tune-shape", default="128,1536,2048,8",
+                        help="experts, 2 x expert width, hidden, top-k of the layer to tune for")
     args = parser.parse_args(argv)
+    if args.tune:
+        if not torch.cuda.is_available():
+            parser.error("--tune measures the fused kernel on a GPU; this machine has none")
+        experts, n, hidden, top_k = (int(v) for v in args.tune_shape.split(","))
+        tune((experts, n, hidden, top_k), max(20, args.repeat))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_rows = cpu_table(args.shape, args.tokens, args.repeat, args.loop_max_tokens)

@@ -89,11 +89,21 @@ def config_file_name(num_experts: int, n: int, device_name: str) -> str:
 
 @functools.cache
 def _tuned_configs(file_name: str) -> dict[int, MoETileConfig]:
-    path = CONFIG_DIR / file_name
+    return read_tuned_configs(CONFIG_DIR / file_name)
+
+
+def read_tuned_configs(path: Path) -> dict[int, MoETileConfig]:
+    """A tuned-config file: ``{"<tokens>": {block_m, block_n, block_k, group_m, num_warps, num_stages}}``
+    (empty when there is none)."""
     if not path.is_file():
         return {}
     with path.open(encoding="utf-8") as f:
         return {int(tokens): MoETileConfig(**cfg) for tokens, cfg in json.load(f).items()}
+
+
+def nearest_config(tuned: dict[int, MoETileConfig], num_tokens: int) -> MoETileConfig:
+    """The config measured at the token count nearest ``num_tokens`` (the smaller one on a tie)."""
+    return tuned[min(tuned, key=lambda t: (abs(t - num_tokens), t))]
 
 
 def fused_moe_config(
@@ -106,7 +116,7 @@ def fused_moe_config(
     if capability is not None and device.type == "cuda":
         tuned = _tuned_configs(config_file_name(num_experts, n, torch.cuda.get_device_name(device)))
         if tuned:
-            return tuned[min(tuned, key=lambda t: abs(t - num_tokens))]
+            return nearest_config(tuned, num_tokens)
     return _default_config(num_tokens, capability)
 
 

@@ -274,8 +274,9 @@ TIGHT = dict(block_size=16, num_kv_blocks=10, max_num_seqs=5, max_num_batched_to
 @pytest.mark.slow  # a spawned rank per replica
 @pytest.mark.parametrize(("family", "expert_parallel"),
                          [("qwen3_moe", False), ("qwen3_moe", True), ("glm4_moe", False),
-                          ("gpt_oss", False)],
-                         ids=["qwen3_moe-split", "qwen3_moe-ep", "glm4_moe-split", "gpt_oss-split"])
+                          ("gpt_oss", False), ("gpt_oss", True)],
+                         ids=["qwen3_moe-split", "qwen3_moe-ep", "glm4_moe-split", "gpt_oss-split",
+                              "gpt_oss-ep"])
 def test_two_ranks_give_the_single_rank_tokens(family: str, expert_parallel: bool,
                                                request: pytest.FixtureRequest) -> None:
     model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -136,3 +138,24 @@ def test_gpt_oss_experts_biases_and_clamped_swiglu(dtype, device, rng):
     torch.testing.assert_close(out, expected, **TOL[dtype])
     with pytest.raises(ValueError, match="activation must be"):
         fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation="gelu")
+
+
+def test_tuned_configs_are_read_and_the_nearest_token_count_wins(tmp_path):
+    from kernels.fused_moe import config_file_name, nearest_config, read_tuned_configs
+
+    tile = dict(block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3)
+    path = tmp_path / config_file_name(128, 1536, "NVIDIA H100 80GB HBM3")
+    assert path.name == "E=128,N=1536,device_name=NVIDIA_H100_80GB_HBM3.json"
+    path.write_text(json.dumps({"1": dict(block_m=16, **tile), "64": dict(block_m=32, **tile),
+                                "1024": dict(block_m=64, **tile)}))
+    tuned = read_tuned_configs(path)
+    assert [nearest_config(tuned, n).block_m for n in (1, 20, 40, 500, 4096)] == [16, 16, 32, 32, 64]
+    assert read_tuned_configs(tmp_path / "none.json") == {}
+    # Whatever tile is chosen, the answer is the same (tiles change speed only).
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn((9, 32), generator=gen)
+    w13, w2 = experts_weights(4, 32, 16, torch.float32, torch.device("cpu"), gen)
+    weights, ids = routed(9, 4, 2, gen)
+    for cfg in tuned.values():
+        torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=cfg),
+                                   fused_moe_reference(x, w13, w2, weights, ids), **TOL[torch.float32])
