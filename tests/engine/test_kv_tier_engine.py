@@ -187,3 +187,23 @@ def test_tiers_on_the_gpu_change_no_output(tiny_llama_dir: Path, tmp_path: Path,
     assert [tokens for tokens, _ in with_tiers] == [tokens for tokens, _ in plain]
     assert [cached for _, cached in with_tiers[4:]] == [48] * 4
     assert stats.kv_tier_moves["loaded_blocks"] > 0
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_mixtures_of_experts_and_sliding_windows_keep_their_outputs_through_the_tiers(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The tiers hold a MoE's blocks as a dense model's, and a sliding-window layer's blocks (gpt-oss's
+    16-token window is shorter than these prompts) are offloaded, loaded back and read from disk unchanged."""
+    model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")
+    plain = rounds(engine(model_dir))
+    tiers = {"num_host_kv_blocks": 8, "num_disk_kv_blocks": 64, "kv_disk_dir": str(tmp_path)}
+    with engine(model_dir, **tiers) as tiered:
+        with_tiers = rounds(tiered)
+        assert tiered.stats.kv_tier_moves["loaded_blocks"] > 0
+    with engine(model_dir, **tiers) as restarted:
+        from_disk = rounds(restarted, times=1)
+        assert restarted.stats.prefix_hit_tokens_by_tier["disk"] > 0
+    assert [tokens for tokens, _ in with_tiers] == [tokens for tokens, _ in plain]
+    assert [tokens for tokens, _ in from_disk] == [tokens for tokens, _ in plain[:4]]
+    assert [cached for _, cached in with_tiers[4:]] == [48] * 4

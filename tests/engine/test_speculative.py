@@ -176,6 +176,28 @@ def test_outputs_are_identical_with_drafts_from_predictions_and_prompt_lookup(ti
     assert runs["off"]["r0"]["usage"].accepted_prediction_tokens == 0  # speculation off: not drafted
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "glm4_moe"])
+def test_drafts_change_no_output_of_mixtures_of_experts(family: str, request: pytest.FixtureRequest) -> None:
+    """Verification of k+1 positions runs through the experts, and on gpt-oss through sliding-window
+    layers whose window (16) the drafts cross: a perfect prediction is accepted whole, and the outputs
+    equal speculation off, with and without the overlapped loop."""
+    model_dir: Path = request.getfixturevalue(f"tiny_{family}_dir")
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(str(model_dir), speculation="off") as plain:
+        ref = plain.generate([_prompt(1, 20)], greedy)[0].token_ids
+    requests = [(_prompt(1, 20), greedy, ref), (_prompt(3, 16) * 3, greedy, None),
+                (_prompt(2, 25), SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+                 None)]
+    runs = {}
+    for name, config in (("off", {"speculation": "off"}), ("sync", {"overlap": False}),
+                         ("overlap", {"overlap": True})):
+        with LLM(str(model_dir), **config) as llm:  # type: ignore[arg-type]
+            runs[name] = _run(llm.engine, requests)
+    assert _visible(runs["sync"]) == _visible(runs["off"]) == _visible(runs["overlap"])
+    assert runs["sync"]["r0"]["tokens"][0] == ref
+    assert runs["sync"]["r0"]["usage"].accepted_prediction_tokens >= 30
+
+
 LISTING = {
     "type": "object",
     "properties": {
