@@ -223,8 +223,9 @@ def moe_align_block_size(
     sorted_experts = flat[order]
     run_starts = torch.cumsum(counts, 0) - counts
     rank_in_run = torch.arange(num_slots, device=device) - run_starts[sorted_experts]
-    # Slots of other ranks' experts go to one extra row past the end, cut off below.
-    dest_starts = torch.cat([padded_starts, torch.tensor([size], dtype=torch.int64, device=device)])
+    # Slots of other ranks' experts go to one extra row past the end, cut off below. (F.pad, not a tensor
+    # made from a Python list: no host-to-device copy, which a CUDA graph could not capture.)
+    dest_starts = torch.nn.functional.pad(padded_starts, (0, 1), value=size)
     dest = torch.where(sorted_experts < num_experts, dest_starts[sorted_experts] + rank_in_run, size)
     sorted_slots = torch.full((size + 1,), num_slots, dtype=torch.int32, device=device)
     sorted_slots.scatter_(0, dest, order.to(torch.int32))

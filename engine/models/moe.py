@@ -129,18 +129,26 @@ class Experts(nn.Module):
         self.first_expert = shard.first_expert
         self.expert_parallel = shard.expert_parallel
         self._use_kernel = use_kernel
-        self._expert_map: torch.Tensor | None = None
+        # Expert parallelism: global expert id -> index in w13, -1 for experts held elsewhere. A buffer on
+        # the model's device, computed once there (``reset_cache``), never during a forward pass (which
+        # a CUDA graph may be capturing).
+        self.expert_map: torch.Tensor | None
+        if shard.expert_parallel:
+            expert_map = torch.empty(moe.num_experts, dtype=torch.int32)
+            self.register_buffer("expert_map", expert_map, persistent=False)
+            if expert_map.device.type != "meta":
+                self.reset_cache()
+        else:
+            self.expert_map = None
 
-    def expert_map(self, num_experts: int, device: torch.device) -> torch.Tensor | None:
-        """Global expert id -> index in ``w13``, -1 for experts held elsewhere (expert parallelism)."""
-        if not self.expert_parallel:
-            return None
-        if self._expert_map is None or self._expert_map.device != device:
-            held = self.w13.shape[0]
-            m = torch.full((num_experts,), -1, dtype=torch.int32)
-            m[self.first_expert:self.first_expert + held] = torch.arange(held, dtype=torch.int32)
-            self._expert_map = m.to(device)
-        return self._expert_map
+    def reset_cache(self) -> None:
+        """(Re)compute ``expert_map`` on its device (the loader calls it once the model is materialised)."""
+        if self.expert_map is None:
+            return
+        held = self.w13.shape[0]
+        m = torch.full_like(self.expert_map, -1)
+        m[self.first_expert:self.first_expert + held] = torch.arange(held, dtype=m.dtype, device=m.device)
+        self.expert_map = m
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 num_experts: int) -> torch.Tensor:
@@ -149,8 +157,7 @@ class Experts(nn.Module):
             import kernels
 
             moe = self.moe
-            return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
-                                     expert_map=self.expert_map(num_experts, x.device),
+            return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map,
                                      w13_bias=self.w13_bias, w2_bias=w2_bias, activation=moe.activation,
                                      swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
         return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert, self.moe,
