@@ -35,6 +35,9 @@ class EngineConfig:
     # "safetensors": the checkpoint's weights; "random": drawn on the device from config.json alone
     # (benchmarks of model shapes without a checkpoint, never serving).
     load_format: str = "safetensors"
+    # "fp8": quantize a 16-bit checkpoint's linear layers to FP8 at load (per output channel, dynamic
+    # per-token activations; engine.models.fp8). None: as the checkpoint is (an FP8 checkpoint stays FP8).
+    quantization: str | None = None
     seed: int = 0
     # Lower tiers of the prefix cache (``engine.kv.tiers``): host memory for evicted blocks (0: none)
     # and, below it, block files in ``kv_disk_dir`` (0: none; they survive a restart).
@@ -94,6 +97,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
         if self.load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

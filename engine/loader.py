@@ -17,6 +17,7 @@ The RoPE cache stays float32 whatever the model dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -28,7 +29,8 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed import ShardSizes, TensorParallel
-from engine.models.config import ModelArgs
+from engine.models.config import Fp8Args, ModelArgs
+from engine.models.fp8 import FP8_DTYPE, block_scales_to_rows, dequantize_fp8, quantize_fp8, use_fp8_layers
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mxfp4 import dequantize_mxfp4
 from engine.models.registry import checkpoint_renames, model_class
@@ -37,6 +39,9 @@ _M = TypeVar("_M", bound=nn.Module)
 
 # HF tensor names that carry no parameter (buffers some exporters include).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# FP8 checkpoints' activation and KV-cache scales: activations are quantized per token here (see
+# engine.models.fp8), and the KV cache is not FP8 yet.
+_FP8_IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 @runtime_checkable
@@ -74,6 +79,7 @@ _EXPERT = re.compile(
 _FUSED_EXPERTS = re.compile(
     r"^(?P<parent>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<part>_bias|_blocks|_scales)?$"
 )
+_EXPERT_SCALE = re.compile(r"^.+\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight_scale(_inv)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -139,10 +145,15 @@ def _expected_hf_names(
         elif module.endswith(".experts") and leaf in ("w13", "w2"):  # every expert, held here or not
             projs = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
             names.update(f"{module}.{e}.{p}.weight" for e in range(num_experts) for p in projs)
-        elif proj in by_fused:
-            names.update(f"{parent}.{hf}.{leaf}" for hf in by_fused[proj])
+        elif leaf == "weight_scale" and args.fp8 is not None and args.fp8.quantize_at_load:
+            continue  # made at load from the 16-bit weight
         else:
-            names.add(name)
+            if leaf == "weight_scale" and args.fp8 is not None:
+                leaf = args.fp8.scale_name
+            if proj in by_fused:
+                names.update(f"{parent}.{hf}.{leaf}" for hf in by_fused[proj])
+            else:
+                names.add(f"{module}.{leaf}")
     return names
 
 
@@ -167,6 +178,10 @@ def load_weights(
                     hf_name = hf_name.replace(old, new)
                 if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
+                if args.fp8 is not None and hf_name.endswith(_FP8_IGNORED_SUFFIXES):
+                    continue
+                if args.fp8 is not None and _EXPERT_SCALE.match(hf_name):
+                    continue  # read with its expert's FP8 weight
                 if hf_name == "lm_head.weight" and args.tie_word_embeddings:
                     continue
                 layer = _LAYER.match(hf_name)
@@ -203,23 +218,36 @@ def load_weights(
                     continue
                 expert = _EXPERT.match(hf_name)
                 if expert is not None:
-                    _load_expert(f, stored_name, expert, params, shard)
+                    _load_expert(f, stored_name, expert, params, shard, args)
                     seen.add(hf_name)
                     continue
                 part = _source_slice(hf_name, args, shard) if shard.size > 1 else None
+                module, _, leaf = hf_name.rpartition(".")
+                if args.fp8 is not None and leaf == args.fp8.scale_name:
+                    _load_fp8_scale(f.get_tensor(stored_name), hf_name, part, params, args, shard)
+                    seen.add(hf_name)
+                    continue
                 if part is None:
                     tensor = f.get_tensor(stored_name)
                 else:
                     dim, first, length = part
                     view = f.get_slice(stored_name)
                     tensor = view[first:first + length] if dim == 0 else view[:, first:first + length]
-                module, _, leaf = hf_name.rpartition(".")
                 parent, _, proj = module.rpartition(".")
                 if proj in shards:
                     fused, row, rows = _fused_shards(args, shard, _intermediate(hf_name, shard))[proj]
                     target = params[f"{parent}.{fused}.{leaf}"].narrow(0, row, rows)
+                    if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # --quantization fp8
+                        scale = params[f"{parent}.{fused}.weight_scale"].narrow(0, row, rows)
+                        _quantize_into(tensor, target, scale, hf_name)
+                        seen.add(hf_name)
+                        continue
                 else:
                     target = params[hf_name]
+                    if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # --quantization fp8
+                        _quantize_into(tensor, target, params[f"{module}.weight_scale"], hf_name)
+                        seen.add(hf_name)
+                        continue
                     if part is not None and part[0] == 0 and target.shape[0] > part[2]:
                         target[part[2]:].zero_()  # the vocabulary shard's padding rows
                         target = target.narrow(0, 0, part[2])
@@ -237,16 +265,79 @@ def load_weights(
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}")
 
 
+def _dequantized_expert(f: Any, stored_name: str, args: ModelArgs, dtype: torch.dtype) -> torch.Tensor:
+    fp8 = args.fp8
+    scale_name = stored_name.removesuffix("weight") + (fp8.scale_name if fp8 is not None else "weight_scale")
+    if fp8 is None or scale_name not in f.keys():
+        raise ValueError(f"{stored_name!r} is FP8 but its scale {scale_name!r} is not in the same file")
+    weight, scale = f.get_tensor(stored_name), f.get_tensor(scale_name)
+    if fp8.scheme == "block":
+        scale = block_scales_to_rows(scale, weight.shape[0], fp8.block[0])
+    elif fp8.scheme == "tensor":
+        scale = scale.float().reshape(1, 1).expand(weight.shape[0], 1)
+    return dequantize_fp8(weight, scale.float().reshape(weight.shape[0], -1), dtype)
+
+
+def _quantize_into(tensor: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    """``--quantization fp8``: a 16-bit checkpoint tensor quantized per output row into an FP8 weight."""
+    if tuple(tensor.shape) != tuple(weight.shape):
+        raise ValueError(f"{name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(weight.shape)}")
+    q, s = quantize_fp8(tensor, tensor.shape[1] // scale.shape[1] if scale.shape[1] > 1 else tensor.shape[1])
+    weight.copy_(q)
+    scale.copy_(s)
+
+
+def _load_fp8_scale(tensor: torch.Tensor, hf_name: str, part: tuple[int, int, int] | None,
+                    params: dict[str, torch.Tensor], args: ModelArgs, shard: ShardSizes) -> None:
+    """A checkpoint's FP8 weight scale, as the model keeps it: one row of group scales per output row of
+    this rank (per-tensor scales repeated, block scales expanded to their rows; see engine.models.fp8)."""
+    fp8 = args.fp8
+    assert fp8 is not None
+    module = hf_name.rpartition(".")[0]
+    parent, _, proj = module.rpartition(".")
+    shards = _fused_shards(args, shard, _intermediate(hf_name, shard))
+    if proj in shards:
+        fused, row, rows = shards[proj]
+        target = params[f"{parent}.{fused}.weight_scale"].narrow(0, row, rows)
+    else:
+        target = params[f"{module}.weight_scale"]
+    rows, groups = target.shape
+    first_row = part[1] if part is not None and part[0] == 0 else 0
+    if fp8.scheme == "tensor":
+        target.fill_(float(tensor.float().reshape(-1)[0]))
+        return
+    if fp8.scheme == "channel":
+        full = tensor.float().reshape(-1, 1)
+    else:
+        bn, bk = fp8.block
+        full = block_scales_to_rows(tensor, tensor.shape[0] * bn, bn)
+        if part is not None and part[0] == 1:  # this rank's input columns: whole blocks of them
+            first, length = part[1], part[2]
+            if first % bk or length % bk and first + length != full.shape[1] * bk:
+                raise ValueError(f"{hf_name!r}: tensor parallelism splits its input at column {first}, inside a "
+                                 f"{bk}-column FP8 block; choose a tensor_parallel_size that keeps blocks whole")
+            full = full[:, first // bk:first // bk + groups]
+    full = full[first_row:first_row + rows]
+    if tuple(full.shape) != (rows, groups):
+        raise ValueError(f"{hf_name!r}: scales of shape {tuple(tensor.shape)} do not cover this rank's "
+                         f"{rows} x {groups} weight groups")
+    target.copy_(full)
+
+
 def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[str, torch.Tensor],
-                 shard: ShardSizes) -> None:
+                 shard: ShardSizes, args: ModelArgs) -> None:
     """Copy one routed expert's projection into its place in the stacked ``experts.w13`` / ``w2``: with
-    expert parallelism only the experts this rank holds (whole), else this rank's intermediate slice."""
+    expert parallelism only the experts this rank holds (whole), else this rank's intermediate slice. An
+    FP8 expert (a quantized MoE checkpoint) is dequantized to the model's dtype with its scales (the
+    fused-MoE kernel does not read FP8 weights yet)."""
     local = int(match["expert"]) - shard.first_expert
     if not 0 <= local < shard.num_experts:
         return  # another rank's expert
     proj, inter = match["proj"], shard.moe_intermediate_size
     first = 0 if shard.expert_parallel else shard.rank * inter
     view = f.get_slice(stored_name)
+    if view.get_dtype() == "F8_E4M3":
+        view = _dequantized_expert(f, stored_name, args, params[f"{match['parent']}.w2"].dtype)
     if proj == "down_proj":
         target = params[f"{match['parent']}.w2"][local]
         tensor = view[:, first:first + inter]
@@ -255,8 +346,9 @@ def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[st
         target = params[f"{match['parent']}.w13"][local].narrow(0, row, inter)
         tensor = view[first:first + inter]
     if tuple(tensor.shape) != tuple(target.shape):
-        raise ValueError(f"{stored_name!r} has shape {tuple(view.get_shape())}: the model expects this "
-                         f"rank's {tuple(target.shape)} of it")
+        shape = tuple(view.shape) if isinstance(view, torch.Tensor) else tuple(view.get_shape())
+        raise ValueError(f"{stored_name!r} has shape {shape}: the model expects this rank's "
+                         f"{tuple(target.shape)} of it")
     target.copy_(tensor)
 
 
@@ -287,6 +379,14 @@ def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None
         raise ValueError(f"{name!r}: this rank's part has shape {tuple(tensor.shape)}, the model expects "
                          f"{tuple(target.shape)}")
     target.copy_(tensor)
+
+
+def quantized_args(args: ModelArgs, quantization: str | None) -> ModelArgs:
+    """``args`` with ``--quantization fp8`` applied: a 16-bit checkpoint's linears quantized per output
+    channel at load. A checkpoint that is FP8 already keeps its own scheme."""
+    if quantization != "fp8" or args.fp8 is not None:
+        return args
+    return dataclasses.replace(args, fp8=Fp8Args(scheme="channel", ignore=("lm_head",), quantize_at_load=True))
 
 
 LOAD_FORMATS = ("safetensors", "random")
@@ -337,6 +437,8 @@ def load_model(
     cls = model_class(args)
     with torch.device("meta"):
         model = cls(args, backend, max_positions, fused_kernels=fused_kernels, tp=tp)
+        if args.fp8 is not None:
+            use_fp8_layers(model, args.fp8, use_kernel=fused_kernels)
     model = _materialize(model, dtype, torch.device(device))
     model.tie_weights()
     for module in model.modules():

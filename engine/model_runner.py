@@ -57,7 +57,7 @@ from engine.distributed import ShardSizes, TensorParallel
 from engine.input_batch import InputBatch, StepInputs
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
-from engine.loader import load_model
+from engine.loader import load_model, quantized_args
 from engine.models.config import ModelArgs
 from engine.rank_workers import RankWorkers, serve, start_rank
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
@@ -144,7 +144,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             _keep_large_allocations_on_the_heap()
         model_dir = Path(config.model)
-        self.args = args = ModelArgs.from_pretrained(model_dir)
+        self.args = args = quantized_args(ModelArgs.from_pretrained(model_dir), config.quantization)
         expert_parallel = config.enable_expert_parallel
         # ValueError before any rank starts
         self.shard = shard = ShardSizes.of(args, rank, size, expert_parallel)

@@ -20,6 +20,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from kernels._common import kernels_are_interpreted, launch_counts, reset_launch_counts  # noqa: E402
 from kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from kernels.fp8_linear import fp8_linear, fp8_linear_reference  # noqa: E402
 from kernels.fused_moe import fused_moe, fused_moe_reference, moe_align_block_size  # noqa: E402
 from kernels.paged_decode_attention import (  # noqa: E402
     default_num_splits,
@@ -39,6 +40,8 @@ __all__ = [
     "default_num_splits",
     "extend_attention",
     "extend_attention_reference",
+    "fp8_linear",
+    "fp8_linear_reference",
     "fused_moe",
     "fused_moe_reference",
     "kernels_are_interpreted",

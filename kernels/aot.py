@@ -83,6 +83,8 @@ class ServedShape:
     sliding_window: int = 0
     attention_sinks: bool = False
     expert_bias: bool = False
+    # FP8 linear layers (engine.models.fp8): "channel" (per-channel / per-tensor scales) or "block" (128).
+    fp8: str = ""
 
     @property
     def group(self) -> int:
@@ -106,6 +108,8 @@ SERVED_SHAPES = {
                     moe_intermediate_size=14336),
         ServedShape("gpt-oss-120b", 64, 8, 64, 2880, 2880, num_experts=128, top_k=4,
                     moe_intermediate_size=2880, sliding_window=128, attention_sinks=True, expert_bias=True),
+        ServedShape("llama3-8b-fp8", 32, 8, 128, 4096, 14336, fp8="channel"),
+        ServedShape("qwen3-32b-fp8-block", 64, 8, 128, 5120, 25600, qk_norm=True, fp8="block"),
     )
 }
 
@@ -227,6 +231,17 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
                                                    scale=scale, max_seq_len=context, num_splits=splits,
                                                    sinks=sinks, window=window)
         kernels.silu_and_mul(torch.empty((tokens, 2 * shape.intermediate_size), dtype=dtype))
+        if shape.fp8:
+            # Every FP8 linear of a layer at a decode batch and a prefill chunk (W8A8 on sm_89+,
+            # weight-only before).
+            hidden, inter = shape.hidden_size, shape.intermediate_size
+            for n_out, k_in in ((h * d + 2 * kvh * d, hidden), (hidden, h * d), (2 * inter, hidden),
+                                (hidden, inter)):
+                groups = 1 if shape.fp8 == "channel" else -(-k_in // 128)
+                weight = torch.empty((n_out, k_in), dtype=torch.float8_e4m3fn)
+                for m in (seqs, 512):
+                    kernels.fp8_linear(torch.empty((m, k_in), dtype=dtype), weight,
+                                       torch.empty((n_out, groups), dtype=torch.float32))
         if shape.num_experts:
             # The grouped GEMMs at a decode batch and at a prefill's token count (their tiles differ).
             e, inter = shape.num_experts, shape.moe_intermediate_size

@@ -20,6 +20,10 @@ from typing import Any
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax")
 ACTIVATIONS = ("silu", "swiglu_oai")
+FP8_SCHEMES = ("channel", "tensor", "block")
+# Projections a quantized checkpoint may hold in FP8 (the decoder's linears; never embeddings, norms,
+# routers or the LM head).
+QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,84 @@ class MoEArgs:
 
 
 @dataclass(frozen=True, slots=True)
+class Fp8Args:
+    """How a checkpoint's linear layers are quantized in FP8 (formats and layout: ``engine.models.fp8``)."""
+
+    scheme: str  # channel | tensor | block
+    block: tuple[int, int] = (128, 128)  # (rows, columns) of a block, for the block scheme
+    static_activations: bool = False  # the checkpoint has ``input_scale``s (read past: module docs)
+    ignore: tuple[str, ...] = ()  # module names (or ``re:``-prefixed patterns) left 16-bit
+    quantize_at_load: bool = False  # a 16-bit checkpoint quantized when loaded (``--quantization fp8``)
+
+    def __post_init__(self) -> None:
+        if self.scheme not in FP8_SCHEMES:
+            raise ValueError(f"FP8 scheme {self.scheme!r} is not supported ({FP8_SCHEMES})")
+        if self.scheme == "block" and min(self.block) <= 0:
+            raise ValueError(f"weight_block_size must be positive, got {list(self.block)}")
+
+    @property
+    def scale_name(self) -> str:
+        """The checkpoint's name of a weight's scale tensor."""
+        return "weight_scale_inv" if self.scheme == "block" else "weight_scale"
+
+    def group(self, in_features: int) -> int:
+        """Input columns per scale of a weight with ``in_features`` columns."""
+        return self.block[1] if self.scheme == "block" else in_features
+
+    def quantizes(self, module_name: str) -> bool:
+        """Whether the module of this (checkpoint) name holds FP8 weights."""
+        import re
+
+        if module_name.rpartition(".")[2] not in QUANTIZABLE:
+            return False
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module_name):
+                    return False
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return False
+        return True
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> Fp8Args | None:
+        """The FP8 scheme of a ``config.json`` (None for a 16-bit checkpoint); ``ValueError`` for a
+        quantization Tollgate does not read."""
+        q = cfg.get("quantization_config")
+        if not q:
+            return None
+        method = q.get("quant_method")
+        if method == "fp8":
+            if q.get("activation_scheme", "dynamic") != "dynamic":
+                raise ValueError("block FP8 with static activation scales is not supported (activation_scheme "
+                                 f"{q.get('activation_scheme')!r})")
+            block = q.get("weight_block_size")
+            if block is None:
+                raise ValueError("quant_method fp8 without weight_block_size: only block FP8 is read")
+            return cls(scheme="block", block=(int(block[0]), int(block[1])),
+                       ignore=tuple(q.get("modules_to_not_convert") or ()))
+        if method == "compressed-tensors":
+            if q.get("format") not in ("float-quantized", "naive-quantized", None):
+                raise ValueError(f"compressed-tensors format {q.get('format')!r} is not supported "
+                                 "(float-quantized FP8 is)")
+            groups = list((q.get("config_groups") or {}).values())
+            if len(groups) != 1:
+                raise ValueError("compressed-tensors: exactly one config group is supported")
+            weights = groups[0].get("weights") or {}
+            acts = groups[0].get("input_activations") or {}
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                raise ValueError(f"compressed-tensors weights {weights} are not FP8 (type float, 8 bits)")
+            strategy = weights.get("strategy")
+            if strategy not in ("channel", "tensor"):
+                raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported "
+                                 "(channel, tensor)")
+            return cls(scheme=strategy, static_activations=bool(acts) and not acts.get("dynamic", True),
+                       ignore=tuple(q.get("ignore") or ()))
+        if method == "mxfp4":
+            return None  # gpt-oss's MXFP4 experts: dequantized at load by the loader
+        raise ValueError(f"quantization {method!r} is not supported (fp8 block, compressed-tensors FP8)")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArgs:
     architecture: str
     model_type: str
@@ -109,6 +191,7 @@ class ModelArgs:
     # of a windowed layer sees positions (p - window, p].
     layer_windows: tuple[int | None, ...] = ()
     attention_sinks: bool = False  # a learned logit per head in every softmax's sum (gpt-oss)
+    fp8: Fp8Args | None = None  # FP8 linear layers (a quantized checkpoint, or quantized at load)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -210,6 +293,7 @@ class ModelArgs:
             partial_rotary_dim=partial_rotary_dim,
             layer_windows=layer_windows,
             attention_sinks=model_type == "gpt_oss",
+            fp8=Fp8Args.from_hf_config(cfg),
         )
 
     @classmethod

@@ -56,7 +56,7 @@ def test_every_kernel_is_compiled_for_each_arch_and_dtype(compiled):
         seen[r["kernel"]].add((r["arch"], r["dtype"]))
     want = {(arch, dtype) for arch in ARCHS for dtype in aot.DTYPES}
     kernels = {"rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
-               "merge_splits", "extend_attention", "fused_moe"}  # fmt: skip
+               "merge_splits", "extend_attention", "fused_moe", "fp8_linear"}  # fmt: skip
     assert set(seen) == kernels
     assert all(seen[k] == want for k in kernels), dict(seen)
 
@@ -157,6 +157,15 @@ def test_llama3_8b_and_qwen3_shapes_are_compiled(compiled):
     assert {"llama3-8b", "qwen3-0.6b"} <= shapes
     qk_norm_rows = [r for r in compiled if r["kernel"] == "rms_norm" and r["constexprs"]["HIDDEN"] == 128]
     assert qk_norm_rows, "Qwen3's per-head q/k RMSNorm (rows of head_dim) is not compiled"
+
+
+def test_fp8_linears_compile_as_w8a8_on_hopper_and_weight_only_on_ampere(compiled):
+    """sm_90 multiplies FP8 by FP8 on its tensor cores; sm_80 has no e4m3 type in Triton and decodes the
+    weight's bytes itself. Both for per-channel and for 128-column block scales."""
+    for arch, w8a8 in ((90, True), (80, False)):
+        rows = [r["constexprs"] for r in compiled if r["kernel"] == "fp8_linear" and r["arch"] == arch]
+        assert {c["W8A8"] for c in rows} == {w8a8}, (arch, rows)
+        assert {c["PER_ROW"] for c in rows} == {True, False}, (arch, rows)
 
 
 def test_gpt_oss_attention_compiles_with_sinks_and_sliding_windows(compiled):

@@ -38,6 +38,25 @@ def create_tiny(directory: Path, arch: str, seed: int, mxfp4: bool) -> None:
     click.echo(f"wrote tiny {arch} checkpoint (seed {seed}) to {out}")
 
 
+@model.command("quantize")
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--scheme", type=click.Choice(["fp8-channel", "fp8-block"]), default="fp8-channel",
+              show_default=True,
+              help="fp8-channel: compressed-tensors, a scale per output channel; fp8-block: 128x128 blocks.")
+@click.option("--block-size", type=click.IntRange(min=1), default=128, show_default=True,
+              help="fp8-block: rows and columns of a block.")
+def quantize(src: Path, dst: Path, scheme: str, block_size: int) -> None:
+    """Write an FP8 checkpoint DST from the 16-bit checkpoint SRC (see docs/operations.md, "FP8")."""
+    from engine.quantize import quantize_checkpoint
+
+    try:
+        out = quantize_checkpoint(src, dst, scheme, (block_size, block_size))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    click.echo(f"wrote {scheme} checkpoint to {out}")
+
+
 @model.command("create-copying")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
@@ -98,6 +117,9 @@ def create_copying(directory: Path, seed: int) -> None:
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the model over this many GPUs (cuda:K.. from --device) or CPU processes; one "
                    "replica, rank 0 serving.")
+@click.option("--quantization", type=click.Choice(["fp8"]), default=None,
+              help="Quantize a 16-bit checkpoint's linear layers to FP8 at load (per channel). FP8 "
+                   "checkpoints (compressed-tensors, block FP8) are read as they are without it.")
 @click.option("--enable-expert-parallel", is_flag=True, default=False,
               help="Mixtures of experts: give each rank a subset of the experts, whole, instead of a slice "
                    "of every expert (the default). Measure both: either can be faster.")
@@ -132,6 +154,7 @@ def engine(
     num_speculative_tokens: int,
     speculative_max_batch: int,
     tensor_parallel_size: int,
+    quantization: str | None,
     enable_expert_parallel: bool,
     overlap: bool | None,
     drain_timeout_s: float,
@@ -184,6 +207,7 @@ def engine(
             speculative_max_batch=speculative_max_batch,
             tensor_parallel_size=tensor_parallel_size,
             enable_expert_parallel=enable_expert_parallel,
+            quantization=quantization,
         )
         if tensor_parallel_size > 1 or enable_expert_parallel:
             from engine.distributed import check_divisible
