@@ -224,7 +224,9 @@ def load_weights(
                 part = _source_slice(hf_name, args, shard) if shard.size > 1 else None
                 module, _, leaf = hf_name.rpartition(".")
                 if args.fp8 is not None and leaf == args.fp8.scale_name:
-                    _load_fp8_scale(f.get_tensor(stored_name), hf_name, part, params, args, shard)
+                    # Sliced as its weight is (rows, or input columns of a row-parallel layer).
+                    weight_part = _source_slice(f"{module}.weight", args, shard) if shard.size > 1 else None
+                    _load_fp8_scale(f.get_tensor(stored_name), hf_name, weight_part, params, args, shard)
                     seen.add(hf_name)
                     continue
                 if part is None:
@@ -314,8 +316,9 @@ def _load_fp8_scale(tensor: torch.Tensor, hf_name: str, part: tuple[int, int, in
         if part is not None and part[0] == 1:  # this rank's input columns: whole blocks of them
             first, length = part[1], part[2]
             if first % bk or length % bk and first + length != full.shape[1] * bk:
-                raise ValueError(f"{hf_name!r}: tensor parallelism splits its input at column {first}, inside a "
-                                 f"{bk}-column FP8 block; choose a tensor_parallel_size that keeps blocks whole")
+                raise ValueError(f"{hf_name!r}: tensor parallelism splits its input at column {first}, "
+                                 f"inside a {bk}-column FP8 block; choose a tensor_parallel_size that keeps "
+                                 "blocks whole")
             full = full[:, first // bk:first // bk + groups]
     full = full[first_row:first_row + rows]
     if tuple(full.shape) != (rows, groups):
@@ -386,7 +389,8 @@ def quantized_args(args: ModelArgs, quantization: str | None) -> ModelArgs:
     channel at load. A checkpoint that is FP8 already keeps its own scheme."""
     if quantization != "fp8" or args.fp8 is not None:
         return args
-    return dataclasses.replace(args, fp8=Fp8Args(scheme="channel", ignore=("lm_head",), quantize_at_load=True))
+    fp8 = Fp8Args(scheme="channel", ignore=("lm_head",), quantize_at_load=True)
+    return dataclasses.replace(args, fp8=fp8)
 
 
 LOAD_FORMATS = ("safetensors", "random")

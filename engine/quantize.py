@@ -39,11 +39,10 @@ def quantization_config(scheme: str, block: tuple[int, int]) -> dict:
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                 "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"],
-                                          "weights": {**fp8, "strategy": "channel", "dynamic": False},
-                                          "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
-            "ignore": ["lm_head"]}
+    group = {"targets": ["Linear"], "weights": {**fp8, "strategy": "channel", "dynamic": False},
+             "input_activations": {**fp8, "strategy": "token", "dynamic": True}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str, block: tuple[int, int] = (128, 128)

@@ -130,8 +130,8 @@ class Fp8Args:
         method = q.get("quant_method")
         if method == "fp8":
             if q.get("activation_scheme", "dynamic") != "dynamic":
-                raise ValueError("block FP8 with static activation scales is not supported (activation_scheme "
-                                 f"{q.get('activation_scheme')!r})")
+                raise ValueError("block FP8 with static activation scales is not supported "
+                                 f"(activation_scheme {q.get('activation_scheme')!r})")
             block = q.get("weight_block_size")
             if block is None:
                 raise ValueError("quant_method fp8 without weight_block_size: only block FP8 is read")

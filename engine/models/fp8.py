@@ -89,9 +89,10 @@ class Fp8Linear(nn.Module):
                  use_kernel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
-        self.weight_scale = nn.Parameter(
-            torch.empty(out_features, math.ceil(in_features / group), dtype=torch.float32), requires_grad=False)
+        weight = torch.empty(out_features, in_features, dtype=FP8_DTYPE)
+        scale = torch.empty(out_features, math.ceil(in_features / group), dtype=torch.float32)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._use_kernel = use_kernel
 

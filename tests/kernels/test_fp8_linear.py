@@ -58,7 +58,8 @@ def test_bad_inputs_are_refused(device, rng):
 def test_every_e4m3_code_is_decoded_exactly_by_the_weight_only_path(device):
     """sm_80 has no e4m3 type in Triton: the weight-only path reads bytes and decodes them itself."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(256, 1).to(device)
-    out = fp8_linear(torch.ones((1, 1), device=device), codes, torch.ones((256, 1), device=device), w8a8=False)
+    ones = torch.ones((256, 1), device=device)
+    out = fp8_linear(torch.ones((1, 1), device=device), codes, ones, w8a8=False)
     want = codes.float().view(-1)
     finite = torch.isfinite(want)  # 0x7F and 0xFF are NaN
     assert torch.equal(out[0][finite], want[finite])

@@ -1,0 +1,153 @@
+"""FP8 checkpoints in the engine: written by ``tollgate model quantize`` (compressed-tensors per channel,
+block FP8) from tiny Llama, Qwen3 and Qwen3-MoE checkpoints, or quantized at load (``--quantization
+fp8``). Held to a dequantized float32 reference: transformers' own dequantizing path for block FP8, and
+for compressed-tensors a float32 checkpoint whose weights are ``weight * weight_scale`` (transformers'
+compressed-tensors path emulates FP8 activations too, which the CPU reference path does not). Logits
+within float32 tolerance, greedy output token for token; tensor parallelism over two ranks equal to
+one; the accuracy against the 16-bit original is measured in ``benchmarks/fp8.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.loader import quantized_args
+from engine.models.config import Fp8Args, ModelArgs
+from engine.models.fp8 import FP8_DTYPE, Fp8Linear
+from engine.quantize import quantize_checkpoint
+from tests.engine.test_llm_greedy import MAX_NEW_TOKENS, PROMPTS, _assert_matches, _hf_greedy
+from tests.engine.test_moe_models import _load, _prefill_logits, _prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+transformers = pytest.importorskip("transformers")
+SCHEMES = ("fp8-channel", "fp8-block")
+
+
+def _dequantized_copy(fp8_dir: Path, out: Path) -> Path:
+    """The float32 checkpoint an FP8 one stands for: each FP8 weight times its scale (per row, or per
+    block of the config's size), everything else as it is."""
+    shutil.copytree(fp8_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    q = config.pop("quantization_config")
+    block = q.get("weight_block_size")
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    dense = {}
+    for name, t in tensors.items():
+        if name.endswith(("_scale", "_scale_inv")):
+            continue
+        if t.dtype == FP8_DTYPE:
+            if block:
+                s = tensors[name + "_scale_inv"]
+                s = s.repeat_interleave(block[0], 0)[: t.shape[0]]
+                s = s.repeat_interleave(block[1], 1)[:, : t.shape[1]]
+            else:
+                s = tensors[name + "_scale"]
+            t = t.float() * s
+        dense[name] = t.contiguous()
+    save_file(dense, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory, tiny_llama_dir, tiny_qwen3_dir, tiny_qwen3_moe_dir) -> dict:
+    """(arch, scheme) -> (the FP8 checkpoint, its dequantized float32 reference checkpoint)."""
+    dirs = {}
+    sources = (("llama", tiny_llama_dir), ("qwen3", tiny_qwen3_dir), ("qwen3_moe", tiny_qwen3_moe_dir))
+    for arch, src in sources:
+        for scheme in SCHEMES:
+            root = tmp_path_factory.mktemp(f"{arch}-{scheme}")
+            # 32-column blocks: the tiny models' projections are 64-256 wide (real checkpoints use 128).
+            fp8 = quantize_checkpoint(src, root / "fp8", scheme, (32, 32))
+            dirs[(arch, scheme)] = fp8, _dequantized_copy(fp8, root / "dequantized")
+    return dirs
+
+
+def test_quantize_writes_the_published_formats(fp8_dirs) -> None:
+    channel, _ = fp8_dirs[("llama", "fp8-channel")]
+    block, _ = fp8_dirs[("llama", "fp8-block")]
+    t = load_file(str(channel / "model.safetensors"))
+    q_proj = "model.layers.0.self_attn.q_proj."
+    assert t[q_proj + "weight"].dtype == FP8_DTYPE
+    assert t[q_proj + "weight_scale"].shape == (t[q_proj + "weight"].shape[0], 1)
+    assert t["model.embed_tokens.weight"].dtype == torch.float32 and t["lm_head.weight"].dtype == torch.float32
+    b = load_file(str(block / "model.safetensors"))
+    w = b["model.layers.0.mlp.down_proj.weight"]
+    assert b["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (-(-w.shape[0] // 32),
+                                                                        -(-w.shape[1] // 32))
+    assert ModelArgs.from_pretrained(channel).fp8 == Fp8Args(scheme="channel", ignore=("lm_head",))
+    assert ModelArgs.from_pretrained(block).fp8.block == (32, 32)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_checkpoint(channel, channel.parent / "again", "fp8-block")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_logits_equal_the_dequantized_reference(arch: str, scheme: str, fp8_dirs) -> None:
+    fp8, dequantized = fp8_dirs[(arch, scheme)]
+    model = _load(fp8)
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    # Block FP8: transformers reads the FP8 file itself and dequantizes it on the CPU.
+    ref_dir = fp8 if scheme == "fp8-block" else dequantized
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    prompts = _prompts(model.args.vocab_size)
+    with torch.inference_mode():
+        for ours, prompt in zip(_prefill_logits(model, prompts), prompts, strict=True):
+            torch.testing.assert_close(ours, hf(prompt[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_output_equals_the_dequantized_reference(scheme: str, fp8_dirs) -> None:
+    fp8, dequantized = fp8_dirs[("qwen3", scheme)]
+    with LLM(str(fp8), max_num_batched_tokens=16) as llm:
+        prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+        outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
+        assert llm.stats.num_partial_prefill_chunks > 0
+    reference = _hf_greedy(dequantized, prompt_ids)
+    for i, (out, (theirs, logits)) in enumerate(zip(outputs, reference, strict=True)):
+        _assert_matches(out.token_ids, theirs, logits, f"{scheme}/prompt {i}")
+
+
+def test_quantizing_at_load_equals_the_quantized_checkpoint(tiny_qwen3_dir: Path, fp8_dirs) -> None:
+    """``--quantization fp8`` on the 16-bit checkpoint is the same model as ``tollgate model quantize
+    --scheme fp8-channel`` then loading that: same FP8 bytes, same scales, same logits."""
+    args = quantized_args(ModelArgs.from_pretrained(tiny_qwen3_dir), "fp8")
+    assert args.fp8 is not None and args.fp8.quantize_at_load
+    at_load = _load(tiny_qwen3_dir, args=args)
+    written = _load(fp8_dirs[("qwen3", "fp8-channel")][0])
+    for (name, a), (_, b) in zip(at_load.state_dict().items(), written.state_dict().items(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
+                                                  b.view(torch.uint8) if b.dtype == FP8_DTYPE else b), name
+    with LLM(str(tiny_qwen3_dir), quantization="fp8") as llm:
+        assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    with pytest.raises(ValueError, match="quantization must be fp8"):
+        LLM(str(tiny_qwen3_dir), quantization="int4")
+
+
+@pytest.mark.slow  # a spawned rank per replica
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_two_ranks_give_the_single_rank_tokens(scheme: str, fp8_dirs) -> None:
+    fp8, _ = fp8_dirs[("qwen3", scheme)]
+    prompts = [[(31 * i + 7 * j) % 250 + 3 for j in range(20 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(fp8)) as whole:
+        expected = [o.token_ids for o in whole.generate(prompts, params)]
+    with LLM(str(fp8), tensor_parallel_size=2) as split:
+        assert [o.token_ids for o in split.generate(prompts, params)] == expected
+
+
+def test_block_scales_split_inside_a_block_are_refused(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    """qwen3's o_proj has 128 input columns: two ranks split it at 64, inside a 128-column block."""
+    from engine.distributed import TensorParallel
+
+    fp8 = quantize_checkpoint(tiny_qwen3_dir, tmp_path / "fp8", "fp8-block", (128, 128))
+    with pytest.raises(ValueError, match="inside a 128-column FP8 block"):
+        _load(fp8, tp=TensorParallel(0, 2))
