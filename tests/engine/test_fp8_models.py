@@ -77,7 +77,7 @@ def test_quantize_writes_the_published_formats(fp8_dirs) -> None:
     q_proj = "model.layers.0.self_attn.q_proj."
     assert t[q_proj + "weight"].dtype == FP8_DTYPE
     assert t[q_proj + "weight_scale"].shape == (t[q_proj + "weight"].shape[0], 1)
-    assert t["model.embed_tokens.weight"].dtype == torch.float32 and t["lm_head.weight"].dtype == torch.float32
+    assert t["model.embed_tokens.weight"].dtype == t["lm_head.weight"].dtype == torch.float32
     b = load_file(str(block / "model.safetensors"))
     w = b["model.layers.0.mlp.down_proj.weight"]
     assert b["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (-(-w.shape[0] // 32),
