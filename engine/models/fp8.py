@@ -22,10 +22,11 @@ Block scales are expanded to rows at load, so fused projections (q/k/v, gate/up)
 slices whose row ranges do not fall on ``bn`` boundaries keep their exact scales; a per-tensor scale is a
 constant row. ``W = weight * weight_scale`` (each scale over its group's columns).
 
-Compute (``Fp8Linear.forward``): on a CUDA GPU with the Triton kernels, ``kernels.fp8_linear``
-(activations quantized per token and ``group`` columns, the FP8 GEMM with both scales applied in fp32;
-sm_80/86 have no FP8 tensor cores and dequantise the weight tile in registers instead); elsewhere the
-numeric reference: dequantise the weight to the activation's dtype, then ``F.linear``.
+Compute (``Fp8Linear.forward``): with the Triton kernels (``fused_kernels``: CUDA + triton),
+``kernels.fp8_linear`` (activations quantized per token and ``group`` columns, the FP8 GEMM with both
+scales applied in fp32; sm_80/86 have no FP8 tensor cores and decode the weight tile in registers
+instead); elsewhere the numeric reference: dequantise the weight to the activation's dtype, then
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Fp8Linear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` without the bias (a row-parallel layer adds it after the all-reduce)."""
-        if self._use_kernel and x.is_cuda:
+        if self._use_kernel:
             import kernels
 
             shape = x.shape

@@ -10,20 +10,25 @@ one; the accuracy against the 16-bit original is measured in ``benchmarks/fp8.py
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.loader import quantized_args
-from engine.models.config import Fp8Args, ModelArgs
-from engine.models.fp8 import FP8_DTYPE, Fp8Linear
-from engine.quantize import quantize_checkpoint
-from tests.engine.test_llm_greedy import MAX_NEW_TOKENS, PROMPTS, _assert_matches, _hf_greedy
-from tests.engine.test_moe_models import _load, _prefill_logits, _prompts
+if not torch.cuda.is_available():  # the FP8 kernel test runs Triton's interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.loader import quantized_args  # noqa: E402
+from engine.models.config import Fp8Args, ModelArgs  # noqa: E402
+from engine.models.fp8 import FP8_DTYPE, Fp8Linear  # noqa: E402
+from engine.quantize import quantize_checkpoint  # noqa: E402
+from tests.engine.test_llm_greedy import MAX_NEW_TOKENS, PROMPTS, _assert_matches, _hf_greedy  # noqa: E402
+from tests.engine.test_moe_models import _load, _prefill_logits, _prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
@@ -102,6 +107,23 @@ def test_logits_equal_the_dequantized_reference(arch: str, scheme: str, fp8_dirs
     with torch.inference_mode():
         for ours, prompt in zip(_prefill_logits(model, prompts), prompts, strict=True):
             torch.testing.assert_close(ours, hf(prompt[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_fp8_kernel_path_equals_the_dequantizing_path(scheme: str, fp8_dirs) -> None:
+    """``kernels.fp8_linear`` (here in Triton's interpreter, weight-only: the CPU has no FP8 tensor
+    cores) gives the model the dequantize-then-matmul path's logits."""
+    kernels = pytest.importorskip("kernels")
+    if not kernels.kernels_are_interpreted() and not torch.cuda.is_available():
+        pytest.skip("triton was imported before TRITON_INTERPRET was set")
+    fp8, _ = fp8_dirs[("qwen3", scheme)]
+    prompts = _prompts(ModelArgs.from_pretrained(fp8).vocab_size)[:2]
+    reference = _prefill_logits(_load(fp8), prompts)
+    kernels.reset_launch_counts()
+    fused = _prefill_logits(_load(fp8, fused_kernels=True), prompts)
+    assert kernels.launch_counts["fp8_linear"] == 4 * ModelArgs.from_pretrained(fp8).num_layers
+    for x, y in zip(fused, reference, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
