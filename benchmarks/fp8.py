@@ -1,0 +1,248 @@
+"""FP8 weights: what they cost in accuracy (CPU) and what they buy in speed (GPU, when one is present).
+
+Accuracy table (always): tiny random Llama, Qwen3 and Qwen3-MoE checkpoints (``engine.tiny``, float32)
+against themselves quantized to FP8 three ways (``tollgate model quantize --scheme fp8-channel``, ``--scheme
+fp8-block`` with 32 x 32 blocks for these tiny widths, and ``--quantization fp8`` at load), through the
+engine's CPU path (dequantize, then matmul):
+
+- teacher-forced logits over ``--prompts`` random prompts of 40-160 tokens: the largest and the mean
+  absolute logit error against the 16-bit model, and the share of positions whose top-1 token agrees;
+- greedy generation of ``--tokens`` tokens per prompt: the share of generated tokens identical to the
+  16-bit model's at the same position (a divergence changes everything after it, so this is the
+  stricter figure).
+
+Random tiny models have nearly flat logits (top-2 gaps of a few hundredths), so their top-1 flips far
+more easily than a trained model's: these figures bound FP8's numeric error, not a real model's quality.
+
+GPU table (when CUDA is present): ``kernels.fp8_linear`` (W8A8 on sm_89+) against a bf16 ``torch.mm`` at
+Llama-3-8B's projection shapes, at decode (M = 1, 64) and prefill (M = 2048) token counts: TFLOP/s of
+each, side by side in one run.
+
+    python benchmarks/fp8.py [--prompts 8] [--tokens 32] [--out benchmarks/out/fp8.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import format_table, machine_description, write_json  # noqa: E402
+
+ARCHS = ("llama", "qwen3", "qwen3_moe")
+VARIANTS = ("fp8-channel", "fp8-block", "quantize-at-load")
+
+
+def _prompts(count: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [
+        torch.randint(3, vocab - 16, (int(n),), generator=gen).tolist()
+        for n in torch.linspace(40, 160, count)
+    ]
+
+
+def accuracy_rows(prompt_count: int, tokens: int) -> list[dict[str, Any]]:
+    from engine import LLM, SamplingParams
+    from engine.quantize import quantize_checkpoint
+    from engine.tiny import create_tiny_checkpoint
+
+    rows = []
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ARCHS:
+            src = create_tiny_checkpoint(Path(tmp) / arch, arch=arch)
+            with LLM(str(src), speculation="off") as base:
+                prompts = _prompts(prompt_count, base.engine.runner.vocab_size)
+                base_logits = [_logits(base, p) for p in prompts]
+                base_out = [o.token_ids for o in base.generate(prompts, greedy)]
+            for variant in VARIANTS:
+                if variant == "quantize-at-load":
+                    model, options = src, {"quantization": "fp8"}
+                else:
+                    model, options = (
+                        quantize_checkpoint(src, Path(tmp) / f"{arch}-{variant}", variant, (32, 32)),
+                        {},
+                    )
+                with LLM(str(model), speculation="off", **options) as llm:  # type: ignore[arg-type]
+                    logits = [_logits(llm, p) for p in prompts]
+                    out = [o.token_ids for o in llm.generate(prompts, greedy)]
+                errors = torch.cat(
+                    [(a - b).abs().flatten() for a, b in zip(logits, base_logits, strict=True)]
+                )
+                top1 = torch.cat(
+                    [a.argmax(-1) == b.argmax(-1) for a, b in zip(logits, base_logits, strict=True)]
+                )
+                same = sum(
+                    x == y for o, b in zip(out, base_out, strict=True) for x, y in zip(o, b, strict=True)
+                )
+                rows.append(
+                    {
+                        "arch": arch,
+                        "variant": variant,
+                        "max_abs_logit_error": float(errors.max()),
+                        "mean_abs_logit_error": float(errors.mean()),
+                        "top1_agreement": float(top1.float().mean()),
+                        "identical_greedy_tokens": same / sum(len(o) for o in base_out),
+                        "logit_spread": float(torch.cat(base_logits).std()),
+                    }
+                )
+    return rows
+
+
+def _logits(llm: Any, prompt: list[int]) -> torch.Tensor:
+    """Teacher-forced logits of every position of ``prompt`` (one prefill through the runner's model)."""
+    from engine.attention import AttentionMetadata
+
+    runner = llm.engine.runner
+    args = runner.args
+    n = len(prompt)
+    block = runner.block_size
+    blocks = -(-n // block)
+    caches = [
+        torch.zeros(2, blocks, block, runner.shard.num_kv_heads, args.head_dim)
+        for _ in range(args.num_layers)
+    ]
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    meta = AttentionMetadata(
+        torch.arange(n),
+        torch.tensor([0, n], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        table,
+        n,
+        n,
+        [n],
+        [n],
+        block,
+    )
+    with torch.inference_mode():
+        model = runner.model
+        return model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta)).float()
+
+
+def gpu_rows(repeat: int) -> list[dict[str, Any]]:
+    import kernels
+    from engine.models.fp8 import quantize_fp8
+
+    device = torch.device("cuda")
+    rows = []
+    for name, n, k in (("qkv", 6144, 4096), ("down", 4096, 14336), ("gate_up", 28672, 4096)):
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5
+        q, scale = quantize_fp8(w, k)
+        for m in (1, 64, 2048):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            fp8_s = _cuda_time(lambda x=x, q=q, scale=scale: kernels.fp8_linear(x, q, scale), repeat)
+            bf16_s = _cuda_time(lambda x=x, w=w: torch.mm(x, w.T), repeat)
+            flops = 2 * m * n * k
+            rows.append(
+                {
+                    "layer": name,
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "fp8_us": 1e6 * fp8_s,
+                    "bf16_us": 1e6 * bf16_s,
+                    "fp8_tflops": flops / fp8_s / 1e12,
+                    "bf16_tflops": flops / bf16_s / 1e12,
+                    "speedup": bf16_s / fp8_s,
+                }
+            )
+    return rows
+
+
+def _cuda_time(fn: Any, repeat: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "fp8.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = accuracy_rows(args.prompts, args.tokens)
+    print(
+        f"FP8 against the float32 original, CPU reference path ({machine_description('cpu')}); "
+        f"{args.prompts} prompts of 40-160 tokens, {args.tokens} greedy tokens each"
+    )
+    print(
+        format_table(
+            [
+                "model",
+                "variant",
+                "max |logit err|",
+                "mean |logit err|",
+                "logit std",
+                "top-1 agreement",
+                "identical greedy tokens",
+            ],
+            [
+                [
+                    r["arch"],
+                    r["variant"],
+                    f"{r['max_abs_logit_error']:.4f}",
+                    f"{r['mean_abs_logit_error']:.5f}",
+                    f"{r['logit_spread']:.3f}",
+                    f"{100 * r['top1_agreement']:.1f}%",
+                    f"{100 * r['identical_greedy_tokens']:.1f}%",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    payload: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_description("cpu"),
+        "accuracy": rows,
+    }
+    if torch.cuda.is_available():
+        gpu = gpu_rows(args.repeat)
+        print(f"\nFP8 GEMM against bf16 on {machine_description('cuda')} (Llama-3-8B projections)")
+        print(
+            format_table(
+                ["layer", "M", "fp8 us", "bf16 us", "fp8 TFLOP/s", "bf16 TFLOP/s", "fp8 speed-up"],
+                [
+                    [
+                        r["layer"],
+                        r["m"],
+                        f"{r['fp8_us']:.1f}",
+                        f"{r['bf16_us']:.1f}",
+                        f"{r['fp8_tflops']:.1f}",
+                        f"{r['bf16_tflops']:.1f}",
+                        f"{r['speedup']:.2f}x",
+                    ]
+                    for r in gpu
+                ],
+            )
+        )
+        payload |= {"gpu": gpu, "gpu_machine": machine_description("cuda")}
+    else:
+        print("\nno GPU here: the FP8 GEMM speed table needs one")
+    write_json(args.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
