@@ -38,6 +38,9 @@ class EngineConfig:
     # "fp8": quantize a 16-bit checkpoint's linear layers to FP8 at load (per output channel, dynamic
     # per-token activations; engine.models.fp8). None: as the checkpoint is (an FP8 checkpoint stays FP8).
     quantization: str | None = None
+    # "fp8": the KV cache in e4m3 with a scale per layer for K and V (the checkpoint's k_scale / v_scale,
+    # else 1.0): about twice the blocks in the same memory. "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # Lower tiers of the prefix cache (``engine.kv.tiers``): host memory for evicted blocks (0: none)
     # and, below it, block files in ``kv_disk_dir`` (0: none; they survive a restart).
@@ -97,6 +100,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
         if self.load_format not in ("safetensors", "random"):

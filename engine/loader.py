@@ -40,7 +40,7 @@ _M = TypeVar("_M", bound=nn.Module)
 # HF tensor names that carry no parameter (buffers some exporters include).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # FP8 checkpoints' activation and KV-cache scales: activations are quantized per token here (see
-# engine.models.fp8), and the KV cache is not FP8 yet.
+# engine.models.fp8); the KV-cache scales are read by read_kv_scales.
 _FP8_IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
@@ -382,6 +382,21 @@ def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None
         raise ValueError(f"{name!r}: this rank's part has shape {tuple(tensor.shape)}, the model expects "
                          f"{tuple(target.shape)}")
     target.copy_(tensor)
+
+
+def read_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, float]]:
+    """Each layer's FP8 KV-cache scales (K, V) from the checkpoint (compressed-tensors'
+    ``kv_cache_scheme`` writes ``model.layers.N.self_attn.k_scale`` / ``v_scale``), 1.0 where it has none."""
+    scales = [[1.0, 1.0] for _ in range(num_layers)]
+    pattern = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                match = pattern.match(name)
+                if match and int(match[1]) < num_layers:
+                    value = float(f.get_tensor(name).float().max())
+                    scales[int(match[1])][0 if match[2] == "k" else 1] = value
+    return [(k, v) for k, v in scales]
 
 
 def quantized_args(args: ModelArgs, quantization: str | None) -> ModelArgs:

@@ -57,7 +57,7 @@ from engine.distributed import ShardSizes, TensorParallel
 from engine.input_batch import InputBatch, StepInputs
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
-from engine.loader import load_model, quantized_args
+from engine.loader import load_model, quantized_args, read_kv_scales
 from engine.models.config import ModelArgs
 from engine.rank_workers import RankWorkers, serve, start_rank
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
@@ -141,6 +141,8 @@ class ModelRunner:
         size = config.tensor_parallel_size
         self.device = self._rank_device(config.device, rank, size)
         self.dtype = _DTYPES[config.dtype]
+        # The KV cache's element type: the model's, or e4m3 with per-layer scales (--kv-cache-dtype fp8).
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         if self.device.type == "cpu":
             _keep_large_allocations_on_the_heap()
         model_dir = Path(config.model)
@@ -179,11 +181,17 @@ class ModelRunner:
         else:
             self.eos_token_ids = _checkpoint_eos_ids(model_dir)
 
+        self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * args.num_layers
+        if self.kv_dtype == torch.float8_e4m3fn:
+            if config.load_format == "safetensors":
+                self.kv_scales = read_kv_scales(model_dir, args.num_layers)
+            for layer, scale in zip(self.model.model.layers, self.kv_scales, strict=True):
+                layer.self_attn.kv_scale = scale
         self.num_kv_blocks: int = config.num_kv_blocks or self.tp.min_int(self._num_blocks_from_memory(),
                                                                           self.device)
         self.kv_caches: list[torch.Tensor] = [
             _zeros_on_huge_pages((2, self.num_kv_blocks, self.block_size, shard.num_kv_heads, args.head_dim),
-                                 self.dtype, self.device)
+                                 self.kv_dtype, self.device)
             for _ in range(args.num_layers)
         ]
         self.kv_transfer: KVTransfer | None = None
@@ -193,8 +201,11 @@ class ModelRunner:
             slots = config.num_host_kv_blocks
             if slots is None:
                 slots = int(config.host_kv_gb * 2**30) // (self.block_size * self.kv_bytes_per_token)
-            fingerprint = cache_fingerprint(model_dir, self.dtype, block_shape, rank, size)
-            peers = [cache_fingerprint(model_dir, self.dtype, block_shape, r, size) for r in range(1, size)]
+            # The KV dtype and its scales are part of what a stored block means: a replica restarted with
+            # another --kv-cache-dtype (or other scales) reads none of these blocks.
+            layout = f"{self.kv_dtype}|{self.kv_scales}" if self.kv_dtype != self.dtype else self.dtype
+            fingerprint = cache_fingerprint(model_dir, layout, block_shape, rank, size)
+            peers = [cache_fingerprint(model_dir, layout, block_shape, r, size) for r in range(1, size)]
             self.kv_transfer = KVTransfer(self.kv_caches, max(1, slots), disk_dir, fingerprint,
                                           peers if rank == 0 else None)
         self._graphs: DecodeGraphs | None = None
@@ -208,8 +219,9 @@ class ModelRunner:
         self._previous_sample: Work[Sampled] | None = None
         self._previous_rows: dict[int, int] = {}
         self._transfers: list[Work[None]] = []  # tier copies submitted, not checked yet
-        logger.info("model %s (%s, %s on %s): %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+        logger.info("model %s (%s, %s on %s): %d KV blocks of %d tokens in %s (%.2f GiB), max_model_len %d",
                     model_dir.name, args.architecture, config.dtype, self.device, self.num_kv_blocks,
+                    str(self.kv_dtype).removeprefix("torch."),
                     self.block_size, self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
                     self.max_model_len)
 
@@ -250,7 +262,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """2 (K and V) x layers x this rank's kv_heads x head_dim x bytes per element."""
         a = self.args
-        return 2 * a.num_layers * self.shard.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * self.shard.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
 
     def _activation_bytes(self) -> int:
         """Upper estimate of one step's activation memory: the largest live tensors of a forward over

@@ -150,6 +150,18 @@ def _decorated_like_the_kernels() -> None:
     pass
 
 
+@triton.jit
+def e4m3_to_f32(bits):
+    """e4m3fn bytes -> fp32, exactly: (-1)^s * (8 + m) * 2^(e - 10), or m * 2^-9 for e = 0. For what
+    reads FP8 as bytes (FP8 weights, an FP8 KV cache): Triton has no e4m3 type on sm_80/86."""
+    bits = bits.to(tl.int32)
+    exponent = (bits >> 3) & 0xF
+    mantissa = (bits & 0x7).to(tl.float32)
+    magnitude = tl.where(exponent == 0, mantissa * 0.001953125,
+                         (8.0 + mantissa) * tl.exp2((exponent - 10).to(tl.float32)))
+    return tl.where((bits & 0x80) != 0, -magnitude, magnitude)
+
+
 def kernels_are_interpreted() -> bool:
     """True when this process runs the Triton kernels in the interpreter (CPU tensors allowed)."""
     return isinstance(_decorated_like_the_kernels, InterpretedFunction)

@@ -85,6 +85,7 @@ class ServedShape:
     expert_bias: bool = False
     # FP8 linear layers (engine.models.fp8): "channel" (per-channel / per-tensor scales) or "block" (128).
     fp8: str = ""
+    kv_fp8: bool = False  # --kv-cache-dtype fp8: the attention kernels read e4m3 bytes
 
     @property
     def group(self) -> int:
@@ -108,7 +109,7 @@ SERVED_SHAPES = {
                     moe_intermediate_size=14336),
         ServedShape("gpt-oss-120b", 64, 8, 64, 2880, 2880, num_experts=128, top_k=4,
                     moe_intermediate_size=2880, sliding_window=128, attention_sinks=True, expert_bias=True),
-        ServedShape("llama3-8b-fp8", 32, 8, 128, 4096, 14336, fp8="channel"),
+        ServedShape("llama3-8b-fp8", 32, 8, 128, 4096, 14336, fp8="channel", kv_fp8=True),
         ServedShape("qwen3-32b-fp8-block", 64, 8, 128, 5120, 25600, qk_norm=True, fp8="block"),
     )
 }
@@ -231,6 +232,17 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
                                                    scale=scale, max_seq_len=context, num_splits=splits,
                                                    sinks=sinks, window=window)
         kernels.silu_and_mul(torch.empty((tokens, 2 * shape.intermediate_size), dtype=dtype))
+        if shape.kv_fp8:
+            fp8_cache = torch.empty(kv_cache.shape, dtype=torch.float8_e4m3fn)
+            q, k, v = qkv(tokens)
+            kernels.store_kv_cache(k, v, fp8_cache[0], fp8_cache[1], torch.arange(tokens, dtype=torch.int64))
+            kernels.extend_attention(q, fp8_cache[0], fp8_cache[1], block_tables, query_start_loc, seq_lens,
+                                     max_query_len=2, scale=scale, kv_scale=(0.5, 0.5))
+            q, _, _ = qkv(seqs)
+            for splits in (1, 4):
+                kernels.paged_decode_attention(q, fp8_cache[0], fp8_cache[1], block_tables, seq_lens,
+                                               scale=scale, max_seq_len=context, num_splits=splits,
+                                               kv_scale=(0.5, 0.5))
         if shape.fp8:
             # Every FP8 linear of a layer at a decode batch and a prefill chunk (W8A8 on sm_89+,
             # weight-only before).

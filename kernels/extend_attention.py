@@ -45,11 +45,18 @@ from kernels._common import (
     check_paged_kv_cache,
     check_tensor,
     count_launch,
+    e4m3_to_f32,
     launcher_for,
     next_power_of_2,
     target_capability,
 )
-from kernels.paged_decode_attention import check_sinks_and_window, gather_paged_kv, softmax_with_sinks
+from kernels.paged_decode_attention import (
+    check_sinks_and_window,
+    dequantized_cache,
+    fp8_cache_bytes,
+    gather_paged_kv,
+    softmax_with_sinks,
+)
 
 # Rows (query tokens x group heads) per program, keys per tile, warps and pipeline stages: see
 # extend_tile_config().
@@ -75,6 +82,8 @@ def _extend_attention_tile(
     tile_start,
     kv_end,
     window,
+    k_scale,
+    v_scale,
     sm_scale_log2,
     stride_kc_block,
     stride_kc_slot,
@@ -84,10 +93,11 @@ def _extend_attention_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     SLIDING: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One K/V tile of the online softmax; ``MASKED`` applies the length and causal masks, ``SLIDING``
-    the window too."""
+    the window too; ``KV_FP8``: the cache holds e4m3 bytes, dequantized here with the layer's scales."""
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     in_block = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -98,7 +108,9 @@ def _extend_attention_tile(
         block_ids = tl.load(block_table_row + offs_n // PAGE_SIZE).to(tl.int64)
         kv_mask = dim_mask[None, :]
     k_rows = k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot
-    k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0)
+    if KV_FP8:
+        k = (e4m3_to_f32(k) * k_scale).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
     if MASKED:
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -110,7 +122,9 @@ def _extend_attention_tile(
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_rows = v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot
-    v = tl.load(v_rows + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_rows + dims[None, :], mask=kv_mask, other=0)
+    if KV_FP8:
+        v = (e4m3_to_f32(v) * v_scale).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -127,6 +141,8 @@ def _extend_attention_kernel(
     out_ptr,
     sm_scale_log2,
     window,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kc_block,
@@ -147,6 +163,7 @@ def _extend_attention_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -192,14 +209,14 @@ def _extend_attention_kernel(
     for tile_start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _extend_attention_tile(
             q, m_i, l_i, acc, k_base, v_base, block_table_row, q_pos, dims, dim_mask, tile_start, kv_end,
-            window, sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-            PAGE_SIZE, BLOCK_N, False, False, DOT_PRECISION,
+            window, k_scale, v_scale, sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block,
+            stride_vc_slot, PAGE_SIZE, BLOCK_N, False, False, KV_FP8, DOT_PRECISION,
         )  # fmt: skip
     for tile_start in range(masked_start, kv_end, BLOCK_N):
         m_i, l_i, acc = _extend_attention_tile(
             q, m_i, l_i, acc, k_base, v_base, block_table_row, q_pos, dims, dim_mask, tile_start, kv_end,
-            window, sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-            PAGE_SIZE, BLOCK_N, True, SLIDING, DOT_PRECISION,
+            window, k_scale, v_scale, sm_scale_log2, stride_kc_block, stride_kc_slot, stride_vc_block,
+            stride_vc_slot, PAGE_SIZE, BLOCK_N, True, SLIDING, KV_FP8, DOT_PRECISION,
         )  # fmt: skip
 
     if HAS_SINKS:
@@ -245,8 +262,10 @@ def extend_attention(
     tile: TileConfig | None = None,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    kv_scale: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context; returns ``out [T, H, D]``.
+    An FP8 cache is dequantized in registers with ``kv_scale`` (as ``paged_decode_attention``).
     ``tile`` overrides :func:`extend_tile_config` (for tuning); ``sinks``/``window``: attention sinks
     and a sliding window (module docs).
 
@@ -256,9 +275,11 @@ def extend_attention(
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device, dtype = q.device, q.dtype
     num_tokens, num_heads, head_dim = q.shape
+    key_cache, value_cache, kv_fp8 = fp8_cache_bytes(key_cache, value_cache)
     page_size, num_kv_heads = check_paged_kv_cache(
-        key_cache, value_cache, dtype=dtype, device=device, head_dim=head_dim
+        key_cache, value_cache, dtype=torch.uint8 if kv_fp8 else dtype, device=device, head_dim=head_dim
     )
+    k_scale, v_scale = kv_scale or (1.0, 1.0)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
@@ -285,13 +306,14 @@ def extend_attention(
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len, tile.block_m))
     launcher_for(_extend_attention_kernel, device, dtype)[grid](
         q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        q if sinks is None else sinks, out, scale * _LOG2E, window or 0, q.stride(0), q.stride(1),
+        q if sinks is None else sinks, out, scale * _LOG2E, window or 0, k_scale, v_scale,
+        q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=next_power_of_2(group), HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=page_size, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, SLIDING=bool(window), HAS_SINKS=sinks is not None,
+        BLOCK_N=tile.block_n, SLIDING=bool(window), HAS_SINKS=sinks is not None, KV_FP8=kv_fp8,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         **tile.launch_options,
     )  # fmt: skip
@@ -309,9 +331,13 @@ def extend_attention_reference(
     scale: float,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    kv_scale: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """PyTorch reference: per sequence, gather the context and run causal softmax attention in fp32."""
     out = torch.empty_like(q)
+    k_scale, v_scale = kv_scale or (1.0, 1.0)
+    key_cache = dequantized_cache(key_cache, k_scale, torch.float32)
+    value_cache = dequantized_cache(value_cache, v_scale, torch.float32)
     group = q.shape[1] // key_cache.shape[2]
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):

@@ -13,8 +13,8 @@ Two modes, one kernel (``W8A8`` constexpr):
   where Triton's interpreter rounds fp32 -> fp8 wrongly on a few values), and the kernel runs FP8 x FP8
   ``tl.dot`` with fp32 accumulation, scaling each group's partial product by both scales;
 - weight-only (sm_80/86 have no FP8 tensor cores, and Triton has no e4m3 type there at all; fp32
-  activations): the weight is read as bytes and decoded from e4m3 in registers (``_e4m3_to_f32``, exact),
-  cast to the activation's dtype, and the scales applied the same way.
+  activations): the weight is read as bytes and decoded from e4m3 in registers (exactly:
+  ``kernels._common.e4m3_to_f32``), cast to the activation's dtype, and the scales applied the same way.
 With one group per row (channel and tensor scales) both scales multiply the accumulator once at the end;
 with several (block FP8), each ``BLOCK_K`` step lies inside one group (``BLOCK_K`` divides ``group``).
 """
@@ -25,20 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check_tensor, count_launch, launcher_for, target_capability
+from kernels._common import (
+    FLOAT_DTYPES,
+    check_tensor,
+    count_launch,
+    e4m3_to_f32,
+    launcher_for,
+    target_capability,
+)
 
 FP8_MAX = 448.0
-
-
-@triton.jit
-def _e4m3_to_f32(bits):
-    """e4m3fn bytes -> fp32, exactly: (-1)^s * (8 + m) * 2^(e - 10), or m * 2^-9 for e = 0."""
-    bits = bits.to(tl.int32)
-    exponent = (bits >> 3) & 0xF
-    mantissa = (bits & 0x7).to(tl.float32)
-    magnitude = tl.where(exponent == 0, mantissa * 0.001953125,
-                         (8.0 + mantissa) * tl.exp2((exponent - 10).to(tl.float32)))
-    return tl.where((bits & 0x80) != 0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -81,7 +77,7 @@ def _fp8_linear_kernel(
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if not W8A8:  # bytes of e4m3 (see the module docs)
-            b = _e4m3_to_f32(b).to(a.dtype)
+            b = e4m3_to_f32(b).to(a.dtype)
         if IEEE:
             part = tl.dot(a, b, input_precision="ieee")
         else:

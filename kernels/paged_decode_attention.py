@@ -55,6 +55,7 @@ from kernels._common import (
     check_paged_kv_cache,
     check_tensor,
     count_launch,
+    e4m3_to_f32,
     launcher_for,
     next_power_of_2,
     target_capability,
@@ -86,6 +87,8 @@ def _paged_decode_attention_kernel(
     num_splits,
     group,
     window,
+    k_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kc_block,
@@ -107,6 +110,7 @@ def _paged_decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -146,7 +150,9 @@ def _paged_decode_attention_kernel(
         in_block = (offs_n % PAGE_SIZE).to(tl.int64)
         kv_mask = n_mask[:, None] & dim_mask[None, :]
         k_rows = k_base + block_ids[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot
-        k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0)
+        if KV_FP8:  # e4m3 bytes and this layer's scale (kernels._common.e4m3_to_f32)
+            k = (e4m3_to_f32(k) * k_scale).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -154,7 +160,9 @@ def _paged_decode_attention_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = v_base + block_ids[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot
-        v = tl.load(v_rows + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_rows + dims[None, :], mask=kv_mask, other=0)
+        if KV_FP8:
+            v = (e4m3_to_f32(v) * v_scale).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -265,9 +273,12 @@ def paged_decode_attention(
     tile: TileConfig | None = None,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    kv_scale: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns ``out [B, H, D]``.
-    ``sinks``/``window``: attention sinks and a sliding window (see the module docs).
+    ``sinks``/``window``: attention sinks and a sliding window (see the module docs). An FP8 cache
+    (``float8_e4m3fn``, or its bytes) is dequantized in registers with ``kv_scale`` (K's, V's; 1.0 each
+    by default).
 
     ``num_splits`` fixes the split-K factor (keep it fixed under CUDA-graph capture); ``None`` picks it
     from ``max_seq_len``, which is read from ``seq_lens`` (a host sync) if not given. ``tile`` overrides
@@ -276,9 +287,11 @@ def paged_decode_attention(
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device, dtype = q.device, q.dtype
     batch, num_heads, head_dim = q.shape
+    key_cache, value_cache, kv_fp8 = fp8_cache_bytes(key_cache, value_cache)
     page_size, num_kv_heads = check_paged_kv_cache(
-        key_cache, value_cache, dtype=dtype, device=device, head_dim=head_dim
+        key_cache, value_cache, dtype=torch.uint8 if kv_fp8 else dtype, device=device, head_dim=head_dim
     )
+    k_scale, v_scale = kv_scale or (1.0, 1.0)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     check_block_tables(block_tables, batch, device)
@@ -312,6 +325,7 @@ def paged_decode_attention(
         BLOCK_N=tile.block_n,
         SPLIT=num_splits > 1,
         HAS_SINKS=sinks is not None,
+        KV_FP8=kv_fp8,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         **tile.launch_options,
     )
@@ -330,7 +344,7 @@ def paged_decode_attention(
     if num_splits == 1:
         kernel[grid](
             q, key_cache, value_cache, block_tables, seq_lens, sinks_arg, out, out,
-            scale * _LOG2E, 1, group, window or 0, q.stride(0), q.stride(1), *cache_strides,
+            scale * _LOG2E, 1, group, window or 0, k_scale, v_scale, q.stride(0), q.stride(1), *cache_strides,
             block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
             **common,
@@ -343,7 +357,8 @@ def paged_decode_attention(
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     kernel[grid](
         q, key_cache, value_cache, block_tables, seq_lens, sinks_arg, partial, lse,
-        scale * _LOG2E, num_splits, group, window or 0, q.stride(0), q.stride(1), *cache_strides,
+        scale * _LOG2E, num_splits, group, window or 0, k_scale, v_scale, q.stride(0), q.stride(1),
+        *cache_strides,
         block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         **common,
@@ -366,6 +381,24 @@ def check_sinks_and_window(sinks: torch.Tensor | None, window: int | None, num_h
             raise ValueError(f"sinks must have one logit per query head ({num_heads}), got {sinks.shape[0]}")
     if window is not None and (not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be a non-negative int (0: no window), got {window!r}")
+
+
+def fp8_cache_bytes(key_cache: torch.Tensor, value_cache: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """An FP8 KV cache as the kernels read it: its bytes (Triton has no e4m3 type on sm_80), and True;
+    any other cache as it is, and False."""
+    if key_cache.dtype == torch.float8_e4m3fn:
+        return key_cache.view(torch.uint8), value_cache.view(torch.uint8), True
+    return key_cache, value_cache, key_cache.dtype == torch.uint8
+
+
+def dequantized_cache(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """A cache (or a gathered part of one) in ``dtype``: an FP8 one times its scale, others as they are."""
+    if cache.dtype == torch.uint8:
+        cache = cache.view(torch.float8_e4m3fn)
+    if cache.dtype == torch.float8_e4m3fn:
+        return (cache.float() * scale).to(dtype)
+    return cache
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -395,10 +428,14 @@ def paged_decode_attention_reference(
     scale: float,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    kv_scale: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """PyTorch reference: gather each sequence's K/V, softmax in fp32, output in q's dtype."""
     out = torch.empty_like(q)
     group = q.shape[1] // key_cache.shape[2]
+    k_scale, v_scale = kv_scale or (1.0, 1.0)
+    key_cache = dequantized_cache(key_cache, k_scale, torch.float32)
+    value_cache = dequantized_cache(value_cache, v_scale, torch.float32)
     for b, seq_len in enumerate(seq_lens.tolist()):
         k = gather_paged_kv(key_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
         v = gather_paged_kv(value_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)

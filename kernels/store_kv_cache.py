@@ -72,16 +72,31 @@ def _store_kv_cache_kernel(
     tl.store(vc + dims, v, mask=mask)
 
 
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` in e4m3, saturated at its largest finite value (448) rather than overflowing."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def store_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scale: tuple[float, float] | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into ``key_cache``/``value_cache``
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` at ``slot_mapping[T]`` (int32/int64; -1 skips)."""
-    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` at ``slot_mapping[T]`` (int32/int64; -1 skips).
+
+    An FP8 cache (``float8_e4m3fn``) stores ``key / kv_scale[0]`` and ``value / kv_scale[1]`` (1.0 each by
+    default) rounded to e4m3: the rounding is done by PyTorch (exact, where Triton's interpreter rounds a
+    few values wrongly, and sm_80 has no e4m3 type in Triton), and the kernel moves the bytes."""
+    if key_cache.dtype == torch.float8_e4m3fn:
+        k_scale, v_scale = kv_scale or (1.0, 1.0)
+        key = quantize_kv(key, k_scale).view(torch.uint8)
+        value = quantize_kv(value, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    check_tensor("key", key, ndim=3, dtypes=(*FLOAT_DTYPES, torch.uint8), last_dim_contiguous=True)
     device = key.device
     check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=device, last_dim_contiguous=True)
     if value.shape != key.shape:

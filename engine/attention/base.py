@@ -103,7 +103,10 @@ class AttentionBackend(ABC):
         *,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """Store ``k``/``v`` into ``kv_cache`` at ``meta.slot_mapping``; return attention ``[T, H, D]``.
+        An FP8 cache (``float8_e4m3fn``) stores ``k / kv_scale[0]`` and ``v / kv_scale[1]`` in e4m3 and
+        every read multiplies them back.
         ``window``: this layer's sliding window (a query at position p sees (p - window, p]); ``sinks``
         ``[num_heads]`` float32: attention-sink logits in each head's softmax sum (gpt-oss)."""

@@ -33,6 +33,11 @@ from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` in e4m3 (an FP8 KV cache's contents), saturated at 448 rather than overflowing."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 @dataclass(slots=True, frozen=True)
 class _DecodeBucket:
     rows: torch.Tensor | None  # [n] token rows of its sequences; None when it is the whole batch, in order
@@ -115,14 +120,18 @@ class TorchAttentionBackend(AttentionBackend):
         *,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, NB, BS, KVH, D]
         plan = meta.plan if isinstance(meta.plan, _Plan) else self.plan(meta, q.dtype)
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        if fp8:
+            k, v = quantize_kv(k, kv_scale[0]), quantize_kv(v, kv_scale[1])
         self.store(k, v, kv_cache, meta.slot_mapping, all_valid=plan.all_slots_valid)
         if meta.num_seqs == 0:
             return torch.empty_like(q)
-        if window or sinks is not None:
-            return self._windowed(q, kv_cache, meta, window or 0, sinks)
+        if window or sinks is not None or fp8:
+            return self._windowed(q, kv_cache, meta, window or 0, sinks, kv_scale)
         native = plan.native_decode
         if native is not None and not (q.is_contiguous() and kv_cache.is_contiguous()):
             q, kv_cache = q.contiguous(), kv_cache.contiguous()
@@ -140,10 +149,11 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _windowed(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int,
-                  sinks: torch.Tensor | None) -> torch.Tensor:
-        """Sliding-window and/or attention-sink layers, sequence by sequence in fp32: each sequence's
-        visible keys (its last ``window + query_len - 1`` positions at most) gathered from the cache, an
-        explicit causal and window mask, and the sinks as an extra logit column of the softmax."""
+                  sinks: torch.Tensor | None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """Sliding-window and/or attention-sink layers, and FP8 caches, sequence by sequence in fp32:
+        each sequence's visible keys (its last ``window + query_len - 1`` positions at most) gathered from
+        the cache (an FP8 one dequantized with ``kv_scale``), an explicit causal and window mask, and the
+        sinks as an extra logit column of the softmax."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         group = self.num_heads // num_kv_heads
         block_size = meta.block_size
@@ -157,8 +167,9 @@ class TorchAttentionBackend(AttentionBackend):
             offset = first_block * block_size  # position of the first gathered key
             keys = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len - offset]
             values = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len - offset]
+            keys, values = keys.float() * kv_scale[0], values.float() * kv_scale[1]
             queries = q[start:end].view(query_len, num_kv_heads, group, head_dim).float()
-            scores = torch.einsum("qkgd,skd->kgqs", queries, keys.float()) * self.scale  # [KVH, G, Lq, S]
+            scores = torch.einsum("qkgd,skd->kgqs", queries, keys) * self.scale  # [KVH, G, Lq, S]
             query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
             key_pos = torch.arange(offset, seq_len, device=q.device)[None, :]
             hidden = key_pos > query_pos
@@ -170,7 +181,7 @@ class TorchAttentionBackend(AttentionBackend):
                 probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
             else:
                 probs = scores.softmax(dim=-1)
-            o = torch.einsum("kgqs,skd->qkgd", probs, values.float())
+            o = torch.einsum("kgqs,skd->qkgd", probs, values)
             out[start:end] = o.reshape(query_len, self.num_heads, head_dim).to(q.dtype)
             start = end
         return out
@@ -193,6 +204,8 @@ class TorchAttentionBackend(AttentionBackend):
         """Scatter ``k``/``v`` into the cache at ``slot_mapping``, skipping ``-1`` rows (``all_valid``:
         the caller already knows there are none)."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
+        if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no e4m3 kernel on the CPU: move bytes
+            kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [NB * BS, KVH, D]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         if all_valid is None:

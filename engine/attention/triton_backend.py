@@ -59,6 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]
         expected = (2, self.num_kv_heads, self.head_dim)
@@ -70,16 +71,16 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != meta.block_size {meta.block_size}")
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, kv_scale=kv_scale)
         if meta.num_seqs == 0:
             return torch.empty_like(q)
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:
             return paged_decode_attention(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 scale=self.scale, max_seq_len=meta.max_seq_len, num_splits=self.decode_num_splits,
-                sinks=sinks, window=window,
+                sinks=sinks, window=window, kv_scale=kv_scale,
             )  # fmt: skip
         return extend_attention(
             q, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            max_query_len=meta.max_query_len, scale=self.scale, sinks=sinks, window=window,
+            max_query_len=meta.max_query_len, scale=self.scale, sinks=sinks, window=window, kv_scale=kv_scale,
         )  # fmt: skip

@@ -49,10 +49,10 @@ _MAGIC = b"TGKV1\n"
 _SUFFIX = ".kv"
 
 
-def cache_fingerprint(model_dir: Path, dtype: torch.dtype, block_shape: tuple[int, ...], rank: int = 0,
+def cache_fingerprint(model_dir: Path, dtype: torch.dtype | str, block_shape: tuple[int, ...], rank: int = 0,
                       tp_size: int = 1) -> str:  # fmt: skip
-    """16 hex digits naming the KV layout of a checkpoint (its config.json, the dtype, the block shape;
-    under tensor parallelism, which rank's shard of how many)."""
+    """16 hex digits naming the KV layout of a checkpoint (its config.json, the dtype (with an FP8 cache's
+    scales), the block shape; under tensor parallelism, which rank's shard of how many)."""
     config = (model_dir / "config.json").read_bytes() if (model_dir / "config.json").is_file() else b""
     shard = f"|tp{rank}/{tp_size}" if tp_size > 1 else ""
     digest = hashlib.sha256(config + f"|{dtype}|{block_shape}{shard}".encode()).hexdigest()

@@ -244,6 +244,8 @@ class Attention(nn.Module):
                  shard: ShardSizes, tp: TensorParallel, layer: int = 0) -> None:
         super().__init__()
         self.window = args.window(layer)
+        # An FP8 KV cache's scales for this layer's K and V (the runner sets them; 1.0 by default).
+        self.kv_scale: tuple[float, float] = (1.0, 1.0)
         # gpt-oss: this rank's heads' sink logits (float32 whatever the model dtype: the kernels read them so)
         self.sinks: nn.Parameter | None = None
         if args.attention_sinks:
@@ -292,7 +294,8 @@ class Attention(nn.Module):
         else:
             q, k = self._ops.rotary(q, k, positions, cos_sin) if fused is None else fused
         sinks = None if self.sinks is None else self.sinks.float()
-        out = self._backend.forward(q, k, v, kv_cache, meta, window=self.window, sinks=sinks)  # [T, H, D]
+        out = self._backend.forward(q, k, v, kv_cache, meta, window=self.window, sinks=sinks,
+                                    kv_scale=self.kv_scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -168,6 +168,16 @@ def test_fp8_linears_compile_as_w8a8_on_hopper_and_weight_only_on_ampere(compile
         assert {c["PER_ROW"] for c in rows} == {True, False}, (arch, rows)
 
 
+def test_attention_over_an_fp8_kv_cache_compiles_for_each_arch(compiled):
+    """The extend and decode kernels reading e4m3 bytes (decoded in registers, so sm_80 too), and the
+    store moving them."""
+    for arch in ARCHS:
+        rows = [r for r in compiled if r["arch"] == arch and r["constexprs"].get("KV_FP8")]
+        assert {r["kernel"] for r in rows} == {"extend_attention", "paged_decode_attention"}, (arch, rows)
+        assert {r["constexprs"].get("SPLIT") for r in rows if r["kernel"] == "paged_decode_attention"} == {
+            True, False}
+
+
 def test_gpt_oss_attention_compiles_with_sinks_and_sliding_windows(compiled):
     """gpt-oss's layers: sinks everywhere, a sliding window every other layer, in both attention kernels
     (decode split and unsplit, and the merge that adds the sink), and its biased experts."""

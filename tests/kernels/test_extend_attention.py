@@ -127,3 +127,28 @@ def test_sinks_and_window_are_checked(device, rng, paged_kv):
     with pytest.raises(ValueError, match="window must be a non-negative int"):
         paged_decode_attention(q[:1], kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                scale=0.125, window=-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_an_fp8_cache_is_dequantized_in_registers(dtype, device, rng, paged_kv):
+    """``--kv-cache-dtype fp8``: K and V stored as e4m3 with a scale each; extend and decode (split and
+    not) read the bytes and dequantize them, equal to the reference over the dequantized cache."""
+    from kernels.store_kv_cache import quantize_kv
+
+    seq_lens = [n for n, _ in CASES]
+    q_lens = [m for _, m in CASES]
+    kv = paged_kv(seq_lens, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device, gen=rng)
+    kv_scale = (0.02, 0.015)  # values up to ~4 / 0.02 = 200, inside e4m3's 448
+    key_cache, value_cache = quantize_kv(kv.key_cache, kv_scale[0]), quantize_kv(kv.value_cache, kv_scale[1])
+    q = torch.randn((sum(q_lens), 8, 64), generator=rng).to(dtype).to(device)
+    qsl = _query_start_loc(q_lens, device)
+    out = extend_attention(q, key_cache, value_cache, kv.block_tables, qsl, kv.seq_lens,
+                           max_query_len=max(q_lens), scale=0.125, kv_scale=kv_scale)
+    expected = extend_attention_reference(q, key_cache, value_cache, kv.block_tables, qsl, kv.seq_lens,
+                                          scale=0.125, kv_scale=kv_scale)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    last = (qsl[1:] - 1).long()
+    for splits in (1, 4):
+        decoded = paged_decode_attention(q[last], key_cache, value_cache, kv.block_tables, kv.seq_lens,
+                                         scale=0.125, num_splits=splits, kv_scale=kv_scale)
+        torch.testing.assert_close(decoded, expected[last], **TOL[dtype])

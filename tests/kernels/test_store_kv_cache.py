@@ -61,3 +61,21 @@ def test_rejects_bad_inputs(device):
                        cache[0], cache[1], slots)  # fmt: skip
     with pytest.raises(ValueError, match="contiguous in its last dimension"):
         store_kv_cache(key.transpose(1, 2).contiguous().transpose(1, 2), key, cache[0], cache[1], slots)
+
+
+def test_an_fp8_cache_stores_the_scaled_e4m3_rounding(device, rng):
+    from kernels import store_kv_cache
+    from kernels.store_kv_cache import quantize_kv
+
+    key = (3 * torch.randn((5, 2, 64), generator=rng)).to(device)
+    value = torch.randn((5, 2, 64), generator=rng).to(device)
+    cache = torch.zeros((2, 4, 16, 2, 64), device=device).to(torch.float8_e4m3fn)
+    slots = torch.tensor([3, 17, -1, 40, 63], device=device)
+    store_kv_cache(key, value, cache[0], cache[1], slots, kv_scale=(0.5, 0.25))
+    flat = cache.view(torch.uint8).view(2, 64, 2, 64)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(flat[0, slot], quantize_kv(key[t], 0.5).view(torch.uint8))
+        assert torch.equal(flat[1, slot], quantize_kv(value[t], 0.25).view(torch.uint8))
+    assert int(flat[:, 0].sum()) == 0  # untouched slots stay zero
