@@ -142,6 +142,8 @@ def _expected_hf_names(
         if module.endswith(".experts") and args.model_type == "gpt_oss":  # all experts in one tensor
             proj = "gate_up_proj" if leaf.startswith("w13") else "down_proj"
             names.add(f"{module}.{proj}" + ("_bias" if leaf.endswith("_bias") else ""))
+        elif module.endswith(".experts") and leaf in ("w13_scale", "w2_scale"):
+            continue  # FP8 experts' scales come with their weights (_load_expert)
         elif module.endswith(".experts") and leaf in ("w13", "w2"):  # every expert, held here or not
             projs = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
             names.update(f"{module}.{e}.{p}.weight" for e in range(num_experts) for p in projs)
@@ -267,6 +269,43 @@ def load_weights(
         raise ValueError(f"checkpoint {model_dir} lacks weights: {shown}")
 
 
+def _load_fp8_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[str, torch.Tensor],
+                     shard: ShardSizes, args: ModelArgs, local: int, first: int) -> None:
+    """An FP8 model's expert projection: its FP8 rows and row scales (from the checkpoint, or made here
+    from a 16-bit tensor), this rank's slice of them, into ``w13``/``w2`` and their ``_scale``."""
+    fp8 = args.fp8
+    assert fp8 is not None
+    proj, inter = match["proj"], shard.moe_intermediate_size
+    weight = f.get_tensor(stored_name)
+    if weight.dtype == FP8_DTYPE:
+        scale = f.get_tensor(stored_name.removesuffix("weight") + fp8.scale_name).float()
+        if fp8.scheme == "block":
+            scale = block_scales_to_rows(scale, weight.shape[0], fp8.block[0])
+        elif fp8.scheme == "tensor":
+            scale = scale.reshape(1, 1).expand(weight.shape[0], 1)
+        scale = scale.reshape(weight.shape[0], -1)
+    else:  # a 16-bit expert of an FP8 model: quantized here, per row (and block of columns)
+        weight, scale = quantize_fp8(weight, fp8.group(weight.shape[1]))
+    if proj == "down_proj":  # this rank's input columns (whole groups of them)
+        groups_per_col = scale.shape[1] / weight.shape[1]
+        group = weight.shape[1] if scale.shape[1] == 1 else round(1 / groups_per_col)
+        if scale.shape[1] > 1 and first % group:
+            raise ValueError(f"{stored_name!r}: tensor parallelism splits its input at column {first}, "
+                             f"inside a {group}-column FP8 block; choose a tensor_parallel_size that keeps "
+                             "blocks whole")
+        weight = weight[:, first:first + inter]
+        if scale.shape[1] > 1:
+            scale = scale[:, first // group:first // group + params[f"{match['parent']}.w2_scale"].shape[2]]
+        _copy_checked(params[f"{match['parent']}.w2"][local], weight, stored_name)
+        _copy_checked(params[f"{match['parent']}.w2_scale"][local], scale, stored_name + " scale")
+        return
+    row = 0 if proj == "gate_proj" else inter
+    target = params[f"{match['parent']}.w13"][local].narrow(0, row, inter)
+    target_scale = params[f"{match['parent']}.w13_scale"][local].narrow(0, row, inter)
+    _copy_checked(target, weight[first:first + inter], stored_name)
+    _copy_checked(target_scale, scale[first:first + inter], stored_name + " scale")
+
+
 def _dequantized_expert(f: Any, stored_name: str, args: ModelArgs, dtype: torch.dtype) -> torch.Tensor:
     fp8 = args.fp8
     scale_name = stored_name.removesuffix("weight") + (fp8.scale_name if fp8 is not None else "weight_scale")
@@ -338,6 +377,9 @@ def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[st
         return  # another rank's expert
     proj, inter = match["proj"], shard.moe_intermediate_size
     first = 0 if shard.expert_parallel else shard.rank * inter
+    if params[f"{match['parent']}.w2"].dtype == FP8_DTYPE:
+        _load_fp8_expert(f, stored_name, match, params, shard, args, local, first)
+        return
     view = f.get_slice(stored_name)
     if view.get_dtype() == "F8_E4M3":
         view = _dequantized_expert(f, stored_name, args, params[f"{match['parent']}.w2"].dtype)

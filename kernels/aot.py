@@ -111,6 +111,8 @@ SERVED_SHAPES = {
                     moe_intermediate_size=2880, sliding_window=128, attention_sinks=True, expert_bias=True),
         ServedShape("llama3-8b-fp8", 32, 8, 128, 4096, 14336, fp8="channel", kv_fp8=True),
         ServedShape("qwen3-32b-fp8-block", 64, 8, 128, 5120, 25600, qk_norm=True, fp8="block"),
+        ServedShape("qwen3-30b-a3b-fp8-block", 32, 4, 128, 2048, 6144, qk_norm=True, num_experts=128, top_k=8,
+                    moe_intermediate_size=768, fp8="block"),
     )
 }
 
@@ -259,7 +261,14 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
             e, inter = shape.num_experts, shape.moe_intermediate_size
             w13 = torch.empty((e, 2 * inter, shape.hidden_size), dtype=dtype)
             w2 = torch.empty((e, shape.hidden_size, inter), dtype=dtype)
-            biases = {}
+            biases: dict[str, object] = {}
+            if shape.fp8:  # FP8 experts: e4m3 weights with row scales (per channel, or 128-column blocks)
+                w13 = torch.empty((e, 2 * inter, shape.hidden_size), dtype=torch.float8_e4m3fn)
+                w2 = torch.empty((e, shape.hidden_size, inter), dtype=torch.float8_e4m3fn)
+                g13 = 1 if shape.fp8 == "channel" else -(-shape.hidden_size // 128)
+                g2 = 1 if shape.fp8 == "channel" else -(-inter // 128)
+                biases = dict(w13_scale=torch.empty((e, 2 * inter, g13), dtype=torch.float32),
+                              w2_scale=torch.empty((e, shape.hidden_size, g2), dtype=torch.float32))
             if shape.expert_bias:
                 biases = dict(w13_bias=torch.empty((e, 2 * inter), dtype=dtype),
                               w2_bias=torch.empty((e, shape.hidden_size), dtype=dtype),

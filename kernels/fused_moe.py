@@ -50,6 +50,7 @@ from kernels._common import (
     INDEX_DTYPES,
     check_tensor,
     count_launch,
+    e4m3_to_f32,
     launcher_for,
     target_capability,
 )
@@ -124,6 +125,7 @@ def fused_moe_config(
 def _fused_moe_kernel(
     a_ptr,
     b_ptr,
+    b_scale_ptr,
     bias_ptr,
     c_ptr,
     topk_weights_ptr,
@@ -134,12 +136,17 @@ def _fused_moe_kernel(
     K,
     num_padded_rows,
     num_valid_slots,
+    scale_group,
     stride_am,
     stride_be,
     stride_bn,
+    stride_bse,
+    stride_bsn,
     stride_bias_e,
     stride_cm,
     TOP_K: tl.constexpr,
+    B_FP8: tl.constexpr,
+    PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -173,13 +180,26 @@ def _fused_moe_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if IEEE:
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
+        if B_FP8:  # e4m3 bytes, decoded here (weight-only: every target, sm_80 included)
+            b = e4m3_to_f32(b).to(a.dtype)
+            if PER_ROW:
+                part = tl.dot(a, b, input_precision="ieee") if IEEE else tl.dot(a, b)
+                acc += part
+            else:  # this K step lies in one scale group
+                b_s = tl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn + k0 // scale_group,
+                              mask=n_mask, other=0.0)
+                part = tl.dot(a, b, input_precision="ieee") if IEEE else tl.dot(a, b)
+                acc += part * b_s[None, :]
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if B_FP8 and PER_ROW:
+        row_scale = tl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn, mask=n_mask, other=0.0)
+        acc = acc * row_scale[None, :]
     if HAS_BIAS:  # the expert's bias, before the routing weight (as the reference adds it)
         bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -244,18 +264,32 @@ def _grouped_gemm(
     top_k: int,
     mul_routed_weight: bool,
     cfg: MoETileConfig,
+    b_scale: torch.Tensor | None = None,
 ) -> None:
     sorted_slots, block_experts, num_padded = aligned
     n, k = b.shape[1], b.shape[2]
+    block_k, group, per_row = cfg.block_k, k, True
+    if b_scale is not None:
+        b = b.view(torch.uint8)  # e4m3 bytes: Triton has no e4m3 type on sm_80
+        per_row = b_scale.shape[2] == 1
+        group = -(-k // b_scale.shape[2])
+        if not per_row:
+            block_k = min(block_k, group)
+            if group % block_k or block_k & (block_k - 1) or block_k < 16:
+                raise ValueError(f"FP8 expert groups of {group} columns: the kernel needs a power of two "
+                                 ">= 16")
     grid = (triton.cdiv(sorted_slots.numel(), cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     count_launch("fused_moe")
+    scale = b if b_scale is None else b_scale  # never read without FP8
     launcher_for(_fused_moe_kernel, a.device, a.dtype)[grid](
-        a, b, b if bias is None else bias, c, topk_weights, sorted_slots, block_experts, num_padded,
-        n, k, sorted_slots.numel(), topk_weights.numel(),
-        a.stride(0), b.stride(0), b.stride(1), 0 if bias is None else bias.stride(0), c.stride(0),
-        TOP_K=top_k, HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
-        IEEE=a.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        a, b, scale, b if bias is None else bias, c, topk_weights, sorted_slots, block_experts, num_padded,
+        n, k, sorted_slots.numel(), topk_weights.numel(), group,
+        a.stride(0), b.stride(0), b.stride(1),
+        0 if b_scale is None else b_scale.stride(0), 0 if b_scale is None else b_scale.stride(1),
+        0 if bias is None else bias.stride(0), c.stride(0),
+        TOP_K=top_k, B_FP8=b_scale is not None, PER_ROW=per_row, HAS_BIAS=bias is not None,
+        MUL_ROUTED_WEIGHT=mul_routed_weight, IEEE=a.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -273,14 +307,21 @@ def fused_moe(
     activation: str = "silu",
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_j topk_weights[t, j] * expert(topk_ids[t, j])(x[t])`` for the gated experts
     ``w13``/``w2`` held here (see the module docs); ``config``: an explicit tile (benchmarks).
     ``w13_bias [E, 2I]`` / ``w2_bias [E, H]``: the projections' biases; ``activation``: ``silu`` or
-    gpt-oss's clamped ``swiglu_oai`` (``swiglu_alpha``, ``swiglu_limit``)."""
+    gpt-oss's clamped ``swiglu_oai`` (``swiglu_alpha``, ``swiglu_limit``). FP8 experts: ``w13``/``w2`` in
+    e4m3 with fp32 ``w13_scale [E, 2I, G]`` / ``w2_scale [E, H, G]`` per output row and group of input
+    columns (``engine.models.fp8``'s layout), decoded in registers (weight-only)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
-    check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=x.device)
+    weight_dtype = torch.float8_e4m3fn if w13_scale is not None else x.dtype
+    check_tensor("w13", w13, ndim=3, dtypes=(weight_dtype,), device=x.device)
+    check_tensor("w2", w2, ndim=3, dtypes=(weight_dtype,), device=x.device)
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("FP8 experts need both w13_scale and w2_scale")
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, device=x.device)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
     num_tokens, hidden = x.shape
@@ -317,13 +358,13 @@ def fused_moe(
     # written: zeros, so that they add nothing to the sum (and the activation reads no garbage).
     alloc = torch.empty if expert_map is None else torch.zeros
     gate_up = alloc((num_slots, two_inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, w13_bias, gate_up, weights, aligned, top_k, False, cfg)
+    _grouped_gemm(x, w13, w13_bias, gate_up, weights, aligned, top_k, False, cfg, w13_scale)
     if activation == "silu":
         act = silu_and_mul(gate_up)
     else:
         act = swiglu_oai(gate_up, swiglu_alpha, swiglu_limit)
     down = alloc((num_slots, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, w2_bias, down, weights, aligned, 1, True, cfg)
+    _grouped_gemm(act, w2, w2_bias, down, weights, aligned, 1, True, cfg, w2_scale)
     out.copy_(down.view(num_tokens, top_k, hidden).float().sum(dim=1))
     return out
 
@@ -348,8 +389,16 @@ def fused_moe_reference(
     activation: str = "silu",
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slot by slot in fp32: each (token, expert) pair's gated MLP, weighted, summed over the k pairs."""
+    if w13_scale is not None and w2_scale is not None:  # FP8 experts, dequantized
+        def dequantize(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            group = -(-w.shape[2] // s.shape[2])
+            return w.float() * s.repeat_interleave(group, dim=2)[:, :, : w.shape[2]]
+
+        w13, w2 = dequantize(w13, w13_scale), dequantize(w2, w2_scale)
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w13.shape[1] // 2

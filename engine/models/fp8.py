@@ -44,6 +44,19 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 
+def keep_dtypes(module: nn.Module, apply: Any, names: tuple[str, ...]) -> Any:  # noqa: ANN401
+    """Run ``apply`` (``nn.Module._apply``) keeping the dtypes of the parameters ``names``: the loader
+    materialises a model by casting every floating tensor to the model's dtype, and FP8 weights and their
+    fp32 scales must stay as they are."""
+    kept = {n: p.dtype for n, p in module._parameters.items() if p is not None and n in names}
+    result = apply()
+    for name, dtype in kept.items():
+        p = module._parameters[name]
+        if p is not None and p.dtype != dtype:
+            module._parameters[name] = nn.Parameter(p.to(dtype), requires_grad=False)
+    return result
+
+
 def quantize_fp8(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [out, in]`` -> ``(weight_fp8, weight_scale [out, ceil(in / group)])``: each row's groups of
     ``group`` columns scaled so that their largest magnitude maps to 448 (rounding in PyTorch)."""
@@ -98,15 +111,8 @@ class Fp8Linear(nn.Module):
         self._use_kernel = use_kernel
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:  # noqa: ANN401 - nn.Module's signature
-        # The loader materialises modules with a dtype cast of every floating tensor: the FP8 weight and
-        # its fp32 scales keep their dtypes (only the bias follows the model's).
-        kept = {name: p.dtype for name, p in self._parameters.items() if p is not None and name != "bias"}
-        result = super()._apply(fn, recurse)
-        for name, dtype in kept.items():
-            p = self._parameters[name]
-            if p is not None and p.dtype != dtype:
-                self._parameters[name] = nn.Parameter(p.to(dtype), requires_grad=False)
-        return result
+        return keep_dtypes(self, lambda: super(Fp8Linear, self)._apply(fn, recurse),
+                           ("weight", "weight_scale"))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` without the bias (a row-parallel layer adds it after the all-reduce)."""

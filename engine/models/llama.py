@@ -325,7 +325,8 @@ def feed_forward(args: ModelArgs, layer: int, ops: Ops, shard: ShardSizes, tp: T
     if moe.shared_intermediate_size:
         # No all-reduce of its own: the MoE block reduces the experts' and the shared expert's sum once.
         shared = MLP(args.hidden_size, shard.shared_intermediate_size, False, ops, TensorParallel())
-    return MoE(moe, args.hidden_size, shard, tp, use_kernel=fused_kernels, shared_experts=shared)
+    return MoE(moe, args.hidden_size, shard, tp, use_kernel=fused_kernels, shared_experts=shared,
+               fp8=args.fp8)
 
 
 class DecoderLayer(nn.Module):

@@ -27,12 +27,15 @@ output is a partial sum that ``MoE`` all-reduces (``engine.distributed``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import ShardSizes, TensorParallel
-from engine.models.config import MoEArgs
+from engine.models.config import Fp8Args, MoEArgs
+from engine.models.fp8 import FP8_DTYPE, dequantize_fp8, keep_dtypes
 
 
 def route(logits: torch.Tensor, moe: MoEArgs, correction_bias: torch.Tensor | None = None
@@ -84,6 +87,8 @@ def grouped_experts(
     moe: MoEArgs | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts in PyTorch: each held expert's slots as one ``[n, hidden] @ [hidden, 2I]`` GEMM, the
     gated activation, one ``[n, I] @ [I, hidden]`` GEMM, weighted, added into their tokens' rows in
@@ -102,8 +107,13 @@ def grouped_experts(
         slots = order[start:start + n]
         start += n
         tokens = slots // top_k
-        gate_up = F.linear(x[tokens], w13[expert], None if w13_bias is None else w13_bias[expert])
-        h = F.linear(gated_activation(gate_up, moe), w2[expert], None if w2_bias is None else w2_bias[expert])
+        up_weight, down_weight = w13[expert], w2[expert]
+        if w13_scale is not None and w2_scale is not None:  # FP8 experts: dequantized one at a time
+            up_weight = dequantize_fp8(up_weight, w13_scale[expert], x.dtype)
+            down_weight = dequantize_fp8(down_weight, w2_scale[expert], x.dtype)
+        gate_up = F.linear(x[tokens], up_weight, None if w13_bias is None else w13_bias[expert])
+        down_bias = None if w2_bias is None else w2_bias[expert]
+        h = F.linear(gated_activation(gate_up, moe), down_weight, down_bias)
         h = h * topk_weights.reshape(-1)[slots].unsqueeze(-1).to(h.dtype)
         out.index_add_(0, tokens, h)
     return out
@@ -112,12 +122,28 @@ def grouped_experts(
 class Experts(nn.Module):
     """This rank's experts, stacked (see module docs)."""
 
-    def __init__(self, moe: MoEArgs, shard: ShardSizes, hidden_size: int, use_kernel: bool) -> None:
+    def __init__(self, moe: MoEArgs, shard: ShardSizes, hidden_size: int, use_kernel: bool,
+                 fp8: Fp8Args | None = None) -> None:
         super().__init__()
         self.moe = moe
         inter = shard.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(shard.num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(shard.num_experts, hidden_size, inter))
+        # FP8 experts (engine.models.fp8's layout, per expert): e4m3 weights, fp32 scales per output row
+        # and group of input columns.
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+        if fp8 is not None:
+            e = shard.num_experts
+            groups13, groups2 = -(-hidden_size // fp8.group(hidden_size)), -(-inter // fp8.group(inter))
+
+            def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+                return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+            self.w13, self.w2 = frozen(e, 2 * inter, hidden_size, dtype=FP8_DTYPE), frozen(
+                e, hidden_size, inter, dtype=FP8_DTYPE)
+            self.w13_scale = frozen(e, 2 * inter, groups13, dtype=torch.float32)
+            self.w2_scale = frozen(e, hidden_size, groups2, dtype=torch.float32)
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         if moe.expert_bias:
@@ -141,6 +167,12 @@ class Experts(nn.Module):
         else:
             self.expert_map = None
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # noqa: ANN401 - nn.Module's signature
+        if self.w13_scale is None:
+            return super()._apply(fn, recurse)
+        return keep_dtypes(self, lambda: super(Experts, self)._apply(fn, recurse),
+                           ("w13", "w2", "w13_scale", "w2_scale"))
+
     def reset_cache(self) -> None:
         """(Re)compute ``expert_map`` on its device (the loader calls it once the model is materialised)."""
         if self.expert_map is None:
@@ -159,9 +191,10 @@ class Experts(nn.Module):
             moe = self.moe
             return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map,
                                      w13_bias=self.w13_bias, w2_bias=w2_bias, activation=moe.activation,
-                                     swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+                                     swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+                                     w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert, self.moe,
-                               self.w13_bias, w2_bias)
+                               self.w13_bias, w2_bias, self.w13_scale, self.w2_scale)
 
 
 class Router(nn.Module):
@@ -190,11 +223,12 @@ class MoE(nn.Module):
     rank."""
 
     def __init__(self, moe: MoEArgs, hidden_size: int, shard: ShardSizes, tp: TensorParallel,
-                 use_kernel: bool, shared_experts: nn.Module | None = None) -> None:
+                 use_kernel: bool, shared_experts: nn.Module | None = None,
+                 fp8: Fp8Args | None = None) -> None:
         super().__init__()
         self.moe = moe
         self.gate = Router(moe, hidden_size)
-        self.experts = Experts(moe, shard, hidden_size, use_kernel)
+        self.experts = Experts(moe, shard, hidden_size, use_kernel, fp8)
         self.shared_experts = shared_experts  # a dense MLP whose down projection does not all-reduce
         self._tp = tp
 

@@ -100,6 +100,8 @@ def test_logits_equal_the_dequantized_reference(arch: str, scheme: str, fp8_dirs
     model = _load(fp8)
     assert any(isinstance(m, Fp8Linear) for m in model.modules())
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    if arch == "qwen3_moe":  # the experts stay FP8 in memory too
+        assert model.model.layers[0].mlp.experts.w13.dtype == FP8_DTYPE
     # Block FP8: transformers reads the FP8 file itself and dequantizes it on the CPU.
     ref_dir = fp8 if scheme == "fp8-block" else dequantized
     hf = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
@@ -110,18 +112,23 @@ def test_logits_equal_the_dequantized_reference(arch: str, scheme: str, fp8_dirs
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_the_fp8_kernel_path_equals_the_dequantizing_path(scheme: str, fp8_dirs) -> None:
-    """``kernels.fp8_linear`` (here in Triton's interpreter, weight-only: the CPU has no FP8 tensor
-    cores) gives the model the dequantize-then-matmul path's logits."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_the_fp8_kernel_path_equals_the_dequantizing_path(arch: str, scheme: str, fp8_dirs) -> None:
+    """``kernels.fp8_linear`` and the fused MoE kernel over FP8 experts (here in Triton's interpreter,
+    weight-only: the CPU has no FP8 tensor cores) give the model the dequantize-then-matmul logits."""
     kernels = pytest.importorskip("kernels")
     if not kernels.kernels_are_interpreted() and not torch.cuda.is_available():
         pytest.skip("triton was imported before TRITON_INTERPRET was set")
-    fp8, _ = fp8_dirs[("qwen3", scheme)]
+    fp8, _ = fp8_dirs[(arch, scheme)]
     prompts = _prompts(ModelArgs.from_pretrained(fp8).vocab_size)[:2]
     reference = _prefill_logits(_load(fp8), prompts)
     kernels.reset_launch_counts()
     fused = _prefill_logits(_load(fp8, fused_kernels=True), prompts)
-    assert kernels.launch_counts["fp8_linear"] == 4 * ModelArgs.from_pretrained(fp8).num_layers
+    layers = ModelArgs.from_pretrained(fp8).num_layers
+    if arch == "qwen3_moe":  # attention's two linears, then the experts' two grouped GEMMs
+        assert kernels.launch_counts["fp8_linear"] == kernels.launch_counts["fused_moe"] == 2 * layers
+    else:
+        assert kernels.launch_counts["fp8_linear"] == 4 * layers
     for x, y in zip(fused, reference, strict=True):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 

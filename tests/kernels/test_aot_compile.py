@@ -168,6 +168,13 @@ def test_fp8_linears_compile_as_w8a8_on_hopper_and_weight_only_on_ampere(compile
         assert {c["PER_ROW"] for c in rows} == {True, False}, (arch, rows)
 
 
+def test_fp8_experts_compile_for_each_arch(compiled):
+    for arch in ARCHS:
+        rows = [r["constexprs"] for r in compiled if r["kernel"] == "fused_moe" and r["arch"] == arch
+                and r["constexprs"].get("B_FP8")]
+        assert {c["PER_ROW"] for c in rows} == {False} and {c["BLOCK_M"] for c in rows} == {16, 64}, rows
+
+
 def test_attention_over_an_fp8_kv_cache_compiles_for_each_arch(compiled):
     """The extend and decode kernels reading e4m3 bytes (decoded in registers, so sm_80 too), and the
     store moving them."""

@@ -159,3 +159,23 @@ def test_tuned_configs_are_read_and_the_nearest_token_count_wins(tmp_path):
     for cfg in tuned.values():
         torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, config=cfg),
                                    fused_moe_reference(x, w13, w2, weights, ids), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("group", [None, 32], ids=["per-channel", "32-column-blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fp8_experts_are_decoded_in_registers(group, dtype, device, rng):
+    """FP8 experts (e4m3 weights, fp32 scales per row and group of columns): the kernel equals the
+    reference over the dequantized experts, for per-channel and block scales."""
+    from engine.models.fp8 import quantize_fp8
+
+    tokens, experts, top_k, hidden, inter = 21, 8, 2, 64, 32
+    x = torch.randn((tokens, hidden), generator=rng).to(dtype).to(device)
+    w13, w2 = experts_weights(experts, hidden, inter, torch.float32, torch.device("cpu"), rng)
+    q13, s13 = zip(*(quantize_fp8(w, group or hidden) for w in w13), strict=True)
+    q2, s2 = zip(*(quantize_fp8(w, group or inter) for w in w2), strict=True)
+    fp8 = dict(w13_scale=torch.stack(s13).to(device), w2_scale=torch.stack(s2).to(device))
+    q13, q2 = torch.stack(q13).to(device), torch.stack(q2).to(device)
+    weights, ids = routed(tokens, experts, top_k, rng)
+    out = fused_moe(x, q13, q2, weights.to(device), ids.to(device), **fp8)
+    expected = fused_moe_reference(x, q13, q2, weights.to(device), ids.to(device), **fp8)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
