@@ -41,7 +41,7 @@ _M = TypeVar("_M", bound=nn.Module)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # FP8 checkpoints' activation and KV-cache scales: activations are quantized per token here (see
 # engine.models.fp8); the KV-cache scales are read by read_kv_scales.
-_FP8_IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+_FP8_IGNORED_SUFFIXES = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale", ".kv_scale")
 
 
 @runtime_checkable

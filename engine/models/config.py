@@ -137,6 +137,8 @@ class Fp8Args:
                 raise ValueError("quant_method fp8 without weight_block_size: only block FP8 is read")
             return cls(scheme="block", block=(int(block[0]), int(block[1])),
                        ignore=tuple(q.get("modules_to_not_convert") or ()))
+        if method == "fbgemm_fp8":  # fbgemm's per-channel FP8 (weight_scale [out, 1]; input_scale_ub skipped)
+            return cls(scheme="channel", ignore=tuple(q.get("modules_to_not_convert") or ()))
         if method == "compressed-tensors":
             if q.get("format") not in ("float-quantized", "naive-quantized", None):
                 raise ValueError(f"compressed-tensors format {q.get('format')!r} is not supported "
@@ -156,7 +158,8 @@ class Fp8Args:
                        ignore=tuple(q.get("ignore") or ()))
         if method == "mxfp4":
             return None  # gpt-oss's MXFP4 experts: dequantized at load by the loader
-        raise ValueError(f"quantization {method!r} is not supported (fp8 block, compressed-tensors FP8)")
+        raise ValueError(f"quantization {method!r} is not supported (fp8 block, compressed-tensors FP8, "
+                         "fbgemm_fp8)")
 
 
 @dataclass(frozen=True, slots=True)

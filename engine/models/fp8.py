@@ -10,7 +10,9 @@ Formats read (``quantization_config`` in ``config.json``; ``Fp8Args.from_hf_conf
 - block FP8 (``quant_method: "fp8"``, ``weight_block_size: [bn, bk]``): ``X.weight`` in F8_E4M3 and an
   fp32 ``X.weight_scale_inv [ceil(out / bn), ceil(in / bk)]`` that is *multiplied* in despite its name;
   activations quantized dynamically per token and group of ``bk`` columns; ``modules_to_not_convert``
-  stay 16-bit.
+  stay 16-bit;
+- fbgemm's per-channel FP8 (``quant_method: "fbgemm_fp8"``): ``X.weight`` and ``X.weight_scale [out, 1]``,
+  read as the channel scheme (its activation bound ``input_scale_ub`` is skipped).
 
 ``--quantization fp8`` (``EngineConfig.quantization``) quantizes a 16-bit checkpoint at load: per output
 channel weights, dynamic per-token activations (the ``channel`` scheme).

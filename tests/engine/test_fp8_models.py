@@ -180,3 +180,23 @@ def test_block_scales_split_inside_a_block_are_refused(tmp_path: Path, tiny_qwen
     fp8 = quantize_checkpoint(tiny_qwen3_dir, tmp_path / "fp8", "fp8-block", (128, 128))
     with pytest.raises(ValueError, match="inside a 128-column FP8 block"):
         _load(fp8, tp=TensorParallel(0, 2))
+
+
+def test_fbgemm_fp8_checkpoints_are_read_as_per_channel(fp8_dirs, tmp_path: Path) -> None:
+    """fbgemm's per-channel FP8 is compressed-tensors' channel layout under another quantization_config
+    (and an ``input_scale_ub`` per layer, skipped): the same model."""
+    channel, _ = fp8_dirs[("qwen3", "fp8-channel")]
+    fbgemm = tmp_path / "fbgemm"
+    shutil.copytree(channel, fbgemm)
+    config = json.loads((fbgemm / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                     "modules_to_not_convert": ["lm_head"]}
+    (fbgemm / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(fbgemm / "model.safetensors"))
+    tensors |= {name.removesuffix("weight_scale") + "input_scale_ub": torch.tensor([1200.0])
+                for name in list(tensors) if name.endswith("weight_scale")}
+    save_file(tensors, str(fbgemm / "model.safetensors"))
+    assert ModelArgs.from_pretrained(fbgemm).fp8 == Fp8Args(scheme="channel", ignore=("lm_head",))
+    prompts = _prompts(ModelArgs.from_pretrained(fbgemm).vocab_size)[:2]
+    ours, theirs = _prefill_logits(_load(fbgemm), prompts), _prefill_logits(_load(channel), prompts)
+    assert all(torch.equal(x, y) for x, y in zip(ours, theirs, strict=True))
