@@ -1,5 +1,10 @@
 """FP8 weights: what they cost in accuracy (CPU) and what they buy in speed (GPU, when one is present).
 
+FP8 KV-cache table (always): tiny Llama, Qwen3 and the copying model (``tollgate model create-copying``:
+peaked logits, small K in its first layer) decoding 96-token prompts one token at a time, teacher-forced,
+with the cache in e4m3 against float32: top-1 agreement and logit error, with scales of 1.0 and with
+scales calibrated on ``engine.quantize.CALIBRATION_TEXT``.
+
 Accuracy table (always): tiny random Llama, Qwen3 and Qwen3-MoE checkpoints (``engine.tiny``, float32)
 against themselves quantized to FP8 three ways (``tollgate model quantize --scheme fp8-channel``, ``--scheme
 fp8-block`` with 32 x 32 blocks for these tiny widths, and ``--quantization fp8`` at load), through the
@@ -130,6 +135,81 @@ def _logits(llm: Any, prompt: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta)).float()
 
 
+def teacher_forced_logits(
+    model_dir: Path, tokens: list[int], kv_dtype: torch.dtype, scales: list[tuple[float, float]] | None = None
+) -> torch.Tensor:
+    """Logits of each position, decoding ``tokens`` one at a time (float32 model, PyTorch backend) through
+    a paged cache of ``kv_dtype`` with per-layer ``scales``: every earlier K/V is read back from it."""
+    from engine.attention import AttentionMetadata
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.loader import load_model
+    from engine.models.config import ModelArgs
+
+    args = ModelArgs.from_pretrained(model_dir)
+    backend = TorchAttentionBackend(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
+    model = load_model(model_dir, backend, torch.float32, "cpu")
+    for layer, scale in zip(model.model.layers, scales or [(1.0, 1.0)] * args.num_layers, strict=True):
+        layer.self_attn.kv_scale = scale
+    n, block = len(tokens), 16
+    blocks = -(-n // block)
+    caches = [
+        torch.zeros(2, blocks, block, args.num_kv_heads, args.head_dim).to(kv_dtype)
+        for _ in range(args.num_layers)
+    ]
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    logits = []
+    with torch.inference_mode():
+        for t in range(n):
+            meta = AttentionMetadata(
+                torch.tensor([t]),
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([t + 1], dtype=torch.int32),
+                table,
+                1,
+                t + 1,
+                [1],
+                [t + 1],
+                block,
+            )
+            hidden = model(torch.tensor([tokens[t]]), torch.tensor([t]), caches, meta)
+            logits.append(model.compute_logits(hidden)[0])
+    return torch.stack(logits)
+
+
+def kv_cache_rows(prompt_count: int) -> list[dict[str, Any]]:
+    """An FP8 KV cache against a float32 one, teacher-forced, with scales of 1.0 and calibrated ones."""
+    from engine.quantize import CALIBRATION_TEXT, calibrate_kv_scales
+    from engine.tiny import create_tiny_checkpoint
+
+    rows = []
+    gen = torch.Generator().manual_seed(11)
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen3", "copying"):
+            if arch == "copying":
+                from engine.copying import create_copying_checkpoint
+
+                model_dir = create_copying_checkpoint(Path(tmp) / arch)
+            else:
+                model_dir = create_tiny_checkpoint(Path(tmp) / arch, arch=arch)
+            calibrated = calibrate_kv_scales(model_dir, [CALIBRATION_TEXT])
+            prompts = [torch.randint(3, 2900, (96,), generator=gen).tolist() for _ in range(prompt_count)]
+            full = [teacher_forced_logits(model_dir, p, torch.float32) for p in prompts]
+            for label, scales in (("1.0", None), ("calibrated", calibrated)):
+                fp8 = [teacher_forced_logits(model_dir, p, torch.float8_e4m3fn, scales) for p in prompts]
+                top1 = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(full, fp8, strict=True)])
+                err = torch.cat([(a - b).abs().flatten() for a, b in zip(full, fp8, strict=True)])
+                rows.append(
+                    {
+                        "model": arch,
+                        "scales": label,
+                        "top1_agreement": float(top1.float().mean()),
+                        "mean_abs_logit_error": float(err.mean()),
+                        "logit_std": float(torch.cat(full).std()),
+                    }
+                )
+    return rows
+
+
 def gpu_rows(repeat: int) -> list[dict[str, Any]]:
     import kernels
     from engine.models.fp8 import quantize_fp8
@@ -212,10 +292,28 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    kv = kv_cache_rows(max(1, args.prompts // 2))
+    print("\nFP8 KV cache against a float32 one, teacher-forced over 96-token prompts (float32 model)")
+    print(
+        format_table(
+            ["model", "k/v scales", "top-1 agreement", "mean |logit err|", "logit std"],
+            [
+                [
+                    r["model"],
+                    r["scales"],
+                    f"{100 * r['top1_agreement']:.1f}%",
+                    f"{r['mean_abs_logit_error']:.4f}",
+                    f"{r['logit_std']:.3f}",
+                ]
+                for r in kv
+            ],
+        )
+    )
     payload: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_description("cpu"),
         "accuracy": rows,
+        "kv_cache": kv,
     }
     if torch.cuda.is_available():
         gpu = gpu_rows(args.repeat)

@@ -19,10 +19,9 @@ if not torch.cuda.is_available():  # the Triton backend runs in the interpreter 
 
 import pytest  # noqa: E402
 
+from benchmarks.fp8 import teacher_forced_logits  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from engine.loader import load_model, read_kv_scales  # noqa: E402
+from engine.loader import read_kv_scales  # noqa: E402
 from engine.models.config import ModelArgs  # noqa: E402
 from engine.quantize import CALIBRATION_TEXT, calibrate_kv_scales, quantize_checkpoint  # noqa: E402
 
@@ -89,39 +88,14 @@ def test_two_ranks_give_the_single_rank_tokens(tiny_qwen3_dir: Path) -> None:
         assert rounds(split) == expected
 
 
-def _teacher_forced(model_dir: Path, tokens: list[int], kv_dtype: torch.dtype,
-                    scales: list[tuple[float, float]] | None = None) -> torch.Tensor:
-    """Logits of each position, decoding ``tokens`` one at a time through a paged cache of ``kv_dtype``
-    (every earlier K/V is read back from the cache)."""
-    args = ModelArgs.from_pretrained(model_dir)
-    backend = TorchAttentionBackend(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim**-0.5)
-    model = load_model(model_dir, backend, torch.float32, "cpu")
-    for layer, scale in zip(model.model.layers, scales or [(1.0, 1.0)] * args.num_layers, strict=True):
-        layer.self_attn.kv_scale = scale
-    n, block = len(tokens), 16
-    blocks = -(-n // block)
-    caches = [torch.zeros(2, blocks, block, args.num_kv_heads, args.head_dim).to(kv_dtype)
-              for _ in range(args.num_layers)]
-    table = torch.arange(blocks, dtype=torch.int32)[None]
-    logits = []
-    with torch.inference_mode():
-        for t in range(n):
-            meta = AttentionMetadata(torch.tensor([t]), torch.tensor([0, 1], dtype=torch.int32),
-                                     torch.tensor([t + 1], dtype=torch.int32), table, 1, t + 1, [1], [t + 1],
-                                     block)
-            hidden = model(torch.tensor([tokens[t]]), torch.tensor([t]), caches, meta)
-            logits.append(model.compute_logits(hidden)[0])
-    return torch.stack(logits)
-
-
 def test_teacher_forced_top1_agrees_with_a_full_precision_cache(tiny_llama_dir: Path) -> None:
     """Random tiny models have nearly flat logits (top-2 gaps of hundredths), so e4m3's ~3% rounding
     flips some top-1 choices: measured 87-96% on these; a trained model's gaps are far wider (the figures
     are in benchmarks/RESULTS.md). The bound here catches a broken cache (scales applied twice or not at
     all: ~10-50%)."""
     tokens = torch.randint(3, 2900, (96,), generator=torch.Generator().manual_seed(0)).tolist()
-    full = _teacher_forced(tiny_llama_dir, tokens, torch.float32)
-    fp8 = _teacher_forced(tiny_llama_dir, tokens, torch.float8_e4m3fn)
+    full = teacher_forced_logits(tiny_llama_dir, tokens, torch.float32)
+    fp8 = teacher_forced_logits(tiny_llama_dir, tokens, torch.float8_e4m3fn)
     assert (full.argmax(-1) == fp8.argmax(-1)).float().mean() >= 0.8
     assert (full - fp8).abs().mean() < 0.1 * full.std()
 
