@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.models.config import Fp8Args
+from engine.models.parallel_layers import RowParallelLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -134,6 +136,19 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fp8 group={self.group}"
 
 
+class Fp8RowParallelLinear(Fp8Linear):
+    """``RowParallelLinear`` with its weight in FP8 (``engine.models.fp8``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: int, tp: TensorParallel,
+                 use_kernel: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, group, use_kernel)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self.partial(x))
+        return y if self.bias is None else y + self.bias
+
+
 # The model's linear layers and the checkpoint projection whose name decides whether they are quantized.
 _FUSED_SOURCES = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj", "o_proj": "o_proj",
                   "down_proj": "down_proj"}
@@ -142,8 +157,6 @@ _FUSED_SOURCES = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj", "o_proj": "
 def use_fp8_layers(model: nn.Module, fp8: Fp8Args, use_kernel: bool) -> int:
     """Replace the model's quantizable linear layers by FP8 ones, in place (on the meta device, before
     the weights are loaded into them). Returns how many were replaced."""
-    from engine.models.parallel_layers import Fp8RowParallelLinear, RowParallelLinear
-
     count = 0
     for prefix, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):

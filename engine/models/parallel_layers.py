@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import ShardSizes, TensorParallel
-from engine.models.fp8 import Fp8Linear
 
 
 class RowParallelLinear(nn.Linear):
@@ -26,19 +25,6 @@ class RowParallelLinear(nn.Linear):
         if not self.tp.enabled:
             return super().forward(x)
         y = self.tp.all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-
-class Fp8RowParallelLinear(Fp8Linear):
-    """``RowParallelLinear`` with its weight in FP8 (``engine.models.fp8``)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: int, tp: TensorParallel,
-                 use_kernel: bool = False) -> None:
-        super().__init__(in_features, out_features, bias, group, use_kernel)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.partial(x))
         return y if self.bias is None else y + self.bias
 
 

@@ -179,6 +179,7 @@ def _cuda_runner(model_dir: Path, dtype: str, **config: Any) -> ModelRunner:
     runner.config = EngineConfig(model=str(model_dir), device="cuda", dtype=dtype, **config)
     runner.args = ModelArgs.from_pretrained(model_dir)
     runner.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    runner.kv_dtype = torch.float8_e4m3fn if runner.config.kv_cache_dtype == "fp8" else runner.dtype
     runner.device = torch.device("cuda")
     runner.block_size = runner.config.block_size
     runner.shard = ShardSizes.of(runner.args, 0, runner.config.tensor_parallel_size)
@@ -206,6 +207,11 @@ def test_kv_blocks_from_free_device_memory(tiny_qwen3_dir: Path, monkeypatch: py
     # A rank of a 2-way split holds half the KV heads: half the bytes per token.
     split = _cuda_runner(tiny_qwen3_dir, "bfloat16", tensor_parallel_size=2)
     assert split.kv_bytes_per_token == runner.kv_bytes_per_token // 2
+    # An FP8 KV cache: one byte per element, so twice the blocks of bf16 in the same memory.
+    fp8 = _cuda_runner(tiny_qwen3_dir, "bfloat16", gpu_memory_utilization=0.5, max_num_seqs=8,
+                       max_num_batched_tokens=512, kv_cache_dtype="fp8")
+    assert fp8.kv_bytes_per_token == runner.kv_bytes_per_token // 2
+    assert fp8._num_blocks_from_memory() >= 2 * expected
 
 
 def test_no_kv_blocks_left_is_a_clear_error(tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,8 +74,8 @@ def test_attention_is_compiled_at_every_head_dim_group_and_split_mode(compiled):
                 found[(r["arch"], r["dtype"])].add(key)
         want = {(d, g, 16, s) for d in (64, 128) for g in groups for s in split_modes}
         assert all(want <= got for got in found.values()), (kernel, dict(found))
-    decode = [r for r in compiled
-              if r["kernel"] == "paged_decode_attention" and not r["constexprs"]["HAS_SINKS"]]
+    decode = [r for r in compiled if r["kernel"] == "paged_decode_attention"
+              and not r["constexprs"]["HAS_SINKS"] and not r["constexprs"]["KV_FP8"]]
     per_target = defaultdict(list)
     for r in decode:
         per_target[(r["arch"], r["dtype"], r["constexprs"]["HEAD_DIM"])].append(r)
@@ -94,7 +94,8 @@ def test_paged_decode_pipelines_k_and_v_through_one_buffer_each(compiled):
     for r in compiled:
         if r["kernel"] == "paged_decode_attention":
             block_n, block_d = r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_D"]
-            kv = f"1x{block_n}x{block_d}x{'bf16' if r['dtype'] == 'bfloat16' else 'f16'}"
+            element = "i8" if r["constexprs"]["KV_FP8"] else "bf16" if r["dtype"] == "bfloat16" else "f16"
+            kv = f"1x{block_n}x{block_d}x{element}"
             assert sorted(r["pipeline_buffers"]) == sorted([f"1x{block_n}xi32", kv, kv]), r
             assert r["programs_per_sm"] >= 2, r
 
