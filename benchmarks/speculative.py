@@ -12,6 +12,10 @@ gateway worker, one CPU engine replica (``tollgate engine``, ``--max-num-seqs 64
   ``--concurrent`` requests at once, with the prediction and without: output tok/s (completion tokens
   over the wall time of the batch of requests), forward passes (the engine's ``tollgate_engine_steps``)
   per output token, and the accepted / rejected prediction tokens the clients were told.
+- **own answer predicted** (the default tiny model of ``tollgate up``, ``engine.tiny``'s Llama): the
+  prediction is the model's own previous answer, unedited, one request at a time (the gateway tokenizes
+  the prediction's text its own way; the engine follows it by text, so the model's other tokenization of
+  the same characters does not lose it).
 - **agent loop** (the copying model of ``engine.copying``, speculation ``auto`` against ``off``, two
   platforms): each request is a system prompt and a tool's output (a one-line JSON document of ~300
   tokens, new per request) that the model's answer quotes, as an agent relaying a tool's result does; one
@@ -47,8 +51,10 @@ from benchmarks.common import format_table, machine_description, write_json  # n
 from benchmarks.gateway_overhead import Platform, platform  # noqa: E402
 
 MODEL = "tiny-spec"
-WORDS = ("ledger invoice account tenant quota budget refund audit policy contract vendor payment review "
-         "approve reject escalate summary report quarter revenue expense forecast customer").split()
+WORDS = (
+    "ledger invoice account tenant quota budget refund audit policy contract vendor payment review "
+    "approve reject escalate summary report quarter revenue expense forecast customer"
+).split()
 SYSTEM = "You are a careful agent. Relay the tool's result to the user as it is."
 
 
@@ -60,9 +66,9 @@ async def run_batch(p: Platform, key: str, requests: list[dict[str, Any]]) -> di
     steps_before = sum(p.engine_counters("tollgate_engine_steps_total"))
     started = time.perf_counter()
     try:
-        answers = await asyncio.gather(*(
-            client.chat.completions.create(model=MODEL, temperature=0, **r) for r in requests
-        ))
+        answers = await asyncio.gather(
+            *(client.chat.completions.create(model=MODEL, temperature=0, **r) for r in requests)
+        )
     finally:
         await client.close()
     wall = time.perf_counter() - started
@@ -72,8 +78,12 @@ async def run_batch(p: Platform, key: str, requests: list[dict[str, Any]]) -> di
     # completion_tokens counts rejected prediction tokens too (billed as output, as OpenAI does).
     tokens = sum(a.usage.completion_tokens for a in answers) - rejected
     return {
-        "requests": len(requests), "output_tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
-        "steps": steps, "steps_per_token": steps / tokens,
+        "requests": len(requests),
+        "output_tokens": tokens,
+        "seconds": wall,
+        "tok_s": tokens / wall,
+        "steps": steps,
+        "steps_per_token": steps / tokens,
         "accepted_prediction_tokens": sum((d.accepted_prediction_tokens or 0) if d else 0 for d in details),
         "rejected_prediction_tokens": rejected,
         "texts": [a.choices[0].message.content or "" for a in answers],
@@ -95,8 +105,11 @@ def edit_lines(text: str, share: float, seed: int) -> str:
     """``text`` with about ``share`` of its lines (newline-ended, or 64-character pieces of a longer
     line) edited: a word replaced, half the line deleted, words inserted, in turn."""
     rng = random.Random(seed)
-    lines = [piece for line in text.splitlines(keepends=True) for piece in
-             (line[i : i + 64] for i in range(0, len(line), 64))]
+    lines = [
+        piece
+        for line in text.splitlines(keepends=True)
+        for piece in (line[i : i + 64] for i in range(0, len(line), 64))
+    ]
     out, edited = [], 0
     for line in lines:
         if rng.random() < share:
@@ -117,9 +130,11 @@ def edit_lines(text: str, share: float, seed: int) -> str:
 def tool_output(rng: random.Random) -> str:
     """A search tool's result on one line: ten records of words and figures (no 10-token stretch in it
     twice, where the copying model would fork; see ``engine.copying``)."""
-    records = [f"{rng.choice(WORDS)} {rng.randrange(10_000)} for {rng.choice(WORDS)} {rng.choice(WORDS)}: "
-               f"{round(rng.uniform(-50, 5000), 2)} EUR, {rng.choice(WORDS)} by {rng.choice(WORDS)}"
-               for _ in range(10)]
+    records = [
+        f"{rng.choice(WORDS)} {rng.randrange(10_000)} for {rng.choice(WORDS)} {rng.choice(WORDS)}: "
+        f"{round(rng.uniform(-50, 5000), 2)} EUR, {rng.choice(WORDS)} by {rng.choice(WORDS)}"
+        for _ in range(10)
+    ]
     return json.dumps({"query": " ".join(rng.choice(WORDS) for _ in range(4)), "results": records})
 
 
@@ -128,22 +143,38 @@ def code_edit(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     results = []
     engine_args = ["--max-num-seqs", "64", "--num-kv-blocks", "2048"]
-    with platform(real_engine_args=engine_args, model=MODEL,
-                  checkpoint=lambda d: create_tiny_checkpoint(d, arch="qwen3", seed=0)) as p:
+    with platform(
+        real_engine_args=engine_args,
+        model=MODEL,
+        checkpoint=lambda d: create_tiny_checkpoint(d, arch="qwen3", seed=0),
+    ) as p:
         key = p.create_tenant_key(rpm_limit=10**6, tpm_limit=10**9)
-        prompts = [[{"role": "user", "content": f"Write module number {i} of the billing service."}]
-                   for i in range(args.concurrent)]
-        first = asyncio.run(run_batch(p, key, [{"messages": m, "max_tokens": args.file_tokens}
-                                               for m in prompts]))
+        prompts = [
+            [{"role": "user", "content": f"Write module number {i} of the billing service."}]
+            for i in range(args.concurrent)
+        ]
+        first = asyncio.run(
+            run_batch(p, key, [{"messages": m, "max_tokens": args.file_tokens} for m in prompts])
+        )
         files = first["texts"]
         predictions = [edit_lines(f, args.edit_share, i) for i, f in enumerate(files)]
         for concurrent in (1, args.concurrent):
             row: dict[str, Any] = {"workload": "code_edit", "concurrent": concurrent}
             for side in ("without", "with"):
+
                 def one(side: str = side, concurrent: int = concurrent) -> dict[str, Any]:
-                    requests = [{"messages": prompts[i], "max_tokens": args.file_tokens,
-                                 **({"prediction": {"type": "content", "content": predictions[i]}}
-                                    if side == "with" else {})} for i in range(concurrent)]
+                    requests = [
+                        {
+                            "messages": prompts[i],
+                            "max_tokens": args.file_tokens,
+                            **(
+                                {"prediction": {"type": "content", "content": predictions[i]}}
+                                if side == "with"
+                                else {}
+                            ),
+                        }
+                        for i in range(concurrent)
+                    ]
                     return asyncio.run(run_batch(p, key, requests))
 
                 row[side] = best_of(args.repeat, one)
@@ -153,6 +184,53 @@ def code_edit(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def own_output(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The prediction is the model's own previous answer, unedited, one request at a time, on the
+    platform's default tiny model (``tollgate up``'s): the gateway tokenizes that text its own way, which
+    the model's tokens need not follow."""
+    from engine.tiny import create_tiny_checkpoint
+
+    engine_args = ["--max-num-seqs", "64", "--num-kv-blocks", "2048"]
+    with platform(
+        real_engine_args=engine_args, model=MODEL, checkpoint=lambda d: create_tiny_checkpoint(d)
+    ) as p:
+        key = p.create_tenant_key(rpm_limit=10**6, tpm_limit=10**9)
+        prompts = [
+            [{"role": "user", "content": f"Write module number {i} of the billing service."}]
+            for i in range(4)
+        ]
+        first = asyncio.run(
+            run_batch(p, key, [{"messages": m, "max_tokens": args.file_tokens} for m in prompts])
+        )
+        row: dict[str, Any] = {"workload": "own_output", "concurrent": 1}
+        for side in ("without", "with"):
+
+            def one(side: str = side) -> dict[str, Any]:
+                return asyncio.run(
+                    run_batch(
+                        p,
+                        key,
+                        [
+                            {
+                                "messages": m,
+                                "max_tokens": args.file_tokens,
+                                **(
+                                    {"prediction": {"type": "content", "content": text}}
+                                    if side == "with"
+                                    else {}
+                                ),
+                            }
+                            for m, text in zip(prompts[:1], first["texts"][:1], strict=True)
+                        ],
+                    )
+                )
+
+            row[side] = best_of(args.repeat, one)
+        row["speedup"] = row["with"]["tok_s"] / row["without"]["tok_s"]
+        row["same_answers"] = same_share(row["without"]["texts"], row["with"]["texts"])
+    return [row]
+
+
 def agent_loop(args: argparse.Namespace) -> list[dict[str, Any]]:
     from engine.copying import create_copying_checkpoint
 
@@ -160,8 +238,10 @@ def agent_loop(args: argparse.Namespace) -> list[dict[str, Any]]:
     documents = [tool_output(rng) for _ in range(max(args.agent_requests, args.saturated))]
 
     def request(doc: str) -> dict[str, Any]:
-        return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc}],
-                "max_tokens": 512}
+        return {
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc}],
+            "max_tokens": 512,
+        }
 
     sides: dict[str, dict[str, Any]] = {}
     for speculation in ("off", "auto"):
@@ -171,33 +251,58 @@ def agent_loop(args: argparse.Namespace) -> list[dict[str, Any]]:
             asyncio.run(run_batch(p, key, [request(documents[0])]))  # warm-up
 
             def sequential(p: Platform = p, key: str = key) -> dict[str, Any]:
-                runs = [asyncio.run(run_batch(p, key, [request(d)]))
-                        for d in documents[: args.agent_requests]]
-                total = {k: sum(r[k] for r in runs) for k in ("output_tokens", "seconds", "steps",
-                                                              "accepted_prediction_tokens",
-                                                              "rejected_prediction_tokens")}
-                return {**total, "requests": len(runs), "tok_s": total["output_tokens"] / total["seconds"],
-                        "steps_per_token": total["steps"] / total["output_tokens"],
-                        "texts": [t for r in runs for t in r["texts"]]}
+                runs = [
+                    asyncio.run(run_batch(p, key, [request(d)])) for d in documents[: args.agent_requests]
+                ]
+                total = {
+                    k: sum(r[k] for r in runs)
+                    for k in (
+                        "output_tokens",
+                        "seconds",
+                        "steps",
+                        "accepted_prediction_tokens",
+                        "rejected_prediction_tokens",
+                    )
+                }
+                return {
+                    **total,
+                    "requests": len(runs),
+                    "tok_s": total["output_tokens"] / total["seconds"],
+                    "steps_per_token": total["steps"] / total["output_tokens"],
+                    "texts": [t for r in runs for t in r["texts"]],
+                }
 
             sides[speculation] = {
                 "agent": best_of(args.repeat, sequential),
-                "saturated": best_of(args.repeat, lambda p=p, key=key: asyncio.run(
-                    run_batch(p, key, [request(d) for d in documents[: args.saturated]]))),
+                "saturated": best_of(
+                    args.repeat,
+                    lambda p=p, key=key: asyncio.run(
+                        run_batch(p, key, [request(d) for d in documents[: args.saturated]])
+                    ),
+                ),
             }
     results = []
     for workload, concurrent in (("agent", 1), ("saturated", args.saturated)):
         off, auto = sides["off"][workload], sides["auto"][workload]
         quoted = sum(t in d for t, d in zip(off["texts"], documents, strict=False)) / len(off["texts"])
-        results.append({"workload": f"agent_loop_{workload}", "concurrent": concurrent, "without": off,
-                        "with": auto, "speedup": auto["tok_s"] / off["tok_s"], "answers_quoting": quoted,
-                        "same_answers": same_share(off["texts"], auto["texts"])})
+        results.append(
+            {
+                "workload": f"agent_loop_{workload}",
+                "concurrent": concurrent,
+                "without": off,
+                "with": auto,
+                "speedup": auto["tok_s"] / off["tok_s"],
+                "answers_quoting": quoted,
+                "same_answers": same_share(off["texts"], auto["texts"]),
+            }
+        )
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--file-tokens", type=int, default=256)
     parser.add_argument("--edit-share", type=float, default=0.1)
     parser.add_argument("--concurrent", type=int, default=16)
@@ -205,28 +310,63 @@ def main() -> None:
     parser.add_argument("--saturated", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/out/speculative.json")
+    parser.add_argument("--skip-agent-loop", action="store_true", help="only the Predicted Outputs workloads")
     args = parser.parse_args()
 
-    results = code_edit(args) + agent_loop(args)
-    labels = {"code_edit": "code edit, prediction vs none", "agent_loop_agent": "agent loop, auto vs off",
-              "agent_loop_saturated": "saturated agent loop, auto vs off"}
-    rows = [[f"{labels[r['workload']]}, {r['concurrent']} at once", f"{r['without']['tok_s']:,.0f}",
-             f"{r['with']['tok_s']:,.0f}", f"{r['speedup']:.2f}x",
-             f"{r['without']['steps_per_token'] * r['concurrent']:.2f}",
-             f"{r['with']['steps_per_token'] * r['concurrent']:.2f}",
-             f"{r['with']['accepted_prediction_tokens']} / {r['with']['rejected_prediction_tokens']}",
-             f"{r['same_answers']:.0%}"]
-            for r in results]
-    print(f"Speculative decoding through the platform (official openai SDK), {machine_description('cpu')}, "
-          f"best of {args.repeat}")
-    print(format_table(["workload", "tok/s without", "tok/s with", "speed-up", "steps/token/request without",
-                        "with", "accepted / rejected", "same answers"], rows))
+    results = code_edit(args) + own_output(args) + ([] if args.skip_agent_loop else agent_loop(args))
+    labels = {
+        "code_edit": "code edit, prediction vs none",
+        "agent_loop_agent": "agent loop, auto vs off",
+        "own_output": "own answer predicted, prediction vs none",
+        "agent_loop_saturated": "saturated agent loop, auto vs off",
+    }
+    rows = [
+        [
+            f"{labels[r['workload']]}, {r['concurrent']} at once",
+            f"{r['without']['tok_s']:,.0f}",
+            f"{r['with']['tok_s']:,.0f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['without']['steps_per_token'] * r['concurrent']:.2f}",
+            f"{r['with']['steps_per_token'] * r['concurrent']:.2f}",
+            f"{r['with']['accepted_prediction_tokens']} / {r['with']['rejected_prediction_tokens']}",
+            f"{r['same_answers']:.0%}",
+        ]
+        for r in results
+    ]
+    print(
+        f"Speculative decoding through the platform (official openai SDK), {machine_description('cpu')}, "
+        f"best of {args.repeat}"
+    )
+    print(
+        format_table(
+            [
+                "workload",
+                "tok/s without",
+                "tok/s with",
+                "speed-up",
+                "steps/token/request without",
+                "with",
+                "accepted / rejected",
+                "same answers",
+            ],
+            rows,
+        )
+    )
     for r in results:
         for side in ("without", "with"):
             r[side].pop("texts")
-    write_json(args.out, {"benchmark": "speculative", "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                          "machine": machine_description("cpu"), "file_tokens": args.file_tokens,
-                          "edit_share": args.edit_share, "repeat": args.repeat, "results": results})
+    write_json(
+        args.out,
+        {
+            "benchmark": "speculative",
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": machine_description("cpu"),
+            "file_tokens": args.file_tokens,
+            "edit_share": args.edit_share,
+            "repeat": args.repeat,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -207,8 +207,12 @@ class LLMEngine:
             for index in range(params.n)
         ]
         if self.speculation is not None and pooling is None and speculates(params):
+            tokenizer = self.tokenizer
+            text = {} if tokenizer is None else dict(
+                token_bytes=tokenizer.token_bytes,
+                encode=lambda s: tokenizer.encode(s, add_special_tokens=False))  # fmt: skip
             for seq in seqs:
-                seq.speculation = self.speculation.state(predicted)
+                seq.speculation = self.speculation.state(predicted, **text)
         self.outputs.add(request_id, prompt, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)

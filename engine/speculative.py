@@ -12,8 +12,9 @@ known tokens only, so they never enter the prefix cache or a tier, and the next 
 Proposers (per sequence, pure Python, nothing shared between requests, let alone tenants):
 
 - ``PredictionProposer``: the request's ``prediction`` (OpenAI's Predicted Outputs, tokenized by the
-  gateway), followed along the output. After a mismatch (an edit inserted or deleted text) it re-anchors
-  on the last ``anchor`` output tokens: the next place after its cursor where the prediction has them.
+  gateway), followed along the output by text (bytes), so that the model writing the same text in other
+  tokens does not lose it. After a mismatch (an edit inserted or deleted text) it re-anchors on the
+  output's last bytes: the next place after its cursor where the prediction's text has them.
 - ``PromptLookupProposer``: automatic speculation for every request: the tokens that followed the most
   recent earlier occurrence of the output's last ``n`` tokens (n from ``max_ngram`` down to
   ``min_ngram``) in the request's own prompt and output (agents quote their context).
@@ -30,7 +31,7 @@ Torch-free: unit-tested on any machine.
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,21 +43,63 @@ _ACCEPTANCE_EWMA = 0.3
 MODES = ("auto", "prediction", "off")
 
 
-class PredictionProposer:
-    """Drafts from a predicted output. The cursor follows the output along the prediction; after a
-    mismatch it is lost until the output's last ``anchor`` tokens appear in the prediction again, at or
-    after the cursor (an edit replaced, inserted or deleted text, and the rest of the file still
-    matches); the drafts then continue from there. It counts the prediction's tokens by position: those
-    drafted that made it into the output (``num_accepted``) and those drafted that did not
-    (``num_rejected``), each position at most once, however often a re-anchored draft is tried again."""
+def _id_bytes(token_id: int) -> bytes:
+    """A token as four bytes of its id: the "text" of a model without a tokenizer."""
+    return token_id.to_bytes(4, "big")
 
-    def __init__(self, prediction: list[int], anchor: int = 3) -> None:
+
+def _id_encode(text: bytes) -> list[int]:
+    return [int.from_bytes(text[i:i + 4], "big") for i in range(0, len(text) - len(text) % 4, 4)]
+
+
+class PredictionProposer:
+    """Drafts from a predicted output, followed by its text (bytes), not by its token ids.
+
+    OpenAI's Predicted Outputs are text, and the same text has many tokenizations: the gateway tokenizes
+    the prediction one way, and the model may write the same characters in other tokens. So the cursor is
+    a byte offset into the prediction's text, moved along by the bytes of each token the output gains.
+    Drafts are the prediction's own tokens from the cursor where it sits on one of their boundaries, else
+    the prediction's next text re-tokenized from the cursor (``encode``). After a mismatch the cursor is
+    lost until the output's last ``anchor`` bytes appear in the prediction again, at or after the cursor
+    (an edit replaced, inserted or deleted text, and the rest still matches); the drafts continue there.
+
+    It counts the prediction's tokens as drafted: those that made it into the output (``num_accepted``)
+    and those that did not (``num_rejected``), each draft position (its byte offset) at most once,
+    however often a re-anchored draft is tried again. ``token_bytes``/``encode``: the tokenizer's (a
+    token id as its bytes; text to token ids); without them token ids stand for themselves.
+
+    Where the cursor is not on a boundary of the prediction's tokens, the model is writing the text in its
+    own way (a random or fine-tuned model may prefer "LE" + "LE" where the tokenizer says "L" + "EL"):
+    the drafts are then the model's own earlier tokens that spelled the upcoming text, found in its
+    output so far, and only failing that the text re-tokenized."""
+
+    def __init__(self, prediction: list[int], anchor: int = 12,
+                 token_bytes: Callable[[int], bytes] | None = None,
+                 encode: Callable[[str], list[int]] | None = None) -> None:
         self.prediction = list(prediction)
-        self.anchor = anchor
-        self.cursor = 0  # the prediction's token expected next (while lost: where it last matched)
+        self._token_bytes = token_bytes or _id_bytes
+        self._encode: Callable[[bytes], list[int]]
+        if encode is None:
+            self._encode = _id_encode
+            self.anchor = 3 * 4  # three tokens' ids
+        else:
+            text_encode = encode
+            self._encode = lambda raw: text_encode(_whole_characters(raw))
+            self.anchor = anchor
+        pieces = [self._token_bytes(t) for t in self.prediction]
+        self.text = b"".join(pieces)
+        self._starts: dict[int, int] = {}  # byte offset of a prediction token -> its index
+        offset = 0
+        for index, piece in enumerate(pieces):
+            self._starts.setdefault(offset, index)
+            offset += len(piece)
+        self.cursor = 0  # the prediction's byte expected next (while lost: where it last matched)
         self.lost = False
-        self._ends: dict[tuple[int, ...], list[int]] | None = None  # anchor-gram -> its end positions
-        self._draft_start = 0
+        self._tail = b""  # the output's last bytes, for re-anchoring
+        self._output: list[int] = []  # the output's tokens, their bytes and where each starts in them
+        self._output_text = bytearray()
+        self._output_starts: dict[int, int] = {}
+        self._draft_offsets: list[int] = []
         self._accepted: set[int] = set()
         self._rejected: set[int] = set()
 
@@ -70,53 +113,102 @@ class PredictionProposer:
 
     def ready(self) -> bool:
         """Whether it has something to draft (not lost, not used up)."""
-        return not self.lost and self.cursor < len(self.prediction)
+        return not self.lost and self.cursor < len(self.text)
 
     def observe(self, output: list[int], num_new: int) -> None:
-        """The output grew by its last ``num_new`` tokens: move the cursor along the prediction."""
-        prediction = self.prediction
-        for end in range(len(output) - num_new, len(output)):
-            token = output[end]
-            if not self.lost and self.cursor < len(prediction) and prediction[self.cursor] == token:
-                self.cursor += 1
+        """The output grew by its last ``num_new`` tokens: move the cursor along the prediction's text."""
+        text = self.text
+        for token in output[len(output) - num_new:]:
+            piece = self._token_bytes(token)
+            self._tail = (self._tail + piece)[-4 * self.anchor:]
+            self._output_starts[len(self._output_text)] = len(self._output)
+            self._output.append(token)
+            self._output_text += piece
+            if not piece:
                 continue
-            found = self._find(output[max(0, end + 1 - self.anchor):end + 1])
+            if not self.lost and text.startswith(piece, self.cursor):
+                self.cursor += len(piece)
+                continue
+            found = self._find(self._tail[-self.anchor:])
             self.lost = found is None
             if found is not None:
                 self.cursor = found
 
-    def _find(self, tail: list[int]) -> int | None:
-        """Just after the first place at or after the cursor where the prediction holds ``tail``
-        (an index of the prediction's anchor-grams, built on the first miss, then a bisection)."""
+    def _find(self, tail: bytes) -> int | None:
+        """Just after the first place at or after the cursor where the prediction's text holds ``tail``."""
         if len(tail) < self.anchor:
             return None
-        if self._ends is None:
-            ends: dict[tuple[int, ...], list[int]] = {}
-            p, n = self.prediction, self.anchor
-            for start in range(len(p) - n + 1):
-                ends.setdefault(tuple(p[start:start + n]), []).append(start + n)
-            self._ends = ends
-        positions = self._ends.get(tuple(tail))
-        if not positions:
-            return None
-        i = bisect.bisect_left(positions, self.cursor + self.anchor)
-        return positions[i] if i < len(positions) else None
+        at = self.text.find(tail, self.cursor)
+        return None if at < 0 else at + len(tail)
 
     def propose(self, tokens: list[int], max_draft: int) -> list[int]:
-        if not self.ready():
+        if not self.ready() or max_draft <= 0:
             return []
-        self._draft_start = self.cursor
-        return self.prediction[self.cursor:self.cursor + max_draft]
+        index = self._starts.get(self.cursor)
+        if index is not None:
+            drafts = self.prediction[index:index + max_draft]
+        else:  # the output left the prediction's tokenization
+            window = self.text[self.cursor:self.cursor + 16 * max_draft]
+            drafts = self._as_written_before(window, max_draft)
+            if not drafts:  # its next text, tokenized from here
+                drafts = self._encode(window)
+                if self.cursor + len(window) < len(self.text):
+                    drafts = drafts[:-1]  # the window may have cut the last token short
+                drafts = drafts[:max_draft]
+        # Keep the drafts whose bytes follow the prediction's text from the cursor; note where each starts.
+        self._draft_offsets = []
+        offset = self.cursor
+        for i, token in enumerate(drafts):
+            piece = self._token_bytes(token)
+            if not piece or not self.text.startswith(piece, offset):
+                drafts = drafts[:i]
+                break
+            self._draft_offsets.append(offset)
+            offset += len(piece)
+        return drafts
+
+    def _as_written_before(self, upcoming: bytes, max_draft: int) -> list[int]:
+        """The model's own tokens that last spelled the start of ``upcoming`` in its output (from one of
+        its token boundaries, as many as keep matching), or []."""
+        key = upcoming[:8]
+        text, end = self._output_text, len(self._output_text)
+        while key:
+            at = text.rfind(key, 0, end)
+            if at < 0:
+                return []
+            end = at + len(key) - 1
+            index = self._output_starts.get(at)
+            if index is None:
+                continue
+            drafts, offset = [], 0
+            for token in self._output[index:index + max_draft]:
+                piece = self._token_bytes(token)
+                if not piece or not upcoming.startswith(piece, offset):
+                    break
+                drafts.append(token)
+                offset += len(piece)
+            if drafts:
+                return drafts
+        return []
 
     def verified(self, num_drafted: int, num_kept: int) -> None:
         """The last drafts were verified: the first ``num_kept`` made it into the output."""
-        start = self._draft_start
-        for position in range(start, start + num_drafted):
-            if position < start + num_kept:
-                self._accepted.add(position)
-                self._rejected.discard(position)
-            elif position not in self._accepted:
-                self._rejected.add(position)
+        for i, offset in enumerate(self._draft_offsets[:num_drafted]):
+            if i < num_kept:
+                self._accepted.add(offset)
+                self._rejected.discard(offset)
+            elif offset not in self._accepted:
+                self._rejected.add(offset)
+
+
+def _whole_characters(raw: bytes) -> str:
+    """``raw`` as text, without a character its end cuts short (a window of the prediction's bytes)."""
+    for cut in range(4):
+        try:
+            return raw[:len(raw) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return raw.decode("utf-8", errors="ignore")
 
 
 class PromptLookupProposer:
@@ -214,10 +306,13 @@ class SpeculationPolicy:
         return cls(max_draft=config.num_speculative_tokens, max_prediction_draft=config.num_prediction_tokens,
                    max_batch=config.speculative_max_batch, automatic=config.speculation == "auto")
 
-    def state(self, prediction: list[int] | None) -> SpeculationState | None:
-        """A new sequence's speculation: following its prediction, else (automatic) its own tokens."""
+    def state(self, prediction: list[int] | None, token_bytes: Callable[[int], bytes] | None = None,
+              encode: Callable[[str], list[int]] | None = None) -> SpeculationState | None:
+        """A new sequence's speculation: following its prediction (by text, with the tokenizer's
+        ``token_bytes`` and ``encode``), else (automatic) its own tokens."""
         if prediction:
-            return SpeculationState(PredictionProposer(prediction), True)
+            proposer = PredictionProposer(prediction, token_bytes=token_bytes, encode=encode)
+            return SpeculationState(proposer, True)
         if self.automatic and self.max_draft > 0:
             return SpeculationState(PromptLookupProposer(), False)
         return None

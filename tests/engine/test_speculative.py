@@ -277,10 +277,62 @@ def test_a_prediction_token_is_counted_once_accepted_or_rejected() -> None:
     assert proposer.propose([], 6) == list(range(100, 106))
     proposer.verified(6, 2)  # positions 0, 1 stand; 2..5 fall
     assert (proposer.num_accepted, proposer.num_rejected) == (2, 4)
-    proposer.cursor = 2
+    proposer.cursor = 2 * 4  # (without a tokenizer a token's "text" is its id's four bytes)
     assert proposer.propose([], 6) == list(range(102, 108))
     proposer.verified(6, 6)  # 2..7 all stand now
     assert (proposer.num_accepted, proposer.num_rejected) == (8, 0)
+
+
+def test_a_prediction_is_followed_by_its_text_when_the_output_tokenizes_it_otherwise(
+    tiny_llama_dir: Path,
+) -> None:
+    """The model writes the predicted text in other tokens (here: one character at a time): the cursor
+    follows the bytes, and the drafts resume with the prediction's next text, tokenized from there."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(tiny_llama_dir)
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    prediction = tok.encode(text, add_special_tokens=False)
+    proposer = PredictionProposer(prediction, token_bytes=tok.token_bytes,
+                                  encode=lambda s: tok.encode(s, add_special_tokens=False))
+    output: list[int] = []
+    written = ""
+    for char in "def fib":  # character by character: no boundary of the prediction's tokens is kept
+        output += tok.encode(char, add_special_tokens=False)
+        written += char
+        proposer.observe(output, len(tok.encode(char, add_special_tokens=False)))
+    assert not proposer.lost and proposer.cursor == len(written.encode())
+    drafts = proposer.propose(output, 6)
+    assert drafts and tok.decode(drafts) == text[len(written):len(written) + len(tok.decode(drafts))]
+    # An edit: the model writes something else, then returns to the predicted text; it re-anchors.
+    for piece in [" # changed", "(n):\n    return n if n < 2 else"]:
+        ids = tok.encode(piece, add_special_tokens=False)
+        output += ids
+        proposer.observe(output, len(ids))
+    assert not proposer.lost
+    assert tok.decode(proposer.propose(output, 4)).startswith(" fib")
+    proposer.verified(4, 2)
+    assert (proposer.num_accepted, proposer.num_rejected) == (2, 2)
+
+
+def test_the_models_own_answer_as_a_prediction_is_followed_whole(tiny_llama_dir: Path) -> None:
+    """A client sends back the model's own answer as the prediction: as text, which the gateway
+    tokenizes its own way (the random model writes "LE" + "LE" where the tokenizer says "L" + "EL").
+    Followed by text, with the model's own spellings as drafts, the answer is identical and most of the
+    prediction is accepted (followed by token ids, under half was)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=256)
+    with LLM(str(tiny_llama_dir)) as llm:
+        tok = llm.tokenizer
+        request = "Write module number 0 of the billing service."
+        prompt = tok.encode_chat([{"role": "user", "content": request}])
+        answer = llm.generate([prompt], greedy)[0]
+        prediction = tok.encode(answer.text, add_special_tokens=False)
+        assert prediction != answer.token_ids  # the same text, other tokens
+        result = _run(llm.engine, [(prompt, greedy, prediction)])["r0"]
+    assert result["tokens"][0] == answer.token_ids
+    usage = result["usage"]
+    assert usage.accepted_prediction_tokens >= 0.7 * len(answer.token_ids)
+    assert usage.rejected_prediction_tokens <= 0.2 * len(answer.token_ids)
 
 
 def test_drafts_take_only_unused_blocks_after_everything_else_is_scheduled() -> None:
