@@ -12,52 +12,28 @@ runs the module with one intra-op torch thread and restores the previous count a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.tiny import create_tiny_checkpoint
+from engine.tiny import ARCHS, create_tiny_checkpoint
 
 
-def _tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
-    return create_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}"), arch=arch, seed=0)
+def _tiny_fixture(arch: str) -> Callable[[pytest.TempPathFactory], Path]:
+    """A session fixture ``tiny_<arch>_dir``: ``engine.tiny``'s checkpoint of ``arch``, written once."""
+
+    def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return create_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}"), arch=arch, seed=0)
+
+    return pytest.fixture(scope="session", name=f"tiny_{arch}_dir")(tiny)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory, "llama")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory, "qwen2")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory, "qwen3")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory, "qwen3_moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory, "mixtral")
-
-
-@pytest.fixture(scope="session")
-def tiny_glm4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory, "glm4_moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny(tmp_path_factory, "gpt_oss")
+# tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_qwen3_moe_dir, tiny_mixtral_dir, tiny_glm4_moe_dir,
+# tiny_gpt_oss_dir: one per architecture engine.tiny writes.
+for _arch in ARCHS:
+    globals()[f"tiny_{_arch}_dir"] = _tiny_fixture(_arch)
 
 
 def transformers_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str, seed: int = 1) -> Path:

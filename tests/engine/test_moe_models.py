@@ -62,7 +62,8 @@ def _prefill_logits(
         f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
         if isinstance(getattr(meta, f.name), torch.Tensor)
     })  # fmt: skip
-    caches = [torch.zeros(2, num_blocks, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+    dtype = model.model.embed_tokens.weight.dtype  # the model's (its FP8 layers' weights are not)
+    caches = [torch.zeros(2, num_blocks, BLOCK, args.num_kv_heads, args.head_dim, device=device, dtype=dtype)
               for _ in range(args.num_layers)]  # fmt: skip
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     with torch.inference_mode():
