@@ -329,3 +329,37 @@ def test_pods_run_unprivileged(manifests):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert container(manifests.workload("gateway"), "gateway")["resources"]["requests"]["cpu"]
+
+
+# Kinds with no namespace (the API server ignores one on them).
+CLUSTER_SCOPED = {"Namespace", "StorageClass", "PriorityClass", "ClusterRole", "ClusterRoleBinding",
+                  "CustomResourceDefinition", "RuntimeClass"}
+
+
+def test_every_namespaced_object_lands_in_the_namespace(manifests):
+    """``kubectl apply -k`` of an overlay puts every object in the one namespace, the components' too:
+    a component's object without one would land in ``default``, where its Secrets, Services and targets
+    are not (the bundled Postgres could not read its password; KEDA would find no StatefulSet)."""
+    strays = [(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))
+              for o in manifests.objects
+              if o["kind"] not in CLUSTER_SCOPED and o["metadata"].get("namespace") != manifests.namespace]
+    assert not strays, f"{manifests.overlay}: outside {manifests.namespace}: {strays}"
+
+
+def test_every_reference_resolves_inside_the_rendered_set(manifests):
+    """What an object names (a ScaledObject's target and its TriggerAuthentication, a ServiceMonitor's
+    Services, a pool's headless Service and its namespace in tollgate.toml, a Service a URL names) is
+    rendered beside it, in the same namespace."""
+    for scaled in manifests.of_kind("ScaledObject"):
+        target = scaled["spec"]["scaleTargetRef"]
+        assert manifests.has(target.get("kind", "Deployment"), target["name"]), target
+        for trigger in scaled["spec"]["triggers"]:
+            auth = trigger.get("authenticationRef")
+            if auth:
+                assert manifests.has(auth.get("kind", "TriggerAuthentication"), auth["name"]), auth
+    for monitor in manifests.of_kind("ServiceMonitor"):
+        assert any(selects(monitor["spec"]["selector"], s["metadata"].get("labels", {}))
+                   for s in manifests.of_kind("Service")), monitor["metadata"]["name"]
+    for host in re.findall(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc", manifests.tollgate_toml_text()):
+        service, namespace = host
+        assert namespace == manifests.namespace and manifests.has("Service", service), host
