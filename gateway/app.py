@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tollgate.db import Database
-from tollgate.redis import create_redis
+from tollgate.redis import create_redis, warn_if_not_durable
 from tollgate.settings import Settings, get_settings
 
 
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None, extensions: Sequence[ModuleType]) -> F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db = Database.from_settings(settings)
         app.state.redis = create_redis(settings)
+        await warn_if_not_durable(app.state.redis)
         try:
             async with AsyncExitStack() as stack:
                 for extension in loaded:

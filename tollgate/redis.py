@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -23,6 +24,8 @@ import redis
 import redis.asyncio as aioredis
 
 from tollgate.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "tollgate:"
 INVALIDATE_CHANNEL = KEY_PREFIX + "invalidate"
@@ -87,6 +90,22 @@ async def check_durability(client: aioredis.Redis) -> list[str]:
     policy = config.get("maxmemory-policy")
     if policy != "noeviction":
         problems.append(f"maxmemory-policy is {policy!r}, not 'noeviction': counters could be evicted")
+    return problems
+
+
+async def warn_if_not_durable(client: aioredis.Redis) -> list[str]:
+    """Log (and return) ``check_durability``'s problems of the server ``client`` uses, at a process's
+    start: a managed Redis is configured by its provider, and one that evicts or does not persist loses
+    admission counters and usage records quietly. A server that refuses ``CONFIG GET`` (some managed
+    ones do) or cannot be reached yet is logged as unchecked, never a reason not to start."""
+    try:
+        problems = await check_durability(client)
+    except (redis.RedisError, OSError) as exc:
+        logger.warning("could not check the Redis server's durability settings (%s): make sure it has "
+                       "appendonly yes and maxmemory-policy noeviction", exc)
+        return []
+    for problem in problems:
+        logger.warning("Redis server: %s", problem)
     return problems
 
 

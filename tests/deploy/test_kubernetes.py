@@ -363,3 +363,15 @@ def test_every_reference_resolves_inside_the_rendered_set(manifests):
     for host in re.findall(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc", manifests.tollgate_toml_text()):
         service, namespace = host
         assert namespace == manifests.namespace and manifests.has("Service", service), host
+
+
+def test_the_bundled_redis_refuses_writes_before_its_memory_limit(manifests):
+    """noeviction without maxmemory is an OOM kill: the bundled Redis stops short of its limit."""
+    if not manifests.has("StatefulSet", "redis"):
+        pytest.skip(f"{manifests.overlay} uses an external Redis")
+    redis_container = container(manifests.get("StatefulSet", "redis"), "redis")
+    words = argv(redis_container)
+    assert option(words, "--maxmemory-policy") == "noeviction"
+    maxmemory = option(words, "--maxmemory")
+    assert maxmemory.endswith("mb") and int(maxmemory[:-2]) / 1024 < 0.8 * quantity_gib(
+        redis_container["resources"]["limits"]["memory"])

@@ -91,6 +91,36 @@ async def test_local_redis_is_durable_and_never_evicts(private_redis):
         await client.aclose()
 
 
+async def test_a_server_that_evicts_or_does_not_persist_is_reported_at_start(private_redis, caplog):
+    """What the gateway logs when it starts against a Redis that is not fit (a managed one, configured by
+    its provider), and against one that refuses CONFIG GET: a warning, never a refusal to start."""
+    import logging
+
+    import redis as redis_sync
+
+    from tollgate.redis import warn_if_not_durable
+
+    client = aioredis.Redis.from_url(private_redis.url)
+    try:
+        await client.config_set("appendonly", "no")
+        with caplog.at_level(logging.WARNING, logger="tollgate.redis"):
+            problems = await warn_if_not_durable(client)
+        assert len(problems) == 1 and "appendonly" in problems[0]
+        assert "Redis server: appendonly is not 'yes'" in caplog.text
+    finally:
+        await client.config_set("appendonly", "yes")
+        await client.aclose()
+
+    class NoConfig:
+        async def config_get(self, name: str) -> dict:
+            raise redis_sync.ResponseError("unknown command 'CONFIG'")
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tollgate.redis"):
+        assert await warn_if_not_durable(NoConfig()) == []  # type: ignore[arg-type]
+    assert "could not check the Redis server's durability settings" in caplog.text
+
+
 def test_redis_url_refuses_unknown_database_index(tmp_path: Path):
     server = LocalRedis(tmp_path, tmp_path / "redis-server", port=6390, password="pw", databases=4)
     assert server.url(3).endswith(":6390/3")
