@@ -189,6 +189,11 @@ class AsyncEngine:
         self._pins: dict[str, str] = {}
         self._stats = engine.stats()
         self.metrics = EngineMetrics(self.stats, self.model_name, pool)
+        # Liveness (``stalled``): when the loop last finished a step or went idle, and how many steps in a
+        # row have failed (a poisoned device fails every one).
+        self._last_progress = time.monotonic()
+        self._step_started: float | None = None  # while a step runs: when it began
+        self._failed_steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -198,6 +203,27 @@ class AsyncEngine:
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
+
+    def stalled(self, stall_s: float, max_failed_steps: int = 3) -> str | None:
+        """Why this replica should be restarted, or None: its loop thread is gone, it has had work for
+        ``stall_s`` seconds without finishing a step (a hung kernel, a collective waiting on a dead
+        tensor-parallel rank), or its last ``max_failed_steps`` steps all failed (a device error)."""
+        if self._stopping:
+            return None
+        if not self._thread.is_alive():
+            return "the engine loop thread has exited"
+        if self._failed_steps >= max_failed_steps:
+            return f"the last {self._failed_steps} engine steps failed"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > stall_s:
+            return f"no engine step has finished for {time.monotonic() - started:.0f} s: one is stuck"
+        with self._cond:
+            busy = bool(self._adds or self._aborts or self._purges)
+        busy = busy or self._stats.num_running > 0 or self._stats.num_waiting > 0
+        idle_for = time.monotonic() - self._last_progress
+        if busy and idle_for > stall_s:
+            return f"no engine step has finished for {idle_for:.0f} s with requests queued"
+        return None
 
     def info(self) -> dict[str, Any]:
         e = self.engine
@@ -381,6 +407,7 @@ class AsyncEngine:
             with self._cond:
                 while not (self._adds or self._aborts or self._purges or self._stopping
                            or engine.has_unfinished()):
+                    self._last_progress = time.monotonic()  # idle is not stalled
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -403,10 +430,16 @@ class AsyncEngine:
             try:
                 for request_id in aborts:
                     engine.abort(request_id)
+                self._step_started = time.monotonic()
                 deltas = engine.step()
+                self._step_started = None
                 self._stats = engine.stats()
+                self._last_progress = time.monotonic()
+                self._failed_steps = 0
                 self._deliver(deltas)
             except Exception:
+                self._step_started = None
+                self._failed_steps += 1
                 logger.exception("engine step failed; failing every in-flight request")
                 self._fail_all()
         self._fail_all_streams(EngineError("the engine shut down"))

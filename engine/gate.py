@@ -41,7 +41,7 @@ from engine.protocol import DRAINING_CODE, INTERNAL_TOKEN_CODE, ErrorInfo, Error
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 GENERATE_PATH = "/generate"
 MIN_TOKEN_CHARS = 16
 DEFAULT_DRAIN_TIMEOUT_S = 120.0

@@ -274,9 +274,11 @@ def encode_record(record: BaseModel) -> bytes:
 
 class HealthResponse(BaseModel):
     """``GET /health``: 200 with ``ok`` while the replica takes requests, 503 with ``draining`` once it
-    got SIGTERM."""
+    got SIGTERM. ``GET /live``: 200 ``ok``, or 503 ``stalled`` with the ``reason`` when the replica cannot
+    recover by itself (its step loop stopped with requests queued, its steps keep failing)."""
 
-    status: Literal["ok", "draining"] = "ok"
+    status: Literal["ok", "draining", "stalled"] = "ok"
+    reason: str | None = None
     model: str
     pool: str
 

@@ -87,6 +87,9 @@ MAX_EVENTS_WAIT_S = 10.0
 # How long ``/abort`` waits for the aborted request's final usage: an abort takes effect between steps, so
 # one step (a long prefill chunk on a CPU: well under a second) plus the delivery.
 ABORT_USAGE_WAIT_S = 5.0
+# /live: a replica whose step loop has not finished a step for this long with requests queued is stuck (a
+# step takes milliseconds to seconds; the first compiles are done before the server starts).
+LIVENESS_STALL_S = float(os.environ.get("TOLLGATE_ENGINE_LIVENESS_STALL_S", "120"))
 
 
 class ServingEngine(Protocol):
@@ -110,6 +113,8 @@ class ServingEngine(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def stalled(self, stall_s: float) -> str | None: ...
 
     def info(self) -> dict[str, Any]: ...
 
@@ -238,6 +243,16 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
     async def health() -> HealthResponse | JSONResponse:
         if drain.draining:  # out of the Service and of every gateway's routing, at once
             body = HealthResponse(status="draining", model=engine.model_name, pool=engine.pool)
+            return JSONResponse(body.model_dump(), status_code=503)
+        return HealthResponse(model=engine.model_name, pool=engine.pool)
+
+    @app.get("/live", response_model=None)
+    async def live() -> HealthResponse | JSONResponse:
+        """Liveness (a Kubernetes liveness probe): 503 ``stalled`` when the replica cannot recover by
+        itself (``AsyncEngine.stalled``); a draining replica is still alive."""
+        reason = engine.stalled(LIVENESS_STALL_S)
+        if reason is not None:
+            body = HealthResponse(status="stalled", model=engine.model_name, pool=engine.pool, reason=reason)
             return JSONResponse(body.model_dump(), status_code=503)
         return HealthResponse(model=engine.model_name, pool=engine.pool)
 

@@ -148,6 +148,10 @@ class SyntheticEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def stalled(self, stall_s: float) -> str | None:
+        """Never: its "steps" are asyncio sleeps on the server's own event loop, which answers the probe."""
+        return None
+
     def purge_cache(self, cache_salt: str | None) -> concurrent.futures.Future[int]:
         gone = [digest for digest, salt in self._cache.items() if salt == cache_salt]
         for digest in gone:

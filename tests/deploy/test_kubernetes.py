@@ -113,7 +113,12 @@ def test_probes_ask_health_on_the_serving_port(manifests):
         main = pod_spec(workload)["containers"][0]
         readiness = main["readinessProbe"]["httpGet"]
         assert readiness["path"] == "/health" and port_number(main, readiness["port"]) == port, name
-        assert port_number(main, main["livenessProbe"]["tcpSocket"]["port"]) == port, name
+        liveness = main["livenessProbe"]
+        if name == "gateway":
+            assert port_number(main, liveness["tcpSocket"]["port"]) == port, name
+        else:  # the engine's own judgement of a stuck step loop or failing device (engine /live)
+            probe = liveness["httpGet"]
+            assert probe["path"] == "/live" and port_number(main, probe["port"]) == port, name
     for name in ("engine-interactive", "engine-batch"):
         main = pod_spec(manifests.workload(name))["containers"][0]
         startup = main["startupProbe"]

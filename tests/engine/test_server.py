@@ -277,3 +277,56 @@ def test_startup_moves_the_loaded_heap_out_of_the_collectors_sight() -> None:
     engine = build_engine("synthetic", pool="loadtest")
     with _Server(create_app(engine)):
         assert gc.get_freeze_count() > 0
+
+
+def test_live_reports_a_stalled_or_failing_loop_and_health_stays_for_routing(tiny_llama_dir: Path) -> None:
+    """``/live`` (the liveness probe) answers 503 ``stalled`` when the step loop has work but finishes no
+    step (here: a step that blocks, as a hung kernel or a collective waiting on a dead rank would), and
+    when steps keep failing (a poisoned device); 200 while idle or busy and progressing."""
+    import engine.server as server_module
+
+    engine = build_engine(str(tiny_llama_dir), pool="interactive", num_kv_blocks=64, max_num_seqs=4,
+                          max_num_batched_tokens=64)
+    release = threading.Event()
+    real_step = engine.engine.step
+    mode = {"hang": False, "fail": False}
+
+    def step():  # type: ignore[no-untyped-def]
+        if mode["hang"]:
+            release.wait(30)
+        if mode["fail"]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step()
+
+    engine.engine.step = step  # type: ignore[method-assign]
+    body = {"request_id": "s1", "prompt_token_ids": list(range(5, 25)), "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    original = server_module.LIVENESS_STALL_S
+    server_module.LIVENESS_STALL_S = 0.5
+    try:
+        with _Server(create_app(engine)) as server:
+            assert httpx.get(f"{server.url}/live", timeout=5).json()["status"] == "ok"  # idle
+            assert httpx.post(f"{server.url}/generate", json=body, timeout=30).status_code == 200
+            mode["hang"] = True
+            request = threading.Thread(target=lambda: httpx.post(
+                f"{server.url}/generate", json=body | {"request_id": "s2"}, timeout=60), daemon=True)
+            request.start()
+            wait_until(lambda: httpx.get(f"{server.url}/live", timeout=5).status_code == 503,
+                       "/live to report the stalled loop", timeout_s=20)
+            stalled = httpx.get(f"{server.url}/live", timeout=5).json()
+            assert stalled["status"] == "stalled" and "one is stuck" in stalled["reason"]
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200  # routing is /health's
+            mode["hang"] = False
+            release.set()
+            request.join(30)
+            wait_until(lambda: httpx.get(f"{server.url}/live", timeout=5).status_code == 200,
+                       "/live to recover")
+            mode["fail"] = True
+            for i in range(3):
+                httpx.post(f"{server.url}/generate", json=body | {"request_id": f"f{i}"}, timeout=30)
+            failing = httpx.get(f"{server.url}/live", timeout=5)
+            assert failing.status_code == 503 and "engine steps failed" in failing.json()["reason"]
+    finally:
+        server_module.LIVENESS_STALL_S = original
+        release.set()
+        engine.shutdown()
