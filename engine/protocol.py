@@ -274,13 +274,21 @@ def encode_record(record: BaseModel) -> bytes:
 
 class HealthResponse(BaseModel):
     """``GET /health``: 200 with ``ok`` while the replica takes requests, 503 with ``draining`` once it
-    got SIGTERM. ``GET /live``: 200 ``ok``, or 503 ``stalled`` with the ``reason`` when the replica cannot
-    recover by itself (its step loop stopped with requests queued, its steps keep failing)."""
+    got SIGTERM."""
 
-    status: Literal["ok", "draining", "stalled"] = "ok"
-    reason: str | None = None
+    status: Literal["ok", "draining"] = "ok"
     model: str
     pool: str
+
+
+class LivenessResponse(BaseModel):
+    """``GET /live``: 200 ``ok``, or 503 ``stalled`` with the ``reason`` when the replica cannot recover
+    by itself (a step stuck, requests waiting with no step finishing, steps that keep failing)."""
+
+    status: Literal["ok", "stalled"] = "ok"
+    model: str
+    pool: str
+    reason: str | None = None
 
 
 class InfoResponse(BaseModel):

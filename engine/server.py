@@ -72,6 +72,7 @@ from engine.protocol import (
     GenerateRequest,
     HealthResponse,
     InfoResponse,
+    LivenessResponse,
     LoadReport,
     PurgeRequest,
     encode_kv_events,
@@ -247,14 +248,15 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
         return HealthResponse(model=engine.model_name, pool=engine.pool)
 
     @app.get("/live", response_model=None)
-    async def live() -> HealthResponse | JSONResponse:
+    async def live() -> LivenessResponse | JSONResponse:
         """Liveness (a Kubernetes liveness probe): 503 ``stalled`` when the replica cannot recover by
         itself (``AsyncEngine.stalled``); a draining replica is still alive."""
         reason = engine.stalled(LIVENESS_STALL_S)
         if reason is not None:
-            body = HealthResponse(status="stalled", model=engine.model_name, pool=engine.pool, reason=reason)
+            body = LivenessResponse(status="stalled", model=engine.model_name, pool=engine.pool,
+                                    reason=reason)
             return JSONResponse(body.model_dump(), status_code=503)
-        return HealthResponse(model=engine.model_name, pool=engine.pool)
+        return LivenessResponse(model=engine.model_name, pool=engine.pool)
 
     @app.get("/info")
     async def info() -> InfoResponse:
