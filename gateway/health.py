@@ -1,9 +1,12 @@
-"""``GET /health``: is this gateway process able to serve? (Used by ``tollgate up``, Docker and load
-balancers.)
+"""``GET /health``: is this gateway process able to serve? (Used by ``tollgate up``, Docker, load
+balancers and the Kubernetes readiness probe.)
 
 Invariants: Postgres (``SELECT 1``) and Redis (``PING``) are checked concurrently, each bounded by
-``settings.health_check_timeout_s``, on every call (nothing cached); 200 only when both answer,
-otherwise 503 naming each failing component and why. No secret or URL is ever included.
+``settings.health_check_timeout_s``, on every call (nothing cached). Redis is the request path's own
+dependency (admission, the usage outbox): without it, 503. Postgres is not on it (keys and prices are
+cached, usage goes through the outbox and is flushed by the worker): without it the gateway still serves
+what it can, so 200 ``degraded`` naming it, rather than every gateway leaving the Service at once during a
+database blip. Each failing component is named with why; no secret or URL is ever included.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ async def health(request: Request) -> JSONResponse:
                                            _check(state.redis.ping(), timeout))
     components = {"postgres": postgres, "redis": redis}
     failing = [name for name, result in components.items() if result["status"] != "ok"]
-    if failing:
+    if "redis" in failing:
         return JSONResponse({"status": "unavailable", "failing": failing, "components": components},
                             status_code=503)
+    if failing:
+        return JSONResponse({"status": "degraded", "failing": failing, "components": components})
     return JSONResponse({"status": "ok", "components": components})

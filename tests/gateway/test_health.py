@@ -1,4 +1,5 @@
-"""``GET /health`` of the gateway app: 200 when Postgres and Redis answer, 503 naming what does not."""
+"""``GET /health`` of the gateway app: 200 when Postgres and Redis answer, 503 naming Redis when it does
+not, 200 ``degraded`` naming Postgres when only it does not (it is not on the request path)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,14 @@ async def test_stopped_redis_makes_health_503_naming_redis(service_settings, pri
     assert private_redis.server.password not in response.text
 
 
-async def test_unreachable_postgres_makes_health_503_naming_postgres(service_settings):
+async def test_unreachable_postgres_leaves_the_gateway_ready_but_degraded(service_settings):
     # The full gateway refuses to start without Postgres (it loads the price book), so this checks the
-    # health extension alone, as it answers once Postgres goes away under a running gateway.
+    # health extension alone, as it answers once Postgres goes away under a running gateway: still ready
+    # (readiness must not empty the Service during a database blip), degraded, naming Postgres.
     dead = f"postgresql://tollgate:secret-pw@127.0.0.1:{free_port()}/tollgate"
     settings = service_settings.model_copy(update={"database_url": dead})
     async with client_for(settings, only_health=True) as client:
         response = await client.get("/health")
-    assert response.status_code == 503
-    assert response.json()["failing"] == ["postgres"]
+    assert response.status_code == 200
+    assert response.json()["status"] == "degraded" and response.json()["failing"] == ["postgres"]
     assert "secret-pw" not in response.text
