@@ -3,10 +3,12 @@ balancers and the Kubernetes readiness probe.)
 
 Invariants: Postgres (``SELECT 1``) and Redis (``PING``) are checked concurrently, each bounded by
 ``settings.health_check_timeout_s``, on every call (nothing cached). Redis is the request path's own
-dependency (admission, the usage outbox): without it, 503. Postgres is not on it (keys and prices are
-cached, usage goes through the outbox and is flushed by the worker): without it the gateway still serves
-what it can, so 200 ``degraded`` naming it, rather than every gateway leaving the Service at once during a
-database blip. Each failing component is named with why; no secret or URL is ever included.
+dependency (admission, the usage outbox): without it, 503. Postgres is not on it once the gateway has its
+price book (keys and prices are cached, usage goes through the outbox and is flushed by the worker):
+without Postgres such a gateway still serves what it can, so 200 ``degraded`` naming it, rather than every
+gateway leaving the Service at once during a database blip; a gateway that never loaded its prices (it
+started during the outage) can serve nothing, so 503. Each failing component is named with why; no secret
+or URL is ever included.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ async def health(request: Request) -> JSONResponse:
                                            _check(state.redis.ping(), timeout))
     components = {"postgres": postgres, "redis": redis}
     failing = [name for name, result in components.items() if result["status"] != "ok"]
-    if "redis" in failing:
+    runtime = getattr(state, "gateway", None)
+    can_serve_without_postgres = runtime is not None and runtime.prices.loaded
+    if "redis" in failing or (failing and not can_serve_without_postgres):
         return JSONResponse({"status": "unavailable", "failing": failing, "components": components},
                             status_code=503)
     if failing:

@@ -46,14 +46,22 @@ async def test_stopped_redis_makes_health_503_naming_redis(service_settings, pri
     assert private_redis.server.password not in response.text
 
 
-async def test_unreachable_postgres_leaves_the_gateway_ready_but_degraded(service_settings):
-    # The full gateway refuses to start without Postgres (it loads the price book), so this checks the
-    # health extension alone, as it answers once Postgres goes away under a running gateway: still ready
-    # (readiness must not empty the Service during a database blip), degraded, naming Postgres.
+async def test_unreachable_postgres_leaves_a_gateway_with_its_prices_ready_but_degraded(service_settings):
+    # The health extension alone, as it answers once Postgres goes away under a running gateway. One that
+    # has its price book cached serves without Postgres: still ready (readiness must not empty the Service
+    # during a database blip), degraded, naming Postgres. One that never loaded it serves nothing: 503
+    # (tests/gateway/test_database_outage_startup.py starts a real one in an outage).
+    from types import SimpleNamespace
+
     dead = f"postgresql://tollgate:secret-pw@127.0.0.1:{free_port()}/tollgate"
     settings = service_settings.model_copy(update={"database_url": dead})
-    async with client_for(settings, only_health=True) as client:
-        response = await client.get("/health")
-    assert response.status_code == 200
-    assert response.json()["status"] == "degraded" and response.json()["failing"] == ["postgres"]
+    app = create_app(settings, (gateway.health,))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+            for loaded, status, code in ((True, "degraded", 200), (False, "unavailable", 503)):
+                app.state.gateway = SimpleNamespace(prices=SimpleNamespace(loaded=loaded))
+                response = await client.get("/health")
+                assert response.status_code == code
+                assert response.json()["status"] == status and response.json()["failing"] == ["postgres"]
+                assert "secret-pw" not in response.text
     assert "secret-pw" not in response.text
