@@ -110,7 +110,7 @@ SERVED_SHAPES = {
         ServedShape("gpt-oss-120b", 64, 8, 64, 2880, 2880, num_experts=128, top_k=4,
                     moe_intermediate_size=2880, sliding_window=128, attention_sinks=True, expert_bias=True),
         ServedShape("llama3-8b-fp8", 32, 8, 128, 4096, 14336, fp8="channel", kv_fp8=True),
-        ServedShape("qwen3-32b-fp8-block", 64, 8, 128, 5120, 25600, qk_norm=True, fp8="block"),
+        # Block FP8 for the dense linears (attention) and the experts alike.
         ServedShape("qwen3-30b-a3b-fp8-block", 32, 4, 128, 2048, 6144, qk_norm=True, num_experts=128, top_k=8,
                     moe_intermediate_size=768, fp8="block"),
     )
