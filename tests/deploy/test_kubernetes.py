@@ -380,3 +380,32 @@ def test_the_bundled_redis_refuses_writes_before_its_memory_limit(manifests):
     maxmemory = option(words, "--maxmemory")
     assert maxmemory.endswith("mb") and int(maxmemory[:-2]) / 1024 < 0.8 * quantity_gib(
         redis_container["resources"]["limits"]["memory"])
+
+
+# The volume types Pod Security's "restricted" profile allows.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def test_the_namespace_enforces_the_restricted_pod_security_profile_and_every_pod_meets_it(manifests):
+    """The namespace refuses pods that would run privileged; every pod rendered here passes: non-root,
+    RuntimeDefault seccomp, no privilege escalation, all capabilities dropped, only allowed volumes."""
+    labels = manifests.get("Namespace", manifests.namespace)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    for workload in manifests.workloads():
+        name = workload["metadata"]["name"]
+        spec = pod_spec(workload)
+        pod = spec.get("securityContext", {})
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC"), name
+        for volume in spec.get("volumes", []):
+            kinds = set(volume) - {"name"}
+            assert kinds <= RESTRICTED_VOLUMES, (name, volume["name"], kinds)
+        for c in containers(workload):
+            sc = c.get("securityContext", {})
+            assert sc.get("runAsNonRoot", pod.get("runAsNonRoot")) is True, (name, c["name"])
+            assert sc.get("runAsUser", pod.get("runAsUser", 1)) != 0, (name, c["name"])
+            seccomp = sc.get("seccompProfile", pod.get("seccompProfile", {}))
+            assert seccomp.get("type") in ("RuntimeDefault", "Localhost"), (name, c["name"])
+            assert sc.get("allowPrivilegeEscalation") is False and not sc.get("privileged"), (name, c["name"])
+            assert sc["capabilities"]["drop"] == ["ALL"] and set(sc["capabilities"].get("add", [])) <= {
+                "NET_BIND_SERVICE"}, (name, c["name"])
