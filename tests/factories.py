@@ -65,7 +65,7 @@ async def create_price(session: AsyncSession, *, model: str = "tiny", effective_
                        cache_write: int = 0, cache_pin: int = 0, cache_retention: int = 0,
                        batch_cache_write: int | None = None, batch_cache_pin: int | None = None,
                        batch_cache_retention: int | None = None) -> Price:
-    """Defaults follow ARCHITECTURE.md: cached input 10% of input, embedding input the input price, the
+    """Defaults follow docs/architecture.md: cached input 10% of input, embedding input the input price, the
     prompt-cache products 0, batch prices half, rounded down."""
     cached_input = input // 10 if cached_input is None else cached_input
     embedding_input = input if embedding_input is None else embedding_input

@@ -1,4 +1,4 @@
-"""ARCHITECTURE.md's rules, executable: the import contracts in pyproject.toml (``lint-imports``), no
+"""docs/architecture.md's rules, executable: the import contracts in pyproject.toml (``lint-imports``), no
 import cycles between the project's modules, and the web processes' freedom from torch at run time."""
 
 from __future__ import annotations

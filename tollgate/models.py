@@ -1,4 +1,4 @@
-"""ORM models of the tables Alembic owns (ARCHITECTURE.md "Data"); the column names are a contract.
+"""ORM models of the tables Alembic owns (docs/architecture.md "Data"); the column names are a contract.
 
 Invariants:
 - One ``MetaData`` with a naming convention, so every constraint and index has a stable name and

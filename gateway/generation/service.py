@@ -1,7 +1,8 @@
 """One generation from admission to settlement: the one service that chat, completions and batch lines
 call (``run_generation``), whatever wire format they answer in.
 
-``Generation`` runs the request path after validation and tokenization (ARCHITECTURE.md steps 4-7):
+``Generation`` runs the request path after validation and tokenization (docs/architecture.md, "Request
+path", steps 4-7):
 price → shed check → admission (reserve prompt + max_tokens) → route (prefix affinity, retry on
 another replica while nothing has started) → engine streams → settle + meter.
 

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-22 03:33:29+00:00
 
-Column names are the contract of ARCHITECTURE.md "Data". Money columns are BigInteger pico-USD.
+Column names are the contract of docs/architecture.md "Data". Money columns are BigInteger pico-USD.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Revision ID: 0003
 Revises: 0002
 Create Date: 2026-11-22 04:10:00+00:00
 
-Table and column names are the contract of ARCHITECTURE.md "Data" (``files``, ``batches``,
+Table and column names are the contract of docs/architecture.md "Data" (``files``, ``batches``,
 ``batch_items``). ``batch_items`` holds one row per input line: its lease (``lease_owner``,
 ``lease_expires_at``; a line is ``running`` exactly when it has an owner), attempts, the derived
 ``request_id`` (unique: the ledger's idempotency key) and the result.
