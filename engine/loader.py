@@ -30,7 +30,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed import ShardSizes, TensorParallel
 from engine.models.config import Fp8Args, ModelArgs
-from engine.models.fp8 import FP8_DTYPE, block_scales_to_rows, dequantize_fp8, quantize_fp8, use_fp8_layers
+from engine.models.fp8 import FP8_DTYPE, checkpoint_scale_rows, quantize_fp8, use_fp8_layers
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mxfp4 import dequantize_mxfp4
 from engine.models.registry import checkpoint_renames, model_class
@@ -278,12 +278,10 @@ def _load_fp8_expert(f: Any, stored_name: str, match: re.Match[str], params: dic
     proj, inter = match["proj"], shard.moe_intermediate_size
     weight = f.get_tensor(stored_name)
     if weight.dtype == FP8_DTYPE:
-        scale = f.get_tensor(stored_name.removesuffix("weight") + fp8.scale_name).float()
-        if fp8.scheme == "block":
-            scale = block_scales_to_rows(scale, weight.shape[0], fp8.block[0])
-        elif fp8.scheme == "tensor":
-            scale = scale.reshape(1, 1).expand(weight.shape[0], 1)
-        scale = scale.reshape(weight.shape[0], -1)
+        scale_name = stored_name.removesuffix("weight") + fp8.scale_name
+        if scale_name not in f.keys():
+            raise ValueError(f"{stored_name!r} is FP8 but its scale {scale_name!r} is not in the same file")
+        scale = checkpoint_scale_rows(f.get_tensor(scale_name), weight.shape[0], fp8)
     else:  # a 16-bit expert of an FP8 model: quantized here, per row (and block of columns)
         weight, scale = quantize_fp8(weight, fp8.group(weight.shape[1]))
     if proj == "down_proj":  # this rank's input columns (whole groups of them)
@@ -304,19 +302,6 @@ def _load_fp8_expert(f: Any, stored_name: str, match: re.Match[str], params: dic
     target_scale = params[f"{match['parent']}.w13_scale"][local].narrow(0, row, inter)
     _copy_checked(target, weight[first:first + inter], stored_name)
     _copy_checked(target_scale, scale[first:first + inter], stored_name + " scale")
-
-
-def _dequantized_expert(f: Any, stored_name: str, args: ModelArgs, dtype: torch.dtype) -> torch.Tensor:
-    fp8 = args.fp8
-    scale_name = stored_name.removesuffix("weight") + (fp8.scale_name if fp8 is not None else "weight_scale")
-    if fp8 is None or scale_name not in f.keys():
-        raise ValueError(f"{stored_name!r} is FP8 but its scale {scale_name!r} is not in the same file")
-    weight, scale = f.get_tensor(stored_name), f.get_tensor(scale_name)
-    if fp8.scheme == "block":
-        scale = block_scales_to_rows(scale, weight.shape[0], fp8.block[0])
-    elif fp8.scheme == "tensor":
-        scale = scale.float().reshape(1, 1).expand(weight.shape[0], 1)
-    return dequantize_fp8(weight, scale.float().reshape(weight.shape[0], -1), dtype)
 
 
 def _quantize_into(tensor: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, name: str) -> None:
@@ -344,14 +329,9 @@ def _load_fp8_scale(tensor: torch.Tensor, hf_name: str, part: tuple[int, int, in
         target = params[f"{module}.weight_scale"]
     rows, groups = target.shape
     first_row = part[1] if part is not None and part[0] == 0 else 0
-    if fp8.scheme == "tensor":
-        target.fill_(float(tensor.float().reshape(-1)[0]))
-        return
-    if fp8.scheme == "channel":
-        full = tensor.float().reshape(-1, 1)
-    else:
-        bn, bk = fp8.block
-        full = block_scales_to_rows(tensor, tensor.shape[0] * bn, bn)
+    full = checkpoint_scale_rows(tensor, first_row + rows, fp8)
+    if fp8.scheme == "block":
+        bk = fp8.block[1]
         if part is not None and part[0] == 1:  # this rank's input columns: whole blocks of them
             first, length = part[1], part[2]
             if first % bk or length % bk and first + length != full.shape[1] * bk:
@@ -370,8 +350,7 @@ def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[st
                  shard: ShardSizes, args: ModelArgs) -> None:
     """Copy one routed expert's projection into its place in the stacked ``experts.w13`` / ``w2``: with
     expert parallelism only the experts this rank holds (whole), else this rank's intermediate slice. An
-    FP8 expert (a quantized MoE checkpoint) is dequantized to the model's dtype with its scales (the
-    fused-MoE kernel does not read FP8 weights yet)."""
+    FP8 model's experts are FP8 too (``_load_fp8_expert``)."""
     local = int(match["expert"]) - shard.first_expert
     if not 0 <= local < shard.num_experts:
         return  # another rank's expert
@@ -382,7 +361,7 @@ def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[st
         return
     view = f.get_slice(stored_name)
     if view.get_dtype() == "F8_E4M3":
-        view = _dequantized_expert(f, stored_name, args, params[f"{match['parent']}.w2"].dtype)
+        raise ValueError(f"{stored_name!r} is FP8, but config.json has no quantization_config saying how")
     if proj == "down_proj":
         target = params[f"{match['parent']}.w2"][local]
         tensor = view[:, first:first + inter]
@@ -391,9 +370,8 @@ def _load_expert(f: Any, stored_name: str, match: re.Match[str], params: dict[st
         target = params[f"{match['parent']}.w13"][local].narrow(0, row, inter)
         tensor = view[first:first + inter]
     if tuple(tensor.shape) != tuple(target.shape):
-        shape = tuple(view.shape) if isinstance(view, torch.Tensor) else tuple(view.get_shape())
-        raise ValueError(f"{stored_name!r} has shape {shape}: the model expects this rank's "
-                         f"{tuple(target.shape)} of it")
+        raise ValueError(f"{stored_name!r} has shape {tuple(view.get_shape())}: the model expects this "
+                         f"rank's {tuple(target.shape)} of it")
     target.copy_(tensor)
 
 

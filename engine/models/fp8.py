@@ -80,9 +80,16 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (weight.float() * expanded).to(dtype)
 
 
-def block_scales_to_rows(scale_inv: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
-    """Block FP8's ``[ceil(out / bn), groups]`` scales as one row of scales per output row."""
-    return scale_inv.float().repeat_interleave(block_rows, dim=0)[:rows]
+def checkpoint_scale_rows(scale: torch.Tensor, rows: int, fp8: Fp8Args) -> torch.Tensor:
+    """A checkpoint's scale of a weight as the engine keeps it: ``[rows, groups]`` fp32, one row of group
+    scales per output row (the first ``rows`` of them): a per-tensor scale repeated, per-channel scales
+    as they are, block scales expanded to their rows."""
+    scale = scale.float()
+    if fp8.scheme == "block":  # [ceil(out / bn), groups]: each block row stands for bn output rows
+        return scale.repeat_interleave(fp8.block[0], dim=0)[:rows]
+    if fp8.scheme == "tensor":
+        return scale.reshape(1, 1).expand(rows, 1)
+    return scale.reshape(-1, 1)[:rows]
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
