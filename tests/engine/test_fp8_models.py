@@ -28,7 +28,12 @@ from engine.models.config import Fp8Args, ModelArgs  # noqa: E402
 from engine.models.fp8 import FP8_DTYPE, Fp8Linear  # noqa: E402
 from engine.quantize import quantize_checkpoint  # noqa: E402
 from tests.engine.test_llm_greedy import MAX_NEW_TOKENS, PROMPTS, _assert_matches, _hf_greedy  # noqa: E402
-from tests.engine.test_moe_models import _load, _prefill_logits, _prompts  # noqa: E402
+from tests.engine.test_moe_models import (  # noqa: E402
+    _load,
+    _prefill_logits,
+    _prompts,
+    assert_logits_equal_transformers,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers")
@@ -103,12 +108,7 @@ def test_logits_equal_the_dequantized_reference(arch: str, scheme: str, fp8_dirs
     if arch == "qwen3_moe":  # the experts stay FP8 in memory too
         assert model.model.layers[0].mlp.experts.w13.dtype == FP8_DTYPE
     # Block FP8: transformers reads the FP8 file itself and dequantizes it on the CPU.
-    ref_dir = fp8 if scheme == "fp8-block" else dequantized
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    prompts = _prompts(model.args.vocab_size)
-    with torch.inference_mode():
-        for ours, prompt in zip(_prefill_logits(model, prompts), prompts, strict=True):
-            torch.testing.assert_close(ours, hf(prompt[None]).logits[0], atol=1e-4, rtol=1e-4)
+    assert_logits_equal_transformers(model, fp8 if scheme == "fp8-block" else dequantized)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

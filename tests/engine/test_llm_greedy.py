@@ -73,9 +73,9 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) -> None:
-    model_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+def check_greedy_against_transformers(model_dir: Path, where: str) -> None:
+    """The engine's greedy output under each of ``CONFIGS`` against transformers' ``generate``; with the
+    prefix cache on, a second round reads every prompt's full blocks from the cache."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
     reference: list[tuple[list[int], torch.Tensor]] | None = None
     for name, kwargs in CONFIGS.items():
@@ -84,11 +84,12 @@ def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) 
         if reference is None:
             reference = _hf_greedy(model_dir, prompt_ids)
             assert len({tuple(t) for t, _ in reference}) == len(PROMPTS), "outputs should differ"
-        outputs = llm.generate(prompt_ids, params)
-        for i, (out, (theirs, logits)) in enumerate(zip(outputs, reference, strict=True)):
-            assert out.prompt_token_ids == prompt_ids[i]
-            _assert_matches(out.token_ids, theirs, logits, f"{arch}/{name}/prompt {i}")
-            assert out.text == llm.tokenizer.decode(out.token_ids)
+        for _ in range(2 if name == "prefix-cache-on" else 1):
+            outputs = llm.generate(prompt_ids, params)
+            for i, (out, (theirs, logits)) in enumerate(zip(outputs, reference, strict=True)):
+                assert out.prompt_token_ids == prompt_ids[i]
+                _assert_matches(out.token_ids, theirs, logits, f"{where}/{name}/prompt {i}")
+                assert out.text == llm.tokenizer.decode(out.token_ids)
         stats = llm.stats
         if name == "chunked-prefill":
             assert stats.num_partial_prefill_chunks > 0
@@ -96,6 +97,13 @@ def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) 
             assert stats.num_preemptions > 0
         if name == "prefix-cache-off":
             assert stats.prefix_hit_tokens == 0
+        if name == "prefix-cache-on":
+            assert stats.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+    check_greedy_against_transformers(request.getfixturevalue(f"tiny_{arch}_dir"), arch)
 
 
 # bfloat16 rounds each implementation's sums differently (about 3 significant digits), so a token may
@@ -110,7 +118,11 @@ BF16_TIE_GAP = 0.25
 def test_greedy_matches_transformers_on_gpu(arch: str, dtype: str, request: pytest.FixtureRequest) -> None:
     """The GPU path as deployed (triton backend, fused kernels, CUDA-graph decode, chunked prefill)
     against transformers on the same GPU in the same dtype."""
-    model_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    check_greedy_on_gpu(request.getfixturevalue(f"tiny_{arch}_dir"), dtype, arch)
+
+
+def check_greedy_on_gpu(model_dir: Path, dtype: str, where: str) -> None:
+    """The engine on a GPU as deployed against transformers on the same GPU in the same dtype."""
     # A fixed small pool: sized from free memory it would take 90% of a GPU the other test workers share.
     llm = LLM(str(model_dir), device="cuda", dtype=dtype, max_num_batched_tokens=32, max_num_seqs=8,
               num_kv_blocks=128)
@@ -121,5 +133,5 @@ def test_greedy_matches_transformers_on_gpu(arch: str, dtype: str, request: pyte
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
     gap = TIE_GAP if dtype == "float32" else BF16_TIE_GAP
     for i, (out, (theirs, logits)) in enumerate(zip(outputs, reference, strict=True)):
-        _assert_matches(out.token_ids, theirs, logits, f"{arch}/{dtype}/prompt {i}", tie_gap=gap)
+        _assert_matches(out.token_ids, theirs, logits, f"{where}/{dtype}/prompt {i}", tie_gap=gap)
     assert llm.stats.num_partial_prefill_chunks > 0

@@ -31,13 +31,7 @@ from engine.distributed import ShardSizes, TensorParallel, check_divisible  # no
 from engine.loader import load_model  # noqa: E402
 from engine.models.config import ModelArgs, MoEArgs  # noqa: E402
 from engine.models.moe import MoE, grouped_experts, route  # noqa: E402
-from tests.engine.test_llm_greedy import (  # noqa: E402
-    CONFIGS,
-    MAX_NEW_TOKENS,
-    PROMPTS,
-    _assert_matches,
-    _hf_greedy,
-)
+from tests.engine.test_llm_greedy import check_greedy_against_transformers, check_greedy_on_gpu  # noqa: E402
 from tests.engine.test_models import BLOCK, _prefill_meta  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -72,6 +66,16 @@ def _prefill_logits(
     return [logits[starts[b]:starts[b + 1]] for b in range(len(prompts))]
 
 
+def assert_logits_equal_transformers(model: torch.nn.Module, reference_dir: Path) -> None:
+    """``model``'s prefill logits of three random prompts within float32 tolerance of transformers' on
+    the checkpoint in ``reference_dir``."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    prompts = _prompts(model.args.vocab_size)
+    with torch.inference_mode():
+        for ours, prompt in zip(_prefill_logits(model, prompts), prompts, strict=True):
+            torch.testing.assert_close(ours, hf(prompt[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
 def _prompts(vocab: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (n,), generator=g) for n in (37, 5, 64)]
@@ -84,36 +88,12 @@ def test_logits_equal_transformers(family: str, writer: str, hf_moe_dirs: dict[s
     d = hf_moe_dirs[family] if writer == "transformers" else request.getfixturevalue(f"tiny_{family}_dir")
     model = _load(d)
     assert model.args.moe is not None
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    prompts = _prompts(model.args.vocab_size)
-    with torch.inference_mode():
-        for ours, prompt in zip(_prefill_logits(model, prompts), prompts, strict=True):
-            torch.testing.assert_close(ours, hf(prompt[None]).logits[0], atol=1e-4, rtol=1e-4)
+    assert_logits_equal_transformers(model, d)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers(family: str, hf_moe_dirs: dict[str, Path]) -> None:
-    model_dir = hf_moe_dirs[family]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    reference = None
-    for name, kwargs in CONFIGS.items():
-        llm = LLM(str(model_dir), **kwargs)
-        prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-        if reference is None:
-            reference = _hf_greedy(model_dir, prompt_ids)
-            assert len({tuple(t) for t, _ in reference}) == len(PROMPTS), "outputs should differ"
-        # With the prefix cache, a second round reads every prompt's full blocks from the cache.
-        for _ in range(2 if name == "prefix-cache-on" else 1):
-            outputs = llm.generate(prompt_ids, params)
-            for i, (out, (theirs, logits)) in enumerate(zip(outputs, reference, strict=True)):
-                _assert_matches(out.token_ids, theirs, logits, f"{family}/{name}/prompt {i}")
-        stats = llm.stats
-        if name == "chunked-prefill":
-            assert stats.num_partial_prefill_chunks > 0
-        if name == "preemption":
-            assert stats.num_preemptions > 0
-        if name == "prefix-cache-on":
-            assert stats.prefix_hit_tokens > 0
+    check_greedy_against_transformers(hf_moe_dirs[family], family)
 
 
 def test_mxfp4_experts_equal_transformers_dequantized(tmp_path: Path) -> None:
@@ -125,11 +105,7 @@ def test_mxfp4_experts_equal_transformers_dequantized(tmp_path: Path) -> None:
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:
         assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in f.keys()
     model = _load(d)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    prompts = _prompts(model.args.vocab_size)
-    with torch.inference_mode():
-        for ours, prompt in zip(_prefill_logits(model, prompts), prompts, strict=True):
-            torch.testing.assert_close(ours, hf(prompt[None]).logits[0], atol=1e-4, rtol=1e-4)
+    assert_logits_equal_transformers(model, d)
 
 
 def test_mxfp4_dequantization_equals_transformers() -> None:
@@ -300,15 +276,4 @@ def test_moe_greedy_matches_transformers_on_gpu(
 ) -> None:
     """The GPU path as deployed (triton attention with windows and sinks, the fused-MoE kernel, CUDA-graph
     decode, chunked prefill) against transformers on the same GPU in the same dtype."""
-    from tests.engine.test_llm_greedy import BF16_TIE_GAP, TIE_GAP
-
-    model_dir = hf_moe_dirs[family]
-    llm = LLM(str(model_dir), device="cuda", dtype=dtype, max_num_batched_tokens=32, max_num_seqs=8,
-              num_kv_blocks=128)
-    assert llm.engine.runner._graphs is not None, "CUDA graph capture failed"
-    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    reference = _hf_greedy(model_dir, prompt_ids, device="cuda", dtype=getattr(torch, dtype))
-    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
-    gap = TIE_GAP if dtype == "float32" else BF16_TIE_GAP
-    for i, (out, (theirs, logits)) in enumerate(zip(outputs, reference, strict=True)):
-        _assert_matches(out.token_ids, theirs, logits, f"{family}/{dtype}/prompt {i}", tie_gap=gap)
+    check_greedy_on_gpu(hf_moe_dirs[family], dtype, family)
