@@ -95,8 +95,8 @@ class PredictionProposer:
             offset += len(piece)
         self.cursor = 0  # the prediction's byte expected next (while lost: where it last matched)
         self.lost = False
-        self._tail = b""  # the output's last bytes, for re-anchoring
-        self._output: list[int] = []  # the output's tokens, their bytes and where each starts in them
+        # The output's tokens, their bytes (re-anchoring looks for the last ones) and where each starts.
+        self._output: list[int] = []
         self._output_text = bytearray()
         self._output_starts: dict[int, int] = {}
         self._draft_offsets: list[int] = []
@@ -120,7 +120,6 @@ class PredictionProposer:
         text = self.text
         for token in output[len(output) - num_new:]:
             piece = self._token_bytes(token)
-            self._tail = (self._tail + piece)[-4 * self.anchor:]
             self._output_starts[len(self._output_text)] = len(self._output)
             self._output.append(token)
             self._output_text += piece
@@ -129,7 +128,7 @@ class PredictionProposer:
             if not self.lost and text.startswith(piece, self.cursor):
                 self.cursor += len(piece)
                 continue
-            found = self._find(self._tail[-self.anchor:])
+            found = self._find(bytes(self._output_text[-self.anchor:]))
             self.lost = found is None
             if found is not None:
                 self.cursor = found
