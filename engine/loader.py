@@ -243,13 +243,13 @@ def load_weights(
                     target = params[f"{parent}.{fused}.{leaf}"].narrow(0, row, rows)
                     if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # --quantization fp8
                         scale = params[f"{parent}.{fused}.weight_scale"].narrow(0, row, rows)
-                        _quantize_into(tensor, target, scale, hf_name)
+                        _quantize_into(tensor, target, scale, hf_name, args.fp8)
                         seen.add(hf_name)
                         continue
                 else:
                     target = params[hf_name]
                     if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # --quantization fp8
-                        _quantize_into(tensor, target, params[f"{module}.weight_scale"], hf_name)
+                        _quantize_into(tensor, target, params[f"{module}.weight_scale"], hf_name, args.fp8)
                         seen.add(hf_name)
                         continue
                     if part is not None and part[0] == 0 and target.shape[0] > part[2]:
@@ -304,11 +304,13 @@ def _load_fp8_expert(f: Any, stored_name: str, match: re.Match[str], params: dic
     _copy_checked(target_scale, scale[first:first + inter], stored_name + " scale")
 
 
-def _quantize_into(tensor: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, name: str) -> None:
-    """``--quantization fp8``: a 16-bit checkpoint tensor quantized per output row into an FP8 weight."""
+def _quantize_into(tensor: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, name: str,
+                   fp8: Fp8Args) -> None:
+    """``--quantization fp8``: a 16-bit checkpoint tensor quantized per output row (and group of input
+    columns, as ``fp8`` says) into an FP8 weight."""
     if tuple(tensor.shape) != tuple(weight.shape):
         raise ValueError(f"{name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(weight.shape)}")
-    q, s = quantize_fp8(tensor, tensor.shape[1] // scale.shape[1] if scale.shape[1] > 1 else tensor.shape[1])
+    q, s = quantize_fp8(tensor, fp8.group(tensor.shape[1]))
     weight.copy_(q)
     scale.copy_(s)
 
