@@ -65,8 +65,6 @@ class DeviceExecutor:
     ``busy_s`` / ``step_busy_s``: seconds spent running submitted work (all of it / the steps'), on the
     host's clock: on the CPU the device's own time; under CUDA only the launches'."""
 
-    overlaps = False  # True: submit returns before the work is done, also on the CPU
-
     def __init__(self) -> None:
         self.busy_s = 0.0
         self.step_busy_s = 0.0
@@ -94,8 +92,6 @@ class DeviceExecutor:
 
 class ThreadExecutor(DeviceExecutor):
     """One thread runs the submitted work in order (the CPU's overlapped step loop)."""
-
-    overlaps = True
 
     def __init__(self, name: str = "engine-device") -> None:
         super().__init__()

@@ -90,10 +90,6 @@ class InputBatch:
         # the sequence's known tokens with its first sampled row.
         self._counts_stale: set[int] = set()
 
-    @property
-    def num_slots_used(self) -> int:
-        return len(self._slot_of)
-
     # ---- slots ------------------------------------------------------------------------------------
     def _refuse(self, seq: Sequence, start: int, end: int, num_draft: int = 0) -> None:
         """Raise the ``ValueError`` of a chunk that cannot run."""

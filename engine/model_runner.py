@@ -44,7 +44,6 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -62,10 +61,6 @@ from engine.models.config import ModelArgs
 from engine.rank_workers import RankWorkers, serve, start_rank
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
 from engine.sequence import ScheduledBatch
-
-if TYPE_CHECKING:
-    from engine.grammar import GrammarBackend
-    from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -287,14 +282,6 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache ({source}, {bytes_per_block} bytes per block)")
         return num_blocks
-
-    def grammar_compiler(self, tokenizer: Tokenizer) -> GrammarBackend:
-        """The structured-output backend for this model's vocabulary (lm_head rows) and stop tokens."""
-        from engine.grammar import GrammarBackend
-
-        stop_ids = list(tokenizer.eos_token_ids or self.eos_token_ids)
-        return GrammarBackend.from_tokenizer_json(Path(self.config.model) / "tokenizer.json", self.vocab_size,
-                                                  stop_ids)
 
     # ---- the step, in device order -----------------------------------------------------------------
     def forward(self, batch: ScheduledBatch) -> Forward:

@@ -67,8 +67,6 @@ class Scheduler:
         self.num_fairness_preemptions = 0
         self.num_partial_prefill_chunks = 0
         self.computed_prefill_tokens = 0
-        self.num_finished = 0
-        self.num_aborted = 0
 
     # ---- queue management -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -114,9 +112,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.num_finished += 1
-        if reason is FinishReason.ABORT:
-            self.num_aborted += 1
         self._arrival_rank.pop(seq.seq_id, None)
         siblings = self._by_request.get(seq.request_id)
         if siblings is not None:

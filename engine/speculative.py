@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 _ACCEPTANCE_EWMA = 0.3
-MODES = ("auto", "prediction", "off")
 
 
 def _id_bytes(token_id: int) -> bytes:
@@ -273,13 +272,9 @@ class SpeculationState:
     from_prediction: bool
     acceptance: float = 0.6  # a prior: the first steps draft most of the way
     steps_off: int = 0  # steps since it last drafted (while acceptance is below the floor)
-    drafted: int = 0
-    accepted: int = 0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted:
-            self.drafted += num_drafted
-            self.accepted += num_accepted
             rate = num_accepted / num_drafted
             self.acceptance += _ACCEPTANCE_EWMA * (rate - self.acceptance)
 

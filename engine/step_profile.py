@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-PHASES = ("schedule", "prepare", "sample", "wait", "postprocess")
-
 
 @dataclass(slots=True)
 class StepProfile:
@@ -40,10 +38,3 @@ class StepProfile:
         """The time spent between ``earlier`` (a snapshot) and now."""
         now, then = asdict(self), asdict(earlier)
         return StepProfile(**{k: now[k] - then[k] for k in now})
-
-    def per_step_ms(self) -> dict[str, float]:
-        """Milliseconds per step of each phase and of host work (0 before the first step)."""
-        steps = max(self.num_steps, 1)
-        out = {phase: getattr(self, f"{phase}_s") * 1e3 / steps for phase in PHASES}
-        out["host"] = self.host_s * 1e3 / steps
-        return out

@@ -163,10 +163,6 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self._template_sources)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")

@@ -192,11 +192,6 @@ def check_tensor(
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
 
 
-def check_same_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-
-
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 

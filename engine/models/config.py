@@ -87,7 +87,6 @@ class Fp8Args:
 
     scheme: str  # channel | tensor | block
     block: tuple[int, int] = (128, 128)  # (rows, columns) of a block, for the block scheme
-    static_activations: bool = False  # the checkpoint has ``input_scale``s (read past: module docs)
     ignore: tuple[str, ...] = ()  # module names (or ``re:``-prefixed patterns) left 16-bit
     quantize_at_load: bool = False  # a 16-bit checkpoint quantized when loaded (``--quantization fp8``)
 
@@ -147,15 +146,13 @@ class Fp8Args:
             if len(groups) != 1:
                 raise ValueError("compressed-tensors: exactly one config group is supported")
             weights = groups[0].get("weights") or {}
-            acts = groups[0].get("input_activations") or {}
             if weights.get("type") != "float" or weights.get("num_bits") != 8:
                 raise ValueError(f"compressed-tensors weights {weights} are not FP8 (type float, 8 bits)")
             strategy = weights.get("strategy")
             if strategy not in ("channel", "tensor"):
                 raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported "
                                  "(channel, tensor)")
-            return cls(scheme=strategy, static_activations=bool(acts) and not acts.get("dynamic", True),
-                       ignore=tuple(q.get("ignore") or ()))
+            return cls(scheme=strategy, ignore=tuple(q.get("ignore") or ()))
         if method == "mxfp4":
             return None  # gpt-oss's MXFP4 experts: dequantized at load by the loader
         raise ValueError(f"quantization {method!r} is not supported (fp8 block, compressed-tensors FP8, "
@@ -186,7 +183,6 @@ class ModelArgs:
     qk_norm: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None
-    torch_dtype: str | None = None
     moe: MoEArgs | None = None
     # Dimensions of each head that RoPE rotates (the first ones; GLM's partial rotary); None: all.
     partial_rotary_dim: int | None = None
@@ -291,7 +287,6 @@ class ModelArgs:
             or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_window=sliding_window,
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             moe=moe,
             partial_rotary_dim=partial_rotary_dim,
             layer_windows=layer_windows,
