@@ -1,17 +1,21 @@
-"""docs/architecture.md's rules, executable: the import contracts in pyproject.toml (``lint-imports``), no
-import cycles between the project's modules, and the web processes' freedom from torch at run time."""
+"""docs/architecture.md's rules, executable: the import contracts in pyproject.toml (``lint-imports``), a
+layer for every module, no import cycles between the project's modules, and the web processes' freedom
+from torch at run time."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tollgate", "gateway", "billing", "engine", "kernels", "admin_ui")
+IMPORT_LINTER = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
+PACKAGES = tuple(IMPORT_LINTER["root_packages"])
 
 
 def test_import_contracts_are_kept():
@@ -21,6 +25,21 @@ def test_import_contracts_are_kept():
     proc = subprocess.run([binary, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "0 broken" in proc.stdout
+
+
+def test_every_module_sits_in_a_layer():
+    """A module no layer names escapes the layers contract (``lint-imports`` checks only the imports
+    between the modules it names): a new module must be placed, as its package or by its own name."""
+    (layers,) = [c["layers"] for c in IMPORT_LINTER["contracts"] if c["type"] == "layers"]
+    named = {m for layer in layers for m in re.split(r"\s*[|:]\s*", layer.strip())}
+    graph = grimp.build_graph(*PACKAGES)
+
+    def placed(module: str) -> bool:
+        parts = module.split(".")
+        return any(".".join(parts[:i]) in named for i in range(1, len(parts) + 1))
+
+    containers = {m.rsplit(".", i)[0] for m in named for i in range(1, m.count(".") + 1)}
+    assert sorted(m for m in graph.modules if not placed(m) and m not in containers) == []
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
