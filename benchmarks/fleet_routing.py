@@ -84,7 +84,7 @@ from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import FinishReason, ScheduledBatch, Sequence  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.generation.service import cache_salt  # noqa: E402
-from gateway.routing import Replica, Router, ScoreWeights  # noqa: E402
+from gateway.routing import IndexPolicy, Replica, Router, ScoreWeights  # noqa: E402
 from tollgate.settings import ModelConfig, PoolConfig, Settings  # noqa: E402
 
 MODEL = "fleet-sim"
@@ -260,8 +260,8 @@ class Simulation:
         settings = Settings(environment="test", models=[ModelConfig(name=MODEL, path=None)],
                             pools={"interactive": PoolConfig(replicas=urls)}, routing_policy=policy)
         self.router = Router(settings, EngineClient(request_timeout_s=1.0), clock=lambda: self.now)
-        if weights is not None:
-            self.router.weights = weights
+        if weights is not None and isinstance(self.router.policy, IndexPolicy):
+            self.router.policy.weights = weights
         self.poll_s = settings.health_poll_interval_s
         self.replicas = {url: SimReplica(url, shape) for url in urls}
         self.routed: dict[str, Replica] = {r.url: r for r in self.router.replicas}
@@ -404,7 +404,7 @@ def simulate(shape: Shape, policy: str, sessions: list[Session] | None = None,
         "ttft_p50_ms": 1000 * percentile(ttft, 0.5), "ttft_p95_ms": 1000 * percentile(ttft, 0.95),
         "preemptions": sum(rep.scheduler.num_preemptions for rep in sim.replicas.values()),
         "steps": sum(rep.steps for rep in sim.replicas.values()),
-        "weights": None if policy != "index" else vars_of(sim.router.weights),
+        "weights": vars_of(sim.router.policy.weights) if isinstance(sim.router.policy, IndexPolicy) else None,
         "wall_s": time.perf_counter() - started,
     }
 

@@ -20,13 +20,16 @@ Invariants and policies:
   request: ``mark_failed``) is out at once; one whose probes fail otherwise (time out, answer garbage)
   is out after ``PROBE_FAILURES_TO_DOWN`` consecutive failures, so a replica that is merely busy
   answering a probe slowly keeps serving. A later successful probe brings a replica back.
-- Where a prompt goes (``settings.routing_policy``), by its leading full-block hashes
-  (``engine.kv.block_hash``, salted per tenant, so no choice ever crosses tenants):
+- Where a prompt goes is its routing policy's choice (``settings.routing_policy``), by the prompt's
+  leading full-block hashes (``engine.kv.block_hash``, salted per tenant, so no choice ever crosses
+  tenants). The router builds one ``RoutingPolicy`` by name (``routing_policy``: an unknown name is a
+  ``ValueError`` then, never at the first pick) and asks it only through that interface (``choose``,
+  ``remember``, ``cached_prefix_blocks``, ``follows_kv_events``), so it never asks which one it has:
   - ``index`` (the default): by what each replica's prefix cache really holds (``gateway.kv_index``,
     followed from each replica's ``/kv/events`` by a long poll, so within milliseconds of each event,
     retried every ``kv_index_poll_interval_s`` while a replica is unreachable; plus what this process
-    just sent, until the events say so), weighed against its load, as llm-d's endpoint picker does
-    (``ScoreWeights``): among the replicas under their watermark, the highest of
+    just sent, until the events say so: ``remember``), weighed against its load, as llm-d's endpoint
+    picker does (``ScoreWeights``): among the replicas under their watermark, the highest of
     ``prefix x held share + queue x 1 / (1 + load_score / queue_scale) + kv x (1 - KV usage)``, where
     the held share is the prompt's leading blocks the replica holds (device 1, host 0.8, disk 0.5 a
     block) over its full blocks, and KV usage the blocks its running requests hold (last ``/load``).
@@ -41,18 +44,20 @@ Invariants and policies:
     replicas already holding it, whose caches then thrash while others idle.
   - ``affinity``: a per-process guess, the replica this process last sent the deepest known block to
     (a bounded LRU map of block hash → replica, written by ``remember``).
-  - ``round_robin``: the replicas in turn (a baseline for benchmarks).
+  - ``round_robin``: the replicas in turn, whatever they hold or their load (a baseline for
+    benchmarks); the turn moves on when a replica accepts a request (``remember``), so the shedding
+    check's look and the dispatch get the same replica.
   Without a guess (affinity), rendezvous hashing on the first block hash picks a stable replica, so
   requests sharing a system prompt converge on one replica. A replica over its load watermark (queue
   or KV cache nearly full, or far more in flight from this gateway than the least loaded one) is never
-  the choice of either policy; when every replica is, or for prompts shorter than a block, the least
-  loaded healthy replica is used.
+  the choice of either; when every replica is, or for prompts shorter than a block, they make no choice
+  (``choose`` returns None) and the least loaded healthy replica is used.
 - Routing key (``prompt_cache_key``): a request that carries one is routed by rendezvous hashing on
   that key instead of its blocks, so one tenant's requests with one key go to one replica whatever
   their prompts. The caller derives the key per tenant (``gateway.generation``), so the same key string
-  of two tenants is two unrelated routing identities. The keyed choice takes precedence over both
-  affinity choices and obeys the same rules: healthy and not excluded (failover moves the key to the
-  next replica in its rendezvous order), and the least loaded replica while it is over the watermark.
+  of two tenants is two unrelated routing identities. The keyed choice takes precedence over every
+  policy's and obeys the same rules: healthy and not excluded (failover moves the key to the next
+  replica in its rendezvous order), and the least loaded replica while it is over the watermark.
 - ``pick`` never blocks and never does I/O; the hot path reads in-memory state only (the index is
   updated by a background task).
 """
@@ -69,7 +74,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from engine.protocol import InfoResponse, LoadReport
 from gateway.engine_client import EngineClient, EngineUnavailable
@@ -86,7 +91,8 @@ INTERACTIVE_POOL = "interactive"
 # Affinity bookkeeping: how many leading blocks of a prompt are remembered, and how many hashes in all.
 AFFINITY_BLOCKS = 64
 AFFINITY_CACHE_SIZE = 200_000
-# Load watermark: an affinity choice is overridden when the replica's queue is this long ...
+# Load watermark: a choice (the index's, affinity's, the routing key's) is overridden when the replica's
+# queue is this long ...
 WATERMARK_WAITING = 8
 # ... or its KV cache is this full ...
 WATERMARK_KV_USAGE = 0.95
@@ -165,6 +171,116 @@ class ModelRoute:
         return None
 
 
+# -- routing policies (see the module docstring) --------------------------------------------------
+
+class RoutingPolicy(Protocol):
+    """Where a prompt goes among two or more candidates; the router's only view of its policy."""
+
+    follows_kv_events: ClassVar[bool]
+
+    def choose(self, candidates: Sequence[Replica], block_hashes: Sequence[bytes], least_inflight: int,
+               now: float) -> Replica | None: ...
+
+    def remember(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> None: ...
+
+    def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> int: ...
+
+
+@dataclass(slots=True)
+class IndexPolicy:
+    """By the replicas' KV index, weighed against their load (``ScoreWeights``)."""
+
+    weights: ScoreWeights = field(default_factory=ScoreWeights)
+    follows_kv_events: ClassVar[bool] = True
+
+    def choose(self, candidates: Sequence[Replica], block_hashes: Sequence[bytes], least_inflight: int,
+               now: float) -> Replica | None:
+        if not block_hashes:
+            return None
+        first, blocks = block_hashes[0], len(block_hashes)
+        scored = [(self.weights.score(r.kv.prefix_weight(block_hashes, now) / blocks, r.load_score,
+                                      r.load.kv_usage if r.load is not None else 0.0),
+                   _rendezvous(first, r.url), r)
+                  for r in candidates if not r.over_watermark(least_inflight)]
+        best = max(scored, key=lambda s: s[:2], default=None)
+        return best[2] if best is not None else None
+
+    def remember(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> None:
+        replica.kv.expect(block_hashes, now)
+
+    def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> int:
+        return len(replica.kv.held_prefix(block_hashes, now))
+
+
+class AffinityPolicy:
+    """The replica this process last sent the prompt's deepest known block to, else rendezvous."""
+
+    follows_kv_events: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._last_sent: OrderedDict[bytes, Replica] = OrderedDict()
+
+    def choose(self, candidates: Sequence[Replica], block_hashes: Sequence[bytes], least_inflight: int,
+               now: float) -> Replica | None:
+        if not block_hashes:
+            return None
+        for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
+            replica = self._last_sent.get(h)
+            if replica is not None:
+                if replica in candidates and not replica.over_watermark(least_inflight):
+                    return replica
+                break
+        preferred = max(candidates, key=lambda r: _rendezvous(block_hashes[0], r.url))
+        return None if preferred.over_watermark(least_inflight) else preferred
+
+    def remember(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> None:
+        last_sent = self._last_sent
+        for h in block_hashes[:AFFINITY_BLOCKS]:
+            last_sent[h] = replica
+            last_sent.move_to_end(h)
+        while len(last_sent) > AFFINITY_CACHE_SIZE:
+            last_sent.popitem(last=False)
+
+    def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> int:
+        for depth in range(min(len(block_hashes), AFFINITY_BLOCKS), 0, -1):
+            if self._last_sent.get(block_hashes[depth - 1]) is replica:
+                return depth
+        return 0
+
+
+class RoundRobinPolicy:
+    """The candidates in turn; the turn moves on when one accepts a request."""
+
+    follows_kv_events: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Replica], block_hashes: Sequence[bytes], least_inflight: int,
+               now: float) -> Replica | None:
+        return candidates[self._turn % len(candidates)]
+
+    def remember(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> None:
+        self._turn += 1
+
+    def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> int:
+        return 0  # it keeps no record of where prompts went
+
+
+POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+    "index": IndexPolicy, "affinity": AffinityPolicy, "round_robin": RoundRobinPolicy,
+}
+
+
+def routing_policy(name: str) -> RoutingPolicy:
+    """A fresh policy called ``name`` (``settings.routing_policy``); ValueError naming the known ones."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        known = ", ".join(POLICIES)
+        raise ValueError(f"Unknown routing policy {name!r}; expected one of: {known}.") from None
+
+
 class Router:
     def __init__(self, settings: Settings, client: EngineClient, resolver: Resolver | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -182,11 +298,8 @@ class Router:
                 urls = static_urls(pool_cfg) if pool_cfg else []
                 route.replicas += [Replica(url=url, pool=pool) for url in urls]
             self.models[cfg.name] = route
-        self.policy = settings.routing_policy
-        self.weights = ScoreWeights()
+        self.policy: RoutingPolicy = routing_policy(settings.routing_policy)
         self._kv_interval = settings.kv_index_poll_interval_s
-        self._affinity: OrderedDict[bytes, Replica] = OrderedDict()
-        self._turn = 0
         self._tasks: list[asyncio.Task[None]] = []
         routed = {pool for route in self.models.values() for pool in route.routed}
         self._discovery = PoolDiscovery({p: c for p, c in settings.pools.items() if p in routed}, resolver,
@@ -213,7 +326,7 @@ class Router:
         self._tasks.append(asyncio.create_task(self._poll_forever(), name="tollgate-router-poll"))
         if self._discovery:
             self._tasks.append(asyncio.create_task(self._discover_forever(), name="tollgate-discovery"))
-        if self.policy == "index":
+        if self.policy.follows_kv_events:
             await self.follow_kv_once()
             for replica in self.replicas:
                 self._follow(replica)
@@ -242,7 +355,7 @@ class Router:
             added += self.apply_pool(pool, urls)
         if added and self._running:
             await asyncio.gather(*(self._probe(r) for r in added))
-            if self.policy == "index":
+            if self.policy.follows_kv_events:
                 for replica in added:
                     self._follow(replica)
 
@@ -406,69 +519,18 @@ class Router:
         if routing_key is not None:
             preferred = max(candidates, key=lambda r: _rendezvous(routing_key, r.url))
             return least if preferred.over_watermark(least_inflight) else preferred
-        if self.policy == "round_robin":  # the turn moves on when a replica accepts (``remember``)
-            return candidates[self._turn % len(candidates)]
-        if block_hashes and self.policy == "index":
-            return self._best_scored(candidates, block_hashes, least_inflight) or least
-        if block_hashes:
-            held = self._remembered(candidates, block_hashes, least_inflight)
-            if held is not None:
-                return held
-            preferred = max(candidates, key=lambda r: _rendezvous(block_hashes[0], r.url))
-            if not preferred.over_watermark(least_inflight):
-                return preferred
-        return least
-
-    def _best_scored(self, candidates: list[Replica], block_hashes: Sequence[bytes],
-                     least_inflight: int) -> Replica | None:
-        """The index policy: the replica under its watermark that scores highest (``ScoreWeights``),
-        ties in the rendezvous order of the first block (the same in every gateway process)."""
-        now, first, weights, blocks = self.clock(), block_hashes[0], self.weights, len(block_hashes)
-        scored = [(weights.score(r.kv.prefix_weight(block_hashes, now) / blocks, r.load_score,
-                                 r.load.kv_usage if r.load is not None else 0.0),
-                   _rendezvous(first, r.url), r)
-                  for r in candidates if not r.over_watermark(least_inflight)]
-        best = max(scored, key=lambda s: s[:2], default=None)
-        return best[2] if best is not None else None
-
-    def _remembered(self, candidates: list[Replica], block_hashes: Sequence[bytes],
-                    least_inflight: int) -> Replica | None:
-        """The affinity policy: the replica this process last sent the prompt's deepest known block to,
-        if it is not over its watermark."""
-        for h in reversed(block_hashes[:AFFINITY_BLOCKS]):
-            replica = self._affinity.get(h)
-            if replica is not None:
-                if replica in candidates and not replica.over_watermark(least_inflight):
-                    return replica
-                return None
-        return None
+        return self.policy.choose(candidates, block_hashes, least_inflight, self.clock()) or least
 
     def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks ``replica`` holds (index) or most likely still holds (it served them
         recently)."""
-        if self.policy == "index":
-            return len(replica.kv.held_prefix(block_hashes, self.clock()))
-        for depth in range(min(len(block_hashes), AFFINITY_BLOCKS), 0, -1):
-            if self._affinity.get(block_hashes[depth - 1]) is replica:
-                return depth
-        return 0
+        return self.policy.cached_prefix_blocks(replica, block_hashes, self.clock())
 
     def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
         """Record that ``replica`` now holds these leading blocks (called when it accepted the request;
         the index expects them there until the replica's events say so, the affinity policy guesses from
         it, round robin moves to the next turn)."""
-        if self.policy == "index":
-            replica.kv.expect(block_hashes, self.clock())
-            return
-        if self.policy == "round_robin":
-            self._turn += 1
-            return
-        affinity = self._affinity
-        for h in block_hashes[:AFFINITY_BLOCKS]:
-            affinity[h] = replica
-            affinity.move_to_end(h)
-        while len(affinity) > AFFINITY_CACHE_SIZE:
-            affinity.popitem(last=False)
+        self.policy.remember(replica, block_hashes, self.clock())
 
 
 def _rendezvous(key: bytes, url: str) -> bytes:
