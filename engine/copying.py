@@ -185,7 +185,12 @@ def create_copying_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    flagged = [tokenizer.token_to_id(t) for t in FLAGGED_TOKENS]
+    flagged: list[int] = []
+    for token in FLAGGED_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:  # engine.tiny's vocabulary has them all
+            raise RuntimeError(f"the tiny checkpoint's tokenizer has no {token!r}")
+        flagged.append(token_id)
     weights = copying_weights(config["vocab_size"], flagged, seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -28,7 +28,9 @@ class GraphedRunner(Protocol):
     block_size: int
     attention_backend: AttentionBackend
     kv_caches: list[torch.Tensor]
-    model: torch.nn.Module
+
+    @property
+    def model(self) -> torch.nn.Module: ...  # read-only, so that a runner's model may be any subclass
 
 
 class DecodeGraphs:

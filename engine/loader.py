@@ -166,7 +166,7 @@ def load_weights(
     """Fill every parameter of ``model`` from the checkpoint's safetensors files (see module docs);
     ``shard``: this rank's slices only."""
     shard = shard or ShardSizes.of(args)
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     shards = _fused_shards(args, shard)
     expected = _expected_hf_names(model, shards, args)
     renames = checkpoint_renames(args)
@@ -239,16 +239,18 @@ def load_weights(
                     tensor = view[first:first + length] if dim == 0 else view[:, first:first + length]
                 parent, _, proj = module.rpartition(".")
                 if proj in shards:
-                    fused, row, rows = _fused_shards(args, shard, _intermediate(hf_name, shard))[proj]
-                    target = params[f"{parent}.{fused}.{leaf}"].narrow(0, row, rows)
-                    if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # --quantization fp8
-                        scale = params[f"{parent}.{fused}.weight_scale"].narrow(0, row, rows)
+                    into, row, num_rows = _fused_shards(args, shard, _intermediate(hf_name, shard))[proj]
+                    target = params[f"{parent}.{into}.{leaf}"].narrow(0, row, num_rows)
+                    if args.fp8 is not None and target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+                        # --quantization fp8
+                        scale = params[f"{parent}.{into}.weight_scale"].narrow(0, row, num_rows)
                         _quantize_into(tensor, target, scale, hf_name, args.fp8)
                         seen.add(hf_name)
                         continue
                 else:
                     target = params[hf_name]
-                    if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # --quantization fp8
+                    if args.fp8 is not None and target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+                        # --quantization fp8
                         _quantize_into(tensor, target, params[f"{module}.weight_scale"], hf_name, args.fp8)
                         seen.add(hf_name)
                         continue

@@ -181,7 +181,7 @@ class ModelRunner:
             if config.load_format == "safetensors":
                 self.kv_scales = read_kv_scales(model_dir, args.num_layers)
             for layer, scale in zip(self.model.model.layers, self.kv_scales, strict=True):
-                layer.self_attn.kv_scale = scale
+                layer.self_attn.kv_scale = scale  # type: ignore[union-attr]  # nn.Module.__getattr__: Tensor | Module
         self.num_kv_blocks: int = config.num_kv_blocks or self.tp.min_int(self._num_blocks_from_memory(),
                                                                           self.device)
         self.kv_caches: list[torch.Tensor] = [

@@ -320,8 +320,7 @@ class Sampler:
         if filtered.size:
             index = upload(filtered, device)
             vocab = x.shape[1]
-            k = np.where(top_k[filtered] > 0, top_k[filtered], vocab)
-            k = upload(k, device, torch.int64)
+            k = upload(np.where(top_k[filtered] > 0, top_k[filtered], vocab), device, torch.int64)
             p = upload(top_p[filtered], device, torch.float32)
             m = upload(min_p[filtered], device, torch.float32)
             x[index] = _filter(x[index], k, p, m)

@@ -261,22 +261,27 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
             e, inter = shape.num_experts, shape.moe_intermediate_size
             w13 = torch.empty((e, 2 * inter, shape.hidden_size), dtype=dtype)
             w2 = torch.empty((e, shape.hidden_size, inter), dtype=dtype)
-            biases: dict[str, object] = {}
+            w13_scale: torch.Tensor | None = None
+            w2_scale: torch.Tensor | None = None
+            w13_bias: torch.Tensor | None = None
+            w2_bias: torch.Tensor | None = None
             if shape.fp8:  # FP8 experts: e4m3 weights with row scales (per channel, or 128-column blocks)
                 w13 = torch.empty((e, 2 * inter, shape.hidden_size), dtype=torch.float8_e4m3fn)
                 w2 = torch.empty((e, shape.hidden_size, inter), dtype=torch.float8_e4m3fn)
                 g13 = 1 if shape.fp8 == "channel" else -(-shape.hidden_size // 128)
                 g2 = 1 if shape.fp8 == "channel" else -(-inter // 128)
-                biases = dict(w13_scale=torch.empty((e, 2 * inter, g13), dtype=torch.float32),
-                              w2_scale=torch.empty((e, shape.hidden_size, g2), dtype=torch.float32))
-            if shape.expert_bias:
-                biases = dict(w13_bias=torch.empty((e, 2 * inter), dtype=dtype),
-                              w2_bias=torch.empty((e, shape.hidden_size), dtype=dtype),
-                              activation="swiglu_oai")
+                w13_scale = torch.empty((e, 2 * inter, g13), dtype=torch.float32)
+                w2_scale = torch.empty((e, shape.hidden_size, g2), dtype=torch.float32)
+            if shape.expert_bias:  # gpt-oss's experts (16-bit here: MXFP4 is dequantized at load)
+                w13_bias = torch.empty((e, 2 * inter), dtype=dtype)
+                w2_bias = torch.empty((e, shape.hidden_size), dtype=dtype)
+            activation = "swiglu_oai" if shape.expert_bias else "silu"
             for n in (seqs, 512):
                 ids = torch.arange(n * shape.top_k, dtype=torch.int64).remainder(e).view(n, shape.top_k)
                 kernels.fused_moe(torch.empty((n, shape.hidden_size), dtype=dtype), w13, w2,
-                                  torch.empty((n, shape.top_k), dtype=torch.float32), ids, **biases)
+                                  torch.empty((n, shape.top_k), dtype=torch.float32), ids, w13_bias=w13_bias,
+                                  w2_bias=w2_bias, activation=activation, w13_scale=w13_scale,
+                                  w2_scale=w2_scale)
     return launches
 
 

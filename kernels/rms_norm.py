@@ -14,6 +14,8 @@ its whole row before writing it), which is how the runner does it in place.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import triton
 import triton.language as tl
@@ -63,6 +65,20 @@ def _as_rows(name: str, t: torch.Tensor, rows: int, hidden: int) -> torch.Tensor
         return t.view(rows, hidden)
     except RuntimeError as exc:
         raise ValueError(f"{name} must be viewable as [{rows}, {hidden}] (rows with one stride)") from exc
+
+
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None, *,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, *,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(

@@ -307,8 +307,8 @@ def _moe_args(cfg: dict[str, Any], model_type: str) -> MoEArgs | None:
     """The experts of a Qwen3-MoE, Mixtral or GLM-4.5 config (None for a dense model)."""
     layers = cfg["num_hidden_layers"]
     # transformers 5 writes ``num_local_experts`` where the published configs say ``num_experts`` /
-    # ``n_routed_experts``: both are read.
-    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    # ``n_routed_experts``: both are read. 0: none listed (refused by ``MoEArgs`` for an MoE model type).
+    experts: int = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0
     if model_type == "qwen3_moe":
         if not experts:
             return None
