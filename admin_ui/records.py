@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from admin_ui.session import LoginRequired, current_admin
 from admin_ui.web import SECURITY_HEADERS, redirect, safe_next
+from engine.usage import COST_FIELDS, FIELDS
 from tollgate.models import AuditLog, Batch, BudgetAlert, StripeExport, UsageEvent, UsageHourly
 
 BASE_URL = "/admin/db"
@@ -56,11 +57,8 @@ class LedgerView(_ReadOnly, model=UsageEvent):
     can_view_details = False  # composite key (id, created_at) of a partitioned table
     column_list = [UsageEvent.created_at, UsageEvent.request_id, UsageEvent.tenant_id, UsageEvent.api_key_id,
                    UsageEvent.model, UsageEvent.request_class, UsageEvent.tier, UsageEvent.status,
-                   UsageEvent.prompt_tokens, UsageEvent.cached_tokens, UsageEvent.completion_tokens,
-                   UsageEvent.cache_write_tokens, UsageEvent.cache_pinned_tokens,
-                   UsageEvent.cache_retained_tokens, UsageEvent.accepted_prediction_tokens,
-                   UsageEvent.rejected_prediction_tokens, UsageEvent.cost_pico_usd, UsageEvent.ttft_ms,
-                   UsageEvent.tpot_ms]
+                   *(getattr(UsageEvent, name) for name in (*FIELDS, *COST_FIELDS)), UsageEvent.cost_pico_usd,
+                   UsageEvent.ttft_ms, UsageEvent.tpot_ms]
     column_searchable_list = [UsageEvent.request_id, UsageEvent.model]
     column_sortable_list = [UsageEvent.created_at, UsageEvent.tenant_id, UsageEvent.cost_pico_usd,
                             UsageEvent.ttft_ms, UsageEvent.tpot_ms]
@@ -71,11 +69,7 @@ class HourlyView(_ReadOnly, model=UsageHourly):
     name, name_plural, category = "Hourly rollup", "Hourly rollups", "Usage"
     can_view_details = False
     column_list = [UsageHourly.hour, UsageHourly.tenant_id, UsageHourly.model, UsageHourly.request_class,
-                   UsageHourly.requests, UsageHourly.input_tokens, UsageHourly.cached_input_tokens,
-                   UsageHourly.output_tokens, UsageHourly.cache_write_tokens, UsageHourly.cache_pinned_tokens,
-                   UsageHourly.cache_retained_tokens, UsageHourly.cache_write_cost_pico_usd,
-                   UsageHourly.cache_pinned_cost_pico_usd, UsageHourly.cache_retained_cost_pico_usd,
-                   UsageHourly.accepted_prediction_tokens, UsageHourly.rejected_prediction_tokens,
+                   UsageHourly.requests, *(getattr(UsageHourly, name) for name in (*FIELDS, *COST_FIELDS)),
                    UsageHourly.cost_pico_usd]
     column_sortable_list = [UsageHourly.hour, UsageHourly.tenant_id, UsageHourly.cost_pico_usd]
     column_default_sort = [(UsageHourly.hour, True)]

@@ -3,10 +3,10 @@
 - Tokens, requests and cost are ``gateway.admin.service.usage`` (exact sums of ``usage_events`` by UTC
   hour or day, the admin API's numbers). Input tokens are split into uncached input
   (``prompt - cached``), cached input and output; the cache hit rate of a bucket is cached / prompt.
-- The prompt-cache products (``CACHE_KINDS``: prompt tokens written to the cache, pinned for a ttl,
-  retained for 24h; counted in the input tokens too) come with their tokens from the ledger and their
-  cost from the hourly rollups (``usage_hourly``, which ``billing.rollups`` keeps equal to the ledger and
-  splits the ledger cost by kind in).
+- The prompt-cache products (``engine.usage.SURCHARGE_KINDS``: prompt tokens written to the cache,
+  pinned for a ttl, retained for 24h; counted in the input tokens too) come with their tokens from the
+  ledger and their cost from the hourly rollups (``usage_hourly``, which ``billing.rollups`` keeps equal
+  to the ledger, whose rows carry each kind's cost).
 - Predicted Outputs (``PREDICTION_TOKEN_FIELDS``): the accepted and rejected prediction tokens from the
   ledger, output tokens counted in the output too (the rejected ones are billed as output); shown next
   to the other counts, never priced apart.
@@ -32,7 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.outbox import PREDICTION_TOKEN_FIELDS
 from billing.prices import CACHE_TOKEN_FIELDS
-from billing.rollups import CACHE_KINDS
+from engine.usage import SURCHARGE_KINDS, cost_field
 from gateway.admin import service
 from gateway.admin.schemas import usd_string
 from gateway.admission.rejections import REASONS, RETENTION_S, rejection_counts
@@ -44,7 +44,7 @@ HOURLY_MAX_DAYS = 3
 MAX_HOURLY_DAYS = 31
 DEFAULT_DAYS = 7
 PICO_PER_USD = 10**12
-CACHE_COST_FIELDS = tuple(f"{kind}_cost_pico_usd" for kind in CACHE_KINDS)
+CACHE_COST_FIELDS = tuple(cost_field(kind) for kind in SURCHARGE_KINDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +154,7 @@ def _prediction_fields(row: Any) -> dict[str, int]:
 
 
 def _sum_costs(costs: Iterable[Sequence[int]]) -> tuple[int, ...]:
-    return tuple(sum(column) for column in zip(*costs, strict=True)) or (0,) * len(CACHE_KINDS)
+    return tuple(sum(column) for column in zip(*costs, strict=True)) or (0,) * len(SURCHARGE_KINDS)
 
 
 async def usage_series(session: AsyncSession, redis: Redis, settings: Settings, rng: UsageRange,

@@ -7,7 +7,7 @@ What is real and what is simulated:
   ``Router.apply_kv_page`` (the page ``GET /kv/events`` would answer, encoded and parsed as on the wire,
   after every engine step: the long poll delivers events within milliseconds) and their ``LoadReport``s
   every ``health_poll_interval_s`` (1 s), as the background probes do. Block hashes are
-  ``engine.kv.block_hash.prefix_block_hashes`` salted with ``gateway.generation.service.cache_salt``.
+  ``engine.kv.block_hash.prefix_block_hashes`` salted with ``gateway.tenants.cache_salt.cache_salt``.
 - Each replica runs the real engine bookkeeping: ``engine.scheduler.Scheduler`` (continuous batching,
   token budget, chunked prefill, preemption, tenant fairness) over ``engine.kv`` (``BlockManager`` with
   the prefix cache and its ``KVEventLog``; a ``HostTier`` with ``--host-blocks``). No weights run: a
@@ -83,8 +83,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import FinishReason, ScheduledBatch, Sequence  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402
-from gateway.generation.service import cache_salt  # noqa: E402
 from gateway.routing import IndexPolicy, Replica, Router, ScoreWeights  # noqa: E402
+from gateway.tenants.cache_salt import cache_salt  # noqa: E402
 from tollgate.settings import ModelConfig, PoolConfig, Settings  # noqa: E402
 
 MODEL = "fleet-sim"

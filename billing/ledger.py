@@ -19,6 +19,12 @@ Invariants:
 - A record that can never be inserted (undecodable, or rejected by a constraint such as an unknown
   tenant) does not block the stream: it is moved to ``tollgate:usage:dead`` with the reason, for an
   operator to repair and re-append.
+- A record without per-kind costs (appended by a gateway older than them, kept in its spool, or repaired
+  by hand from the dead letters) is charged here at the price in effect when it was created, as a
+  generation or, having no output and no cache products, as an embeddings request: the price and the way
+  that gateway charged it. When neither reproduces its total (no price then, a hand-made record), the
+  total is apportioned to the kinds by that price's weights (by tokens without a price), largest
+  remainder first: the ledger keeps the cost it was given, exactly, and a split that adds up to it.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, Operationa
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.outbox import RECORD_FIELD, USAGE_STREAM, UsageRecord
-from billing.repository import insert_usage_events
+from billing.prices import Charge, Price, PriceBook, PriceNotFound, charge
+from billing.repository import all_prices, insert_usage_events
 from billing.rollups import add_to_rollups, hold_writer_lock
+from engine.usage import SURCHARGE_KINDS
 from tollgate.streams import StreamGroup
 
 LEDGER_GROUP = "ledger"
@@ -75,6 +83,39 @@ async def _insert_and_roll_up(session: AsyncSession, rows: list[dict[str, Any]])
     inserted = await insert_usage_events(session, rows)
     await add_to_rollups(session, inserted)
     return len(inserted)
+
+
+def _recharge(record: UsageRecord, book: PriceBook) -> Charge:
+    """The per-kind costs of a record without them (see the module invariants)."""
+    usage = record.usage
+    try:
+        price: Price | None = book.price_for(record.model, record.created_at)
+    except PriceNotFound:
+        price = None
+    weights = dict(usage.billed())  # without a price: by tokens
+    if price is not None:
+        ways = [False]
+        if not usage.completion_tokens and not any(usage[k] for k in SURCHARGE_KINDS):
+            ways.append(True)  # an embeddings request
+        for embedding in ways:
+            costs = charge(usage, price, record.request_class, embedding=embedding)
+            if costs.total == record.cost_pico_usd:
+                return costs
+        weights = dict(charge(usage, price, record.request_class).costs)
+    return Charge(dict(zip(weights, apportion(record.cost_pico_usd, list(weights.values())), strict=True)))
+
+
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """``total`` split in proportion to ``weights``, exactly (largest remainder; all on the first without
+    any weight)."""
+    weight_sum = sum(weights)
+    if weight_sum <= 0:
+        return [total] + [0] * (len(weights) - 1)
+    shares = [total * w // weight_sum for w in weights]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(total * weights[i] % weight_sum), i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
 
 
 class UsageFlusher:
@@ -133,7 +174,8 @@ class UsageFlusher:
 
         await self._group.acknowledge([entry_id for entry_id, _ in entries], to_dead_letters)
         if dead:
-            logger.error("usage outbox: %d record(s) moved to %s", len(dead), DEAD_LETTER_STREAM)
+            logger.error("usage outbox: %d record(s) moved to %s (first: %s)", len(dead), DEAD_LETTER_STREAM,
+                         dead[0][2])
         return FlushResult(entries=len(entries), inserted=inserted,
                            duplicates=decoded - inserted - len(rejected), dead=len(dead))
 
@@ -141,6 +183,21 @@ class UsageFlusher:
         """Insert and commit; returns (rows inserted, records no database will ever accept)."""
         if not records:
             return 0, []
+        return await self._insert_priced(await self._with_costs(records))
+
+    async def _with_costs(self, records: list[UsageRecord]) -> list[UsageRecord]:
+        """The records, each with its per-kind costs (see the module invariants)."""
+        if all(r.costs is not None for r in records):
+            return records
+        try:
+            async with self._session_factory() as session:
+                book = PriceBook(await all_prices(session))
+        except (OperationalError, InterfaceError, OSError) as exc:
+            raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
+        return [r if r.costs is not None else r.with_costs(_recharge(r, book)) for r in records]
+
+    async def _insert_priced(self, records: list[UsageRecord]) -> tuple[int, list[tuple[UsageRecord, str]]]:
+        """Insert and commit records with their costs; returns (rows inserted, records refused)."""
         try:
             async with self._session_factory() as session:
                 return await _insert_and_roll_up(session, [r.row() for r in records]), []

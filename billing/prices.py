@@ -34,12 +34,13 @@ Invariants:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
-from typing import Literal
+from typing import Any, Literal
 
+from engine.usage import KINDS, PRICED_KINDS, SURCHARGE_KINDS, TokenKind, Usage, cost_field
 from tollgate.models import LATEST_TIME
 
 RequestClass = Literal["interactive", "batch"]
@@ -126,7 +127,7 @@ PRICE_FIELDS: tuple[str, ...] = tuple(column.name for column in fields(Price))
 # Prices a new row may omit (``Price.of`` fills them with the defaults).
 OPTIONAL_PRICE_FIELDS: tuple[str, ...] = tuple(n for n in PRICE_FIELDS if n not in ("input", "output"))
 # The usage counts the cache products are charged on, in the order of ``Price.cache_for_class``.
-CACHE_TOKEN_FIELDS: tuple[str, ...] = ("cache_write_tokens", "cache_pinned_tokens", "cache_retained_tokens")
+CACHE_TOKEN_FIELDS: tuple[str, ...] = tuple(KINDS[k].field for k in SURCHARGE_KINDS)
 
 
 def _is_batch(request_class: str) -> bool:
@@ -135,33 +136,57 @@ def _is_batch(request_class: str) -> bool:
     return request_class == "batch"
 
 
-def _embedding_cost(price: Price, prompt_tokens: int, completion_tokens: int, request_class: str) -> int:
-    if completion_tokens:
-        raise ValueError(f"an embedding request has no completion tokens, got {completion_tokens}")
-    return prompt_tokens * price.embedding_for_class(request_class)
+def per_token(price: Price, kind: TokenKind, request_class: str) -> int:
+    """The per-token price of a priced ``kind`` for ``request_class``."""
+    name = KINDS[kind].price
+    if name is None:
+        raise ValueError(f"{kind} is not priced")
+    return getattr(price, f"batch_{name}" if _is_batch(request_class) else name)
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What one request costs, per priced kind (``engine.usage.PRICED_KINDS``), in pico-USD."""
+
+    costs: Mapping[TokenKind, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.costs.values())
+
+    def fields(self) -> dict[str, int]:
+        """The ledger's cost columns (``engine.usage.COST_FIELDS``)."""
+        return {cost_field(k): self.costs.get(k, 0) for k in PRICED_KINDS}
+
+    @classmethod
+    def from_fields(cls, data: Mapping[str, Any]) -> Charge:
+        return cls({k: int(data.get(cost_field(k)) or 0) for k in PRICED_KINDS})
+
+
+def charge(usage: Usage, price: Price, request_class: str, *, embedding: bool = False) -> Charge:
+    """Price one request's usage, once, when it is metered: each priced kind's billed tokens
+    (``Usage.billed``) at its price for ``request_class``. An ``embedding`` request costs its whole prompt
+    at the embedding input price, cached tokens included; it has no output and no cache products."""
+    usage.check()
+    if embedding:
+        if usage.completion_tokens:
+            raise ValueError(f"an embedding request has no completion tokens, got {usage.completion_tokens}")
+        if any(usage[k] for k in SURCHARGE_KINDS):
+            raise ValueError("an embedding request has no cache products")
+        costs = dict.fromkeys(PRICED_KINDS, 0)
+        costs[TokenKind.INPUT] = usage.prompt_tokens * price.embedding_for_class(request_class)
+        return Charge(costs)
+    return Charge({k: n * per_token(price, k, request_class) for k, n in usage.billed().items()})
 
 
 def cost_pico_usd(price: Price, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
                   request_class: str, *, embedding: bool = False, cache_write_tokens: int = 0,
                   cache_pinned_tokens: int = 0, cache_retained_tokens: int = 0) -> int:
-    """Exact cost of one request in pico-USD (an ``embedding`` request: its prompt at the embedding price,
-    cached tokens included); the cache token counts add their cache products on top."""
-    if prompt_tokens < 0 or cached_tokens < 0 or completion_tokens < 0:
-        raise ValueError("token counts must be >= 0")
-    if cached_tokens > prompt_tokens:
-        raise ValueError(f"cached_tokens ({cached_tokens}) exceeds prompt_tokens ({prompt_tokens})")
-    cache_tokens = (cache_write_tokens, cache_pinned_tokens, cache_retained_tokens)
-    for name, count in zip(CACHE_TOKEN_FIELDS, cache_tokens, strict=True):
-        if not 0 <= count <= prompt_tokens:
-            raise ValueError(f"{name} ({count}) must be in 0..prompt_tokens ({prompt_tokens})")
-    if embedding:
-        if any(cache_tokens):
-            raise ValueError("an embedding request has no cache products")
-        return _embedding_cost(price, prompt_tokens, completion_tokens, request_class)
-    input_price, cached_price, output_price = price.for_class(request_class)
-    cache_cost = sum(n * p for n, p in zip(cache_tokens, price.cache_for_class(request_class), strict=True))
-    return ((prompt_tokens - cached_tokens) * input_price + cached_tokens * cached_price
-            + completion_tokens * output_price + cache_cost)
+    """``charge(...).total`` of the usage these counts make (for callers holding counts, not a ``Usage``)."""
+    usage = Usage.of(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                     completion_tokens=completion_tokens, cache_write_tokens=cache_write_tokens,
+                     cache_pinned_tokens=cache_pinned_tokens, cache_retained_tokens=cache_retained_tokens)
+    return charge(usage, price, request_class, embedding=embedding).total
 
 
 def max_cost_pico_usd(price: Price, prompt_tokens: int, max_completion_tokens: int,
@@ -174,7 +199,8 @@ def max_cost_pico_usd(price: Price, prompt_tokens: int, max_completion_tokens: i
     if prompt_tokens < 0 or max_completion_tokens < 0:
         raise ValueError("token counts must be >= 0")
     if embedding:
-        return _embedding_cost(price, prompt_tokens, max_completion_tokens, request_class)
+        return charge(Usage.of(prompt_tokens=prompt_tokens, completion_tokens=max_completion_tokens), price,
+                      request_class, embedding=True).total
     input_price, cached_price, output_price = price.for_class(request_class)
     write_price, pin_price, retention_price = price.cache_for_class(request_class)
     per_prompt_token = (max(input_price, cached_price) + write_price + (pin_price if cache_pin else 0)

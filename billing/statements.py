@@ -35,14 +35,17 @@ from typing import Any
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.rollups import DETAIL_COLUMNS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
+from billing.outbox import PREDICTION_TOKEN_FIELDS
+from billing.prices import Charge
+from billing.rollups import SUMMED
 from billing.spend import month_bounds
+from engine.usage import PRICED_KINDS, TokenKind, Usage
 from tollgate.models import BIGINT_MAX, Tenant, UsageHourly
 
 PICO_PER_CENT = 10**10
 PICO_PER_USD = 10**12
-TOKEN_KINDS = KINDS
-OUTPUT_KIND = "output"  # the kind whose lines carry the prediction token counts
+TOKEN_KINDS = tuple(k.value for k in PRICED_KINDS)
+OUTPUT_KIND = TokenKind.OUTPUT  # the kind whose lines carry the prediction token counts
 _CLASS_ORDER = {"interactive": 0, "batch": 1}
 _MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
 
@@ -84,7 +87,7 @@ class StatementLine:
                "amount_usd_exact": usd_exact(self.amount_pico_usd), "amount_cents": self.amount_cents,
                "amount": format_cents(self.amount_cents)}
         if self.has_details:
-            out.update({name: getattr(self, name) for name in DETAIL_COLUMNS})
+            out.update({name: getattr(self, name) for name in PREDICTION_TOKEN_FIELDS})
         return out
 
 
@@ -101,7 +104,7 @@ class Statement:
     total_cents: int = 0
 
     def detail_totals(self) -> dict[str, int]:
-        return {name: sum(getattr(line, name) for line in self.lines) for name in DETAIL_COLUMNS}
+        return {name: sum(getattr(line, name) for line in self.lines) for name in PREDICTION_TOKEN_FIELDS}
 
     def as_dict(self) -> dict[str, Any]:
         return {"object": "statement", "tenant_id": self.tenant_id, "tenant_name": self.tenant_name,
@@ -115,9 +118,9 @@ class Statement:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(["tenant", "month", "model", "request_class", "token_kind", "tokens",
-                         "amount_pico_usd", "amount_usd", *DETAIL_COLUMNS])
+                         "amount_pico_usd", "amount_usd", *PREDICTION_TOKEN_FIELDS])
         for line in self.lines:
-            details = [getattr(line, name) if line.has_details else "" for name in DETAIL_COLUMNS]
+            details = [getattr(line, name) if line.has_details else "" for name in PREDICTION_TOKEN_FIELDS]
             writer.writerow([self.tenant_name, self.month, line.model, line.request_class, line.token_kind,
                              line.tokens, line.amount_pico_usd, format_cents(line.amount_cents), *details])
         writer.writerow([self.tenant_name, self.month, "TOTAL", "", "", "", self.total_pico_usd,
@@ -150,8 +153,7 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
     tenant = await session.get(Tenant, tenant_id)
     if tenant is None:
         raise StatementTenantNotFound(f"no tenant {tenant_id}")
-    sums = [func.sum(cast(getattr(UsageHourly, name), Numeric))
-            for name in ("requests", *KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS, *DETAIL_COLUMNS)]
+    sums = [func.sum(cast(getattr(UsageHourly, name), Numeric)) for name in ("requests", *SUMMED)]
     stmt = (select(UsageHourly.model, UsageHourly.request_class, *sums)
             .where(UsageHourly.tenant_id == tenant_id, UsageHourly.hour >= start, UsageHourly.hour < end)
             .group_by(UsageHourly.model, UsageHourly.request_class))
@@ -160,15 +162,15 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
     statement = Statement(tenant_id=tenant.id, tenant_name=tenant.name, month=month, period_start=start,
                           period_end=end)
     raw: list[tuple[str, str, str, int, int, dict[str, int]]] = []
-    kinds = len(TOKEN_KINDS)
     for model, klass, requests, *sums_of_row in rows:
         statement.requests += int(requests)
-        tokens_by_kind, amounts = sums_of_row[:kinds], sums_of_row[kinds:2 * kinds]
-        details = {name: int(v) for name, v in zip(DETAIL_COLUMNS, sums_of_row[2 * kinds:], strict=True)}
-        for kind, tokens, amount in zip(TOKEN_KINDS, tokens_by_kind, amounts, strict=True):
-            if int(tokens) or int(amount):
-                raw.append((model, klass, kind, int(tokens), int(amount),
-                            details if kind == OUTPUT_KIND else {}))
+        totals = {name: int(v) for name, v in zip(SUMMED, sums_of_row, strict=True)}
+        usage, costs = Usage.from_fields(totals), Charge.from_fields(totals)
+        details = {name: totals[name] for name in PREDICTION_TOKEN_FIELDS}
+        for kind, tokens in usage.billed().items():
+            amount = costs.costs[kind]
+            if tokens or amount:
+                raw.append((model, klass, kind.value, tokens, amount, details if kind == OUTPUT_KIND else {}))
     cents = carry_rounding([r[4] for r in raw])
     statement.lines = [StatementLine(m, c, k, t, a, cent, **d)
                        for (m, c, k, t, a, d), cent in zip(raw, cents, strict=True)]

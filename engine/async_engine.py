@@ -337,7 +337,7 @@ class AsyncEngine:
         timings = Timings(queued=e2e, ttft=0.0, tpot=0.0, e2e=e2e)
         stream.put_threadsafe(RequestDelta(
             request_id, [], True, ["abort"] * add.params.n,
-            Usage(prompt_tokens=len(add.prompt_token_ids), cached_tokens=0, completion_tokens=0), timings,
+            Usage.of(prompt_tokens=len(add.prompt_token_ids)), timings,
         ))
         self.metrics.observe_finished(timings, 0)
         _resolve_threadsafe(compiling.waiter, None)

@@ -24,11 +24,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import CompletionDelta, EngineStats, RequestDelta, Timings, Usage
+from engine.outputs import CompletionDelta, EngineStats, RequestDelta, Timings
 from engine.sampler import Logprob
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from engine.usage import TokenKind, Usage
 
 _EWMA = 0.1
 
@@ -214,18 +215,18 @@ class OutputProcessor:
         for seq in seqs:
             self._completion_of.pop(seq.seq_id, None)
         first = seqs[0]
-        usage = Usage(
-            prompt_tokens=len(request.prompt_token_ids),
-            cached_tokens=first.num_cached_tokens or 0,
-            completion_tokens=sum(s.num_output_tokens for s in seqs),
-            cache_write_tokens=sum(s.num_cache_write_tokens for s in seqs),
-            cache_pinned_tokens=first.num_cache_pinned_tokens,
-            cache_retained_tokens=first.num_cache_retained_tokens,
-            cached_host_tokens=first.num_cached_host_tokens,
-            cached_disk_tokens=first.num_cached_disk_tokens,
-            accepted_prediction_tokens=sum(s.num_accepted_prediction_tokens for s in seqs),
-            rejected_prediction_tokens=sum(s.num_rejected_prediction_tokens for s in seqs),
-        )
+        usage = Usage({
+            TokenKind.INPUT: len(request.prompt_token_ids),
+            TokenKind.CACHED_INPUT: first.num_cached_tokens or 0,
+            TokenKind.OUTPUT: sum(s.num_output_tokens for s in seqs),
+            TokenKind.CACHE_WRITE: sum(s.num_cache_write_tokens for s in seqs),
+            TokenKind.CACHE_PINNED: first.num_cache_pinned_tokens,
+            TokenKind.CACHE_RETAINED: first.num_cache_retained_tokens,
+            TokenKind.CACHED_HOST: first.num_cached_host_tokens,
+            TokenKind.CACHED_DISK: first.num_cached_disk_tokens,
+            TokenKind.ACCEPTED_PREDICTION: sum(s.num_accepted_prediction_tokens for s in seqs),
+            TokenKind.REJECTED_PREDICTION: sum(s.num_rejected_prediction_tokens for s in seqs),
+        })
         timings = _timings(request, seqs)
         counts = self.stats.num_requests_finished
         for seq in seqs:

@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.usage import Usage
+
+__all__ = ["Usage"]  # the one usage value (``engine.usage``), carried by the final delta
+
 
 class RequestValidationError(ValueError):
     """A request the engine refuses (an HTTP 400); ``param`` names the offending field and ``code`` is
@@ -24,27 +28,6 @@ class RequestValidationError(ValueError):
         self.message = message
         self.param = param
         self.code = code
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    # Prompt tokens newly written to the prefix cache by this request (full blocks; OpenAI's
-    # ``cache_write_tokens``).
-    cache_write_tokens: int = 0
-    # Prompt tokens this request's cache lifetimes applied to (``engine.kv.pins``): pinned in the host
-    # tier for its ttl, retained on disk.
-    cache_pinned_tokens: int = 0
-    cache_retained_tokens: int = 0
-    # Of ``cached_tokens``, those loaded back from the host tier and read from the disk tier.
-    cached_host_tokens: int = 0
-    cached_disk_tokens: int = 0
-    # Predicted Outputs (``engine.speculative``): tokens of the request's prediction the engine drafted
-    # that made it into the output, and those it drafted, computed and threw away.
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -39,10 +39,20 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from engine.kv.events import EventPage
 from engine.kv.pins import CachePolicy
+from engine.usage import Usage as EngineUsage
 
 # The environment variable that carries the internal token, for engines, gateways and workers alike.
 INTERNAL_TOKEN_ENV = "TOLLGATE_INTERNAL_TOKEN"
@@ -194,26 +204,22 @@ class DeltaRecord(BaseModel):
     logprobs: list[TokenLogprob] | None = None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    # Prompt tokens this request newly wrote to the prefix cache (whole blocks).
-    cache_write_tokens: int = 0
-    # Prompt tokens held for the request's cache lifetimes: pinned in host memory (ttl), kept on disk
-    # (retention), within the tenant's quotas.
-    cache_pinned_tokens: int = 0
-    cache_retained_tokens: int = 0
-    # Of ``cached_tokens``, those served from the host and disk tiers (the rest from the device pool).
-    cached_host_tokens: int = 0
-    cached_disk_tokens: int = 0
-    # Predicted Outputs: drafted prediction tokens that made it into the output, and those thrown away.
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
+# The final usage on the wire: ``engine.usage.Usage`` in its flat form (every kind by its field name). The
+# three base counts are required; a kind a replica older than it does not send reads as 0.
+_REQUIRED_USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+
+def _usage_from_wire(value: Any) -> EngineUsage:
+    if isinstance(value, EngineUsage):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("usage must be an object")
+    if missing := [name for name in _REQUIRED_USAGE_FIELDS if name not in value]:
+        raise ValueError(f"usage lacks {', '.join(missing)}")
+    return EngineUsage.from_fields(value)
+
+
+Usage = Annotated[EngineUsage, BeforeValidator(_usage_from_wire), PlainSerializer(EngineUsage.fields)]
 
 
 class AbortResponse(BaseModel):

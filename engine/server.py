@@ -160,7 +160,7 @@ async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
             if delta.finished and delta.usage is not None and delta.timings is not None:
                 final = {"type": "final", "request_id": request_id,
                          "finish_reasons": delta.finish_reasons or [],
-                         "usage": asdict(delta.usage), "timings": asdict(delta.timings)}
+                         "usage": delta.usage.fields(), "timings": asdict(delta.timings)}
                 if delta.embedding is not None:
                     final["embedding"] = delta.embedding
                 lines.append(orjson.dumps(final) + b"\n")
@@ -237,7 +237,7 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
     async def abort(body: AbortRequest) -> AbortResponse:
         aborted = engine.abort(body.request_id)
         usage = await recent.final_usage(body.request_id, ABORT_USAGE_WAIT_S)
-        final = None if usage is None else asdict(usage)
+        final = None if usage is None else usage.fields()
         return AbortResponse.model_validate({"aborted": aborted, "usage": final})
 
     @app.get("/health", response_model=None)

@@ -305,7 +305,8 @@ class SyntheticEngine:
         timings = Timings(queued=queued, ttft=ttft,
                           tpot=(end - first_token) / (longest - 1) if first_token and longest > 1 else 0.0,
                           e2e=end - start)
-        usage = Usage(len(prompt), cached, sum(len(o) for o in outputs), written)
+        usage = Usage.of(prompt_tokens=len(prompt), cached_tokens=cached,
+                         completion_tokens=sum(len(o) for o in outputs), cache_write_tokens=written)
         self.metrics.observe_finished(timings, usage.completion_tokens)
         counts = self._stats.num_requests_finished
         for reason in reasons:

@@ -70,6 +70,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.usage import CACHE_TIERS, KINDS, Usage
 from gateway.errors import AuthenticationError, error_body
 from gateway.tenants.keys import bearer_token
 
@@ -112,8 +113,8 @@ class GatewayMetrics:
                                "ended.", registry=reg, multiprocess_mode="livesum")
         self.rejections = Counter("tollgate_gateway_rejections", "Requests refused before any engine work, "
                                   "by reason and tier.", ["reason", "tier"], registry=reg)
-        self.tokens = Counter("tollgate_gateway_tokens", "Metered tokens by kind (prompt, cached, "
-                              "cached_host, cached_disk, cache_write, completion).",
+        self.tokens = Counter("tollgate_gateway_tokens", "Metered tokens by kind: each token kind "
+                              "(engine.usage) by its field name less _tokens (prompt, cached, ...).",
                               ["kind", "model", "tier"], registry=reg)
         self.generations = Counter("tollgate_gateway_generations", "Generations by how they ended.",
                                    ["model", "tier", "status"], registry=reg)
@@ -168,18 +169,14 @@ def observe_rejection(reason: str, tier: str) -> None:
     gateway_metrics().rejections.labels(reason, tier).inc()
 
 
-def observe_generation(*, model: str, tier: str, status: str, prompt_tokens: int, cached_tokens: int,
-                       completion_tokens: int, ttft_s: float | None, tpot_s: float | None,
-                       cached_host_tokens: int = 0, cached_disk_tokens: int = 0,
-                       cache_write_tokens: int = 0) -> None:
+def observe_generation(*, model: str, tier: str, status: str, usage: Usage, ttft_s: float | None,
+                       tpot_s: float | None) -> None:
     """A generation was settled and metered (called once per usage record). Never raises."""
     try:
         m = gateway_metrics()
-        for kind, count in (("prompt", prompt_tokens), ("cached", cached_tokens),
-                            ("cached_host", cached_host_tokens), ("cached_disk", cached_disk_tokens),
-                            ("cache_write", cache_write_tokens), ("completion", completion_tokens)):
-            if count:
-                m.tokens.labels(kind, model, tier).inc(count)
+        for kind, spec in KINDS.items():
+            if count := usage[kind]:
+                m.tokens.labels(spec.field.removesuffix("_tokens"), model, tier).inc(count)
         m.generations.labels(model, tier, status).inc()
         if ttft_s is not None:
             m.ttft.labels(model, tier).observe(ttft_s)
@@ -208,11 +205,11 @@ def forget_kv_index(replica: str) -> None:
     0 until the gateway restarts). Never raises."""
     try:
         m = gateway_metrics()
-        for tier in ("device", "host", "disk"):
+        for tier in CACHE_TIERS:
             m.kv_index_blocks.labels(replica, tier).set(0)
         if MULTIPROC_ENV in os.environ:
             return
-        for tier in ("device", "host", "disk"):
+        for tier in CACHE_TIERS:
             m.kv_index_blocks.remove(replica, tier)
         with contextlib.suppress(KeyError):
             m.kv_index_snapshots.remove(replica)

@@ -14,6 +14,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.prices import Charge, charge
+from billing.prices import Price as PriceBookEntry
+from engine.usage import COST_FIELDS, FIELDS, TokenKind, Usage
 from gateway.tenants.keys import generate_key, hash_key
 from tollgate.models import Admin, ApiKey, AuditLog, Price, Tenant, UsageEvent
 from tollgate.settings import Settings, get_settings
@@ -23,6 +26,7 @@ _counter = itertools.count(1)
 # $3 / $15 per million tokens: 3,000,000 and 15,000,000 pico-USD per token.
 DEFAULT_INPUT_PRICE = 3_000_000
 DEFAULT_OUTPUT_PRICE = 15_000_000
+DEFAULT_PRICE = PriceBookEntry.of(input=DEFAULT_INPUT_PRICE, output=DEFAULT_OUTPUT_PRICE)
 
 
 def _unique(stem: str) -> str:
@@ -92,11 +96,21 @@ async def create_usage_event(session: AsyncSession, tenant: Tenant | None = None
                              prompt_tokens: int = 100, cached_tokens: int = 0, completion_tokens: int = 20,
                              cost_pico_usd: int | None = None, status: str = "completed",
                              **columns: Any) -> UsageEvent:
+    """A ledger row; without ``cost_pico_usd``, charged at the default price. Its per-kind costs, unless
+    given: what the default price charges when that is its cost, else all of it on input (a hand-made row)."""
     tenant = tenant or await create_tenant(session)
+    counts = {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+              "completion_tokens": completion_tokens, **{n: columns[n] for n in FIELDS if n in columns}}
+    try:
+        at_default: Charge | None = charge(Usage.from_fields(counts), DEFAULT_PRICE, request_class)
+    except ValueError:  # counts a test makes the database refuse
+        at_default = None
     if cost_pico_usd is None:
-        cost_pico_usd = ((prompt_tokens - cached_tokens) * DEFAULT_INPUT_PRICE
-                         + cached_tokens * (DEFAULT_INPUT_PRICE // 10)
-                         + completion_tokens * DEFAULT_OUTPUT_PRICE)
+        cost_pico_usd = at_default.total if at_default is not None else 0
+    if not any(name in columns for name in COST_FIELDS):
+        costs = (at_default if at_default is not None and at_default.total == cost_pico_usd
+                 else Charge({TokenKind.INPUT: cost_pico_usd}))
+        columns |= costs.fields()
     columns.setdefault("request_id", _unique("req"))
     return await _add(session, UsageEvent(
         tenant_id=tenant.id, api_key_id=api_key.id if api_key else None, model=model,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     BigInteger,
@@ -41,6 +41,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
+
+from engine.usage import COST_FIELDS, FIELDS
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -110,6 +112,12 @@ def _created_at() -> Mapped[datetime]:
 def _zero(column_type: type[Integer] = BigInteger) -> Mapped[int]:
     """A NOT NULL count or amount that rows written before the column existed read as 0."""
     return mapped_column(column_type, nullable=False, server_default=text("0"))
+
+
+def _usage_columns(count_type: type[Integer]) -> dict[str, Mapped[int]]:
+    """A column per token kind (its count) and per priced kind (its cost, BIGINT pico-USD), each 0 in rows
+    written before it existed: the ledger and the rollups take their usage columns from ``engine.usage``."""
+    return {**{name: _zero(count_type) for name in FIELDS}, **{name: _zero() for name in COST_FIELDS}}
 
 
 class Tenant(Base):
@@ -231,6 +239,8 @@ class UsageEvent(Base):
             name="prediction_token_counts",
         ),
         CheckConstraint("cost_pico_usd >= 0", name="cost_non_negative"),
+        CheckConstraint(" AND ".join(f"{name} >= 0" for name in COST_FIELDS)
+                        + f" AND {' + '.join(COST_FIELDS)} = cost_pico_usd", name="kind_costs"),
         Index("ix_usage_events_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_usage_events_created_at", "created_at"),
         Index("ix_usage_events_request_id", "request_id"),
@@ -244,25 +254,18 @@ class UsageEvent(Base):
     model: Mapped[str] = mapped_column(String(128), nullable=False)
     request_class: Mapped[str] = mapped_column(String(16), nullable=False)
     tier: Mapped[str] = mapped_column(String(32), nullable=False)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
-    cached_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
-    completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
     cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
     status: Mapped[str] = mapped_column(String(32), nullable=False)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     tpot_ms: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True,
                                                  server_default=func.now())
-    cache_write_tokens: Mapped[int] = _zero(Integer)
-    cache_pinned_tokens: Mapped[int] = _zero(Integer)
-    cache_retained_tokens: Mapped[int] = _zero(Integer)
-    # Of ``cached_tokens``, those the engine loaded from host memory and read from disk (revision 0007).
-    cached_host_tokens: Mapped[int] = _zero(Integer)
-    cached_disk_tokens: Mapped[int] = _zero(Integer)
-    # Predicted Outputs: of ``completion_tokens``, the prediction tokens accepted into the output and those
-    # rejected (counted and billed as output, as OpenAI bills them) (revision 0008).
-    accepted_prediction_tokens: Mapped[int] = _zero(Integer)
-    rejected_prediction_tokens: Mapped[int] = _zero(Integer)
+    # Every token kind's count and every priced kind's cost (``engine.usage``: ``FIELDS``, ``COST_FIELDS``).
+    vars().update(_usage_columns(Integer))
+    if TYPE_CHECKING:
+        prompt_tokens: Mapped[int]
+        cached_tokens: Mapped[int]
+        completion_tokens: Mapped[int]
 
 
 class UsageRequestId(Base):
@@ -275,11 +278,9 @@ class UsageRequestId(Base):
 
 
 class UsageHourly(Base):
-    """Hourly rollup of the ledger per tenant × model × class; token kinds (input without the cached
-    part, cached input, output, and the prompt-cache products: cache writes, pinned, retained) as
-    columns with their exact costs, and the output's accepted and rejected prediction tokens. Maintained
-    by the ledger flusher in the insert's transaction and proved equal to the ledger by
-    ``billing.rollups.reconcile``."""
+    """Hourly rollup of the ledger per tenant × model × class: the number of requests and the sums of the
+    ledger's count and cost columns, named as there. Maintained by the ledger flusher in the insert's
+    transaction and proved equal to the ledger by ``billing.rollups.reconcile_rollups``."""
 
     __tablename__ = "usage_hourly"
     __table_args__ = (
@@ -292,23 +293,9 @@ class UsageHourly(Base):
     model: Mapped[str] = mapped_column(String(128), primary_key=True)
     request_class: Mapped[str] = mapped_column(String(16), primary_key=True)
     requests: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    cached_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    input_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    cached_input_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    output_cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
     cost_pico_usd: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    cache_write_tokens: Mapped[int] = _zero()
-    cache_pinned_tokens: Mapped[int] = _zero()
-    cache_retained_tokens: Mapped[int] = _zero()
-    cache_write_cost_pico_usd: Mapped[int] = _zero()
-    cache_pinned_cost_pico_usd: Mapped[int] = _zero()
-    cache_retained_cost_pico_usd: Mapped[int] = _zero()
-    # Predicted Outputs: the sums of the ledger's prediction counts, part of ``output_tokens`` (not priced
-    # apart: no cost columns).
-    accepted_prediction_tokens: Mapped[int] = _zero()
-    rejected_prediction_tokens: Mapped[int] = _zero()
+    # The sums of the ledger's columns of the same names.
+    vars().update(_usage_columns(BigInteger))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
                                                  server_default=func.now())
 

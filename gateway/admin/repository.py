@@ -16,8 +16,7 @@ from decimal import Decimal
 from sqlalchemy import ColumnElement, Numeric, cast, func, literal_column, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.outbox import PREDICTION_TOKEN_FIELDS
-from billing.prices import CACHE_TOKEN_FIELDS
+from engine.usage import FIELDS, Usage
 from tollgate.models import Admin, AuditLog, Tenant, UsageEvent
 
 _USAGE_COLUMNS = {
@@ -92,18 +91,8 @@ class UsageSum:
     group: dict[str, object]
     bucket_start: datetime | None
     requests: int
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
+    usage: Usage
     cost_pico_usd: int
-    cache_write_tokens: int = 0
-    cache_pinned_tokens: int = 0
-    cache_retained_tokens: int = 0
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
-
-
-_SUMMED_COUNTS = (*CACHE_TOKEN_FIELDS, *PREDICTION_TOKEN_FIELDS)
 
 
 async def usage_sums(session: AsyncSession, *, start: datetime, end: datetime, tenant_id: int | None,
@@ -123,10 +112,7 @@ async def usage_sums(session: AsyncSession, *, start: datetime, end: datetime, t
         select(
             *keys,
             func.count().label("requests"),
-            func.coalesce(func.sum(UsageEvent.prompt_tokens), 0).label("prompt_tokens"),
-            func.coalesce(func.sum(UsageEvent.cached_tokens), 0).label("cached_tokens"),
-            func.coalesce(func.sum(UsageEvent.completion_tokens), 0).label("completion_tokens"),
-            *(func.coalesce(func.sum(getattr(UsageEvent, n)), 0).label(n) for n in _SUMMED_COUNTS),
+            *(func.coalesce(func.sum(getattr(UsageEvent, n)), 0).label(n) for n in FIELDS),
             func.coalesce(func.sum(cast(UsageEvent.cost_pico_usd, Numeric)), 0).label("cost"),
         )
         .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
@@ -144,11 +130,8 @@ async def usage_sums(session: AsyncSession, *, start: datetime, end: datetime, t
             group={name: row[name] for name in group_by},
             bucket_start=row["bucket_start"] if granularity is not None else None,
             requests=int(row["requests"]),
-            prompt_tokens=int(row["prompt_tokens"]),
-            cached_tokens=int(row["cached_tokens"]),
-            completion_tokens=int(row["completion_tokens"]),
+            usage=Usage.from_fields({name: int(row[name]) for name in FIELDS}),
             cost_pico_usd=int(cost if isinstance(cost, Decimal) else Decimal(cost)),
-            **{name: int(row[name]) for name in _SUMMED_COUNTS},
         ))
     return result
 

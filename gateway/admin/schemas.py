@@ -20,9 +20,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator
 
 from billing.prices import PRICE_FIELDS, pico_to_usd_per_mtok, usd_per_mtok_to_pico
+from engine.usage import KINDS
 from gateway.tenants.schemas import (
     PICO_PER_USD,
     ApiKeyCreate,
@@ -277,19 +278,13 @@ class PriceList(BaseModel):
 UsageGranularity = Literal["hour", "day"]
 
 
-class UsageTotals(BaseModel):
+# Every token kind's count, by its field name (``engine.usage.KINDS``).
+UsageCounts = create_model("UsageCounts", **{  # type: ignore[call-overload]
+    spec.field: (int, Field(description=spec.about)) for spec in KINDS.values()})
+
+
+class UsageTotals(UsageCounts):  # type: ignore[misc,valid-type]  # a model generated from the token kinds
     requests: int
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    cache_write_tokens: int = Field(description="Prompt tokens newly written to the prompt cache.")
-    cache_pinned_tokens: int = Field(description="Prompt tokens pinned in host memory (cache ttl).")
-    cache_retained_tokens: int = Field(description="Prompt tokens kept on disk (cache retention).")
-    accepted_prediction_tokens: int = Field(
-        description="Predicted Outputs: prediction tokens accepted into the output (of completion_tokens).")
-    rejected_prediction_tokens: int = Field(
-        description="Predicted Outputs: prediction tokens thrown away; counted in completion_tokens and "
-                    "billed as output.")
     cost_pico_usd: str = Field(description="Exact integer pico-USD, as a string (sums can exceed 2^53).")
     cost_usd: str
 

@@ -43,9 +43,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing import repository as billing_repository
-from billing.outbox import PREDICTION_TOKEN_FIELDS
-from billing.prices import CACHE_TOKEN_FIELDS, OPTIONAL_PRICE_FIELDS, Price, new_price_start
+from billing.prices import OPTIONAL_PRICE_FIELDS, Price, new_price_start
 from billing.service import PriceConflict, set_price
+from engine.usage import total
 from gateway.admin import repository
 from gateway.admin.auth import generate_admin_token, hash_admin_token
 from gateway.admin.schemas import (
@@ -61,8 +61,8 @@ from gateway.admin.schemas import (
 from gateway.admin.uow import queue_invalidation
 from gateway.engine_client import EngineClient, EngineUnavailable
 from gateway.errors import GatewayError
-from gateway.generation.service import cache_salt
 from gateway.replicas import current_replica_urls
+from gateway.tenants.cache_salt import cache_salt
 from gateway.tenants.repository import AuditLogRepository
 from gateway.tenants.schemas import ApiKeyCreate
 from gateway.tenants.service import ApiKeyService, TenantError, TenantService
@@ -427,13 +427,9 @@ class UsageResult:
     totals: UsageTotals
 
 
-_USAGE_COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", *CACHE_TOKEN_FIELDS,
-                 *PREDICTION_TOKEN_FIELDS)
-
-
 def _totals(sums: Sequence[repository.UsageSum]) -> dict[str, Any]:
     cost = sum(s.cost_pico_usd for s in sums)
-    return {**{name: sum(getattr(s, name) for s in sums) for name in _USAGE_COUNTS},
+    return {"requests": sum(s.requests for s in sums), **total(s.usage for s in sums).fields(),
             "cost_pico_usd": str(cost), "cost_usd": usd_string(cost)}
 
 

@@ -65,10 +65,10 @@ import anyio
 
 from billing.outbox import UsageRecord
 from billing.price_cache import PricesNotLoaded
-from billing.prices import CACHE_TOKEN_FIELDS, Price, PriceNotFound, cost_pico_usd, max_cost_pico_usd
+from billing.prices import Charge, Price, PriceNotFound, charge, max_cost_pico_usd
 from engine.kv.block_hash import prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
-from engine.protocol import Usage as EngineUsage
+from engine.usage import SURCHARGE_KINDS, TokenKind, Usage
 from gateway.admission import Admission
 from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
@@ -76,20 +76,15 @@ from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
 from gateway.errors import GatewayError, ServiceUnavailableError
-from gateway.generation.usage import Usage
 from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
+from gateway.tenants.cache_salt import cache_salt
 
 logger = logging.getLogger("tollgate.gateway.generation")
 
 STATUS_COMPLETED = "completed"
 STATUS_FAILED = "failed"
 STATUS_CANCELLED = "cancelled"
-
-
-def cache_salt(secret: str, tenant_id: int) -> str:
-    """Per-tenant prefix-cache salt: an HMAC of the tenant id, so no tenant can guess another's salt."""
-    return hmac.new(secret.encode(), f"tenant:{tenant_id}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def tenant_routing_key(salt: str, routing_key: str | None) -> bytes | None:
@@ -346,19 +341,11 @@ class Generation:
             self._ttft_ms = record.timings.ttft * 1000.0
             self._tpot_ms = record.timings.tpot * 1000.0
 
-    def _add_usage(self, usage: EngineUsage) -> None:
-        self.usage.prompt_tokens += usage.prompt_tokens
-        self.usage.cached_tokens += usage.cached_tokens
-        self.usage.cache_write_tokens += usage.cache_write_tokens
-        self.usage.cache_pinned_tokens += usage.cache_pinned_tokens
-        self.usage.cache_retained_tokens += usage.cache_retained_tokens
-        self.usage.cached_host_tokens += usage.cached_host_tokens
-        self.usage.cached_disk_tokens += usage.cached_disk_tokens
-        # Rejected prediction tokens count as completion tokens (billed as output), as OpenAI counts them.
-        rejected = usage.rejected_prediction_tokens
-        self.usage.completion_tokens += usage.completion_tokens + rejected
-        self.usage.accepted_prediction_tokens += usage.accepted_prediction_tokens
-        self.usage.rejected_prediction_tokens += rejected
+    def _add_usage(self, usage: Usage) -> None:
+        # Rejected prediction tokens count as completion tokens (billed as output), as OpenAI counts them;
+        # the engine's output counts the tokens it emitted.
+        rejected = Usage({TokenKind.OUTPUT: usage[TokenKind.REJECTED_PREDICTION]})
+        self.usage = self.usage + usage + rejected
 
     def _fail(self, error: GatewayError) -> None:
         if self.error is None:
@@ -419,9 +406,9 @@ class Generation:
                     self._add_usage(engine_usage)
         if self._finals < len(self._streams):
             # The replica could not say what it computed (it died): bill what we saw being generated.
-            self.usage.prompt_tokens = self.prompt_tokens if self._streams else 0
-            self.usage.cached_tokens = min(self.usage.cached_tokens, self.usage.prompt_tokens)
-            self.usage.completion_tokens = max(self.usage.completion_tokens, self._generated)
+            self.usage = self.usage.replace(
+                prompt_tokens=self.prompt_tokens if self._streams else 0,
+                completion_tokens=max(self.usage.completion_tokens, self._generated))
         if self._void:
             self.usage = Usage()
         if self.admission is None:
@@ -431,7 +418,7 @@ class Generation:
         # on every attempt, and the ledger keeps a request id's first row, so a void attempt's row would
         # shadow the retry that answers (and bills) the line.
         if not self._streams or (self._void and rt.request_class == "batch"):
-            self.cost_pico_usd = self._cost()[0]
+            self.cost_pico_usd = self._charge().total
             try:
                 await rt.admission.settle(self.admission, self.usage.total_tokens, self.cost_pico_usd)
             except Exception:
@@ -439,17 +426,13 @@ class Generation:
             return
         record = self._record if self._record is not None and not self._void else self._usage_record()
         self.cost_pico_usd = record.cost_pico_usd
-        host, disk = record.cached_host_tokens, record.cached_disk_tokens
         settle_error, append_error = await rt.admission.settle_and_append(
             self.admission, self.usage.total_tokens, record.cost_pico_usd, record)
         if settle_error is not None:
             logger.error("settling request %s failed (its lease will expire): %r", self.request_id,
                          settle_error)
-        observe_generation(model=record.model, tier=self.tier, status=self.status,
-                           prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens,
-                           cached_host_tokens=host, cached_disk_tokens=disk,
-                           cache_write_tokens=record.cache_write_tokens,
-                           completion_tokens=record.completion_tokens, tpot_s=(self._tpot_ms or 0) / 1000,
+        observe_generation(model=record.model, tier=self.tier, status=self.status, usage=record.usage,
+                           tpot_s=(self._tpot_ms or 0) / 1000,
                            ttft_s=(None if self._first_token_at is None
                                    else self._first_token_at - self._started_at))
         if append_error is not None:
@@ -469,43 +452,35 @@ class Generation:
             self._record = self._usage_record()
         return self._record
 
-    def _cost(self) -> tuple[int, dict[str, int]]:
-        """The request's cost and the cache products billed: none for an embedding request, never more
-        than the prompt."""
-        cache_limit = 0 if self.embedding else self.usage.prompt_tokens
-        cache_tokens = {name: min(getattr(self.usage, name), cache_limit) for name in CACHE_TOKEN_FIELDS}
+    def _billed_usage(self) -> Usage:
+        """The usage to meter: within its bounds; an embedding request has no cache products."""
+        usage = self.usage.clamped()
+        if self.embedding:
+            usage = Usage({k: n for k, n in usage.counts.items() if k not in SURCHARGE_KINDS})
+        return usage
+
+    def _charge(self) -> Charge:
+        """The request's cost per kind, priced once (nothing, if pricing fails: logged)."""
         try:
             price = self._price or self.runtime.prices.price_for(self.route.name, self._created_at)
-            cost = cost_pico_usd(price, self.usage.prompt_tokens, self.usage.cached_tokens,
-                                 self.usage.completion_tokens, self.runtime.request_class,
-                                 embedding=self.embedding, **cache_tokens)
+            return charge(self._billed_usage(), price, self.runtime.request_class, embedding=self.embedding)
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
-            cost = 0
-        return cost, cache_tokens
+            return Charge({})
 
     def _usage_record(self) -> UsageRecord:
-        cost, cache_tokens = self._cost()
         ttft = self._ttft_ms
         if ttft is None and self._first_token_at is not None:
             ttft = (self._first_token_at - self._started_at) * 1000.0
-        cached = self.usage.cached_tokens
-        host = min(self.usage.cached_host_tokens, cached)
-        disk = min(self.usage.cached_disk_tokens, cached - host)
-        # Both prediction counts are part of the completion tokens (the ledger checks it).
-        completion = self.usage.completion_tokens
-        rejected = min(self.usage.rejected_prediction_tokens, completion)
-        accepted = min(self.usage.accepted_prediction_tokens, completion - rejected)
         assert self.admission is not None
-        return UsageRecord(
+        return UsageRecord.charged(
             request_id=self.request_id, tenant_id=self.principal.tenant_id,
             api_key_id=self.principal.api_key_id, model=self.route.name,
-            request_class=self.runtime.request_class, tier=self.tier, prompt_tokens=self.usage.prompt_tokens,
-            cached_tokens=cached, completion_tokens=completion, cost_pico_usd=cost, status=self.status,
-            ttft_ms=ttft, tpot_ms=self._tpot_ms, created_at=self._created_at, **cache_tokens,
-            cached_host_tokens=host, cached_disk_tokens=disk, accepted_prediction_tokens=accepted,
-            rejected_prediction_tokens=rejected,
+            request_class=self.runtime.request_class, tier=self.tier, usage=self._billed_usage(),
+            costs=self._charge(), status=self.status, ttft_ms=ttft, tpot_ms=self._tpot_ms,
+            created_at=self._created_at,
         )
+
 
 async def run_generation(runtime: GatewayRuntime, principal: Principal, route: ModelRoute, request_id: str,
                          prompts: list[list[int]], sampling: dict[str, Any], *, n: int,

@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.protocol import TokenLogprob
 from engine.tokenizer import Tokenizer
-from gateway.generation.usage import Usage
+from engine.usage import Usage
 from gateway.routing import ModelRoute
 
 

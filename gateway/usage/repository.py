@@ -8,42 +8,29 @@ Sums are taken as ``NUMERIC`` and returned as Python ints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.prices import CACHE_TOKEN_FIELDS
-from billing.rollups import DETAIL_COLUMNS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS
+from billing.prices import Charge
+from billing.rollups import SUMMED
+from engine.usage import FIELDS, Usage
 from tollgate.models import UsageEvent, UsageHourly
 
 
 @dataclass(frozen=True, slots=True)
 class UsageRow:
-    """Usage (and, from the rollups, cost) of one (time, model, class)."""
+    """Usage and (from the rollups; none per minute) cost of one (time, model, class)."""
 
     at: datetime
     model: str
     request_class: str
     requests: int
-    input_tokens: int  # not served from the prompt cache
-    cached_input_tokens: int
-    output_tokens: int
-    input_cost_pico_usd: int = 0
-    cached_input_cost_pico_usd: int = 0
-    output_cost_pico_usd: int = 0
-    # Prompt tokens the cache products were charged on (counted in the input kinds too), and their cost.
-    cache_write_tokens: int = 0
-    cache_pinned_tokens: int = 0
-    cache_retained_tokens: int = 0
-    cache_write_cost_pico_usd: int = 0
-    cache_pinned_cost_pico_usd: int = 0
-    cache_retained_cost_pico_usd: int = 0
-    # Predicted Outputs: of the output tokens, the prediction tokens accepted and rejected.
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
+    usage: Usage
+    costs: Charge = field(default_factory=lambda: Charge({}))
 
 
 def _n(column: Any) -> Any:
@@ -65,19 +52,19 @@ class UsageRepository:
         if request_class is not None:
             stmt = stmt.where(UsageHourly.request_class == request_class)
         rows = (await self.session.scalars(stmt.order_by(UsageHourly.hour))).all()
-        return [UsageRow(r.hour, r.model, r.request_class, r.requests,
-                         **{name: getattr(r, name)
-                            for name in (*KIND_TOKEN_COLUMNS, *KIND_COST_COLUMNS, *DETAIL_COLUMNS)})
-                for r in rows]
+        out = []
+        for r in rows:
+            sums = {name: getattr(r, name) for name in SUMMED}
+            out.append(UsageRow(r.hour, r.model, r.request_class, r.requests, Usage.from_fields(sums),
+                                Charge.from_fields(sums)))
+        return out
 
     async def by_minute(self, start: datetime, end: datetime, *, models: Sequence[str] | None = None,
                         request_class: str | None = None) -> list[UsageRow]:
-        """Ledger usage per minute with ``start <= created_at < end`` (no cost split)."""
+        """Ledger usage per minute with ``start <= created_at < end`` (no costs)."""
         minute = func.date_trunc("minute", UsageEvent.created_at, "UTC")
         stmt = (select(minute, UsageEvent.model, UsageEvent.request_class, func.count(),
-                       _n(UsageEvent.prompt_tokens - UsageEvent.cached_tokens), _n(UsageEvent.cached_tokens),
-                       _n(UsageEvent.completion_tokens),
-                       *(_n(getattr(UsageEvent, name)) for name in (*CACHE_TOKEN_FIELDS, *DETAIL_COLUMNS)))
+                       *(_n(getattr(UsageEvent, name)) for name in FIELDS))
                 .where(UsageEvent.tenant_id == self.tenant_id, UsageEvent.created_at >= start,
                        UsageEvent.created_at < end)
                 .group_by(minute, UsageEvent.model, UsageEvent.request_class))
@@ -85,7 +72,6 @@ class UsageRepository:
             stmt = stmt.where(UsageEvent.model.in_(list(models)))
         if request_class is not None:
             stmt = stmt.where(UsageEvent.request_class == request_class)
-        return [UsageRow(at, model, klass, int(n), int(i), int(c), int(o),
-                         **{name: int(v) for name, v in zip((*CACHE_TOKEN_FIELDS, *DETAIL_COLUMNS), counts,
-                                                            strict=True)})
-                for at, model, klass, n, i, c, o, *counts in (await self.session.execute(stmt)).all()]
+        return [UsageRow(at, model, klass, int(n),
+                         Usage.from_fields({name: int(v) for name, v in zip(FIELDS, counts, strict=True)}))
+                for at, model, klass, n, *counts in (await self.session.execute(stmt)).all()]

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from billing.rollups import CACHE_KINDS, KIND_COST_COLUMNS, KIND_TOKEN_COLUMNS, KINDS
+from engine.usage import KINDS, SURCHARGE_KINDS, TokenKind, total
 from gateway.errors import InvalidRequestError
 from gateway.usage.repository import UsageRepository, UsageRow
 from tollgate.models import LATEST_TIME
@@ -42,8 +42,6 @@ USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # (default, m
 COSTS_LIMITS = (7, 180)
 USAGE_GROUPS = ("model", "batch")
 PICO_PER_USD = Decimal(10**12)
-_KIND_NAMES = {"input": "input", "cached_input": "cached input", "output": "output",
-               "cache_write": "cache write", "cache_pinned": "cache pin", "cache_retained": "cache retention"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,18 +156,17 @@ async def completions_usage(repo: UsageRepository, *, start_time: int, end_time:
         results = []
         for (model, is_batch), members in sorted(buckets[start].items(), key=lambda kv: (str(kv[0][0]),
                                                                                          str(kv[0][1]))):
-            cached = sum(r.cached_input_tokens for r in members)
-            uncached = sum(r.input_tokens for r in members)
-            written = sum(r.cache_write_tokens for r in members)
+            usage = total(r.usage for r in members)
             results.append({
-                "object": "organization.usage.completions.result", "input_tokens": uncached + cached,
-                "input_cached_tokens": cached, "input_cache_write_tokens": written,
-                "input_uncached_tokens": max(0, uncached - written),
-                "input_cache_pinned_tokens": sum(r.cache_pinned_tokens for r in members),
-                "input_cache_retained_tokens": sum(r.cache_retained_tokens for r in members),
-                "output_tokens": sum(r.output_tokens for r in members),
-                "output_accepted_prediction_tokens": sum(r.accepted_prediction_tokens for r in members),
-                "output_rejected_prediction_tokens": sum(r.rejected_prediction_tokens for r in members),
+                "object": "organization.usage.completions.result", "input_tokens": usage.prompt_tokens,
+                "input_cached_tokens": usage.cached_tokens,
+                "input_cache_write_tokens": usage.cache_write_tokens,
+                "input_uncached_tokens": max(0, usage.billed()[TokenKind.INPUT] - usage.cache_write_tokens),
+                "input_cache_pinned_tokens": usage.cache_pinned_tokens,
+                "input_cache_retained_tokens": usage.cache_retained_tokens,
+                "output_tokens": usage.completion_tokens,
+                "output_accepted_prediction_tokens": usage.accepted_prediction_tokens,
+                "output_rejected_prediction_tokens": usage.rejected_prediction_tokens,
                 "input_audio_tokens": 0,
                 "output_audio_tokens": 0, "num_model_requests": sum(r.requests for r in members),
                 "project_id": None, "user_id": None, "api_key_id": None, "model": model, "batch": is_batch,
@@ -180,9 +177,10 @@ async def completions_usage(repo: UsageRepository, *, start_time: int, end_time:
             "next_page": plan.next_page}
 
 
-def line_item(row: UsageRow, kind: str) -> str:
+def line_item(row: UsageRow, kind: TokenKind) -> str:
+    """``"<model>, [batch ]<price name>"`` (``"m, batch cached input"``)."""
     prefix = "batch " if row.request_class == "batch" else ""
-    return f"{row.model}, {prefix}{_KIND_NAMES[kind]}"
+    return f"{row.model}, {prefix}{(KINDS[kind].price or kind.value).replace('_', ' ')}"
 
 
 def usd(pico: int) -> float:
@@ -208,10 +206,9 @@ async def costs(repo: UsageRepository, *, start_time: int, end_time: int | None,
     per_bucket: dict[int, dict[str, list[int]]] = {s: {} for s in plan.starts}
     for row in rows:
         items = per_bucket.setdefault(_bucket_of(row, plan), {})
-        kinds = zip(KINDS, KIND_TOKEN_COLUMNS, KIND_COST_COLUMNS, strict=True)
-        for kind, tokens_column, cost_column in kinds:
-            tokens, amount = getattr(row, tokens_column), getattr(row, cost_column)
-            if kind in CACHE_KINDS and not (tokens or amount):
+        for kind, tokens in row.usage.billed().items():
+            amount = row.costs.costs.get(kind, 0)
+            if kind in SURCHARGE_KINDS and not (tokens or amount):
                 continue
             name = line_item(row, kind) if groups else ""
             acc = items.setdefault(name, [0, 0])

@@ -42,7 +42,7 @@ async def test_the_cache_page_shows_hits_by_tier_per_tenant_and_replica(page: An
         # The replica's next /load (what the router polls) counts the prompt it looked up.
         await eventually(lambda: _looked_up(dashboard), "the router to poll the replica's cache report")
     for i, (prompt, cached, host, disk, (written, pinned, retained)) in enumerate(USAGE):
-        await append_usage(dashboard.redis, UsageRecord(
+        await append_usage(dashboard.redis, UsageRecord.of(
             request_id=f"cache-page-{tenant.id}-{i}", tenant_id=tenant.id, api_key_id=None, model=MODEL,
             request_class="interactive", tier="default", prompt_tokens=prompt, cached_tokens=cached,
             completion_tokens=10, cost_pico_usd=0, status="completed", ttft_ms=None, tpot_ms=None,

@@ -280,7 +280,7 @@ async def test_usage_shows_the_prompt_cache_products(page: Any, dashboard: Dashb
     costs = [0, 0, 0]
     for i, (klass, prompt, cached, completion, cache) in enumerate(CACHE_USAGE):
         counts = dict(zip(CACHE_TOKEN_FIELDS, cache, strict=True))
-        await append_usage(dashboard.redis, UsageRecord(
+        await append_usage(dashboard.redis, UsageRecord.of(
             request_id=f"cache-usage-{tenant.id}-{i}", tenant_id=tenant.id, api_key_id=None, model=model,
             request_class=klass, tier="default", prompt_tokens=prompt, cached_tokens=cached,
             completion_tokens=completion,

@@ -53,7 +53,7 @@ async def test_usage_pages_show_accepted_and_rejected_prediction_tokens(
     async with dashboard.db.session() as session:
         tenant = await create_tenant(session)
     for i, (completion, accepted, rejected) in enumerate(USAGE):
-        await append_usage(dashboard.redis, UsageRecord(
+        await append_usage(dashboard.redis, UsageRecord.of(
             request_id=f"predictions-page-{tenant.id}-{i}", tenant_id=tenant.id, api_key_id=None, model=MODEL,
             request_class="interactive", tier="default", prompt_tokens=50, cached_tokens=0,
             completion_tokens=completion, cost_pico_usd=10**15, status="completed", ttft_ms=None,

@@ -46,7 +46,7 @@ async def _seed(database_url: str, name: str) -> int:
         now = datetime.now(UTC)
         for i, (klass, prompt, cached, completion) in enumerate(
                 [("interactive", 1200, 300, 80), ("batch", 5000, 0, 700), ("interactive", 33, 33, 1)]):
-            await append_usage(redis, UsageRecord(
+            await append_usage(redis, UsageRecord.of(
                 request_id=f"cli-{name}-{i}", tenant_id=tenant.id, api_key_id=None, model="tiny",
                 request_class=klass, tier="default", prompt_tokens=prompt, cached_tokens=cached,
                 completion_tokens=completion,

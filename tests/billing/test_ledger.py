@@ -4,7 +4,6 @@ products, cache tiers, accepted and rejected prediction tokens) reaches its ledg
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import UTC, datetime
 
 import orjson
@@ -14,8 +13,9 @@ from sqlalchemy.exc import IntegrityError
 
 from billing.ledger import DEAD_LETTER_STREAM, LEDGER_GROUP, LedgerUnavailable, UsageFlusher
 from billing.outbox import OPTIONAL_COUNTS, PREDICTION_TOKEN_FIELDS, USAGE_STREAM, UsageRecord, append_usage
-from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
+from billing.prices import CACHE_TOKEN_FIELDS, Price, charge
 from billing.repository import insert_usage_events
+from engine.usage import Usage
 from tests.factories import create_tenant
 from tollgate.db import Database
 from tollgate.local_services import free_port
@@ -25,15 +25,22 @@ PRICE = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cach
                  cache_retention=100_000)
 
 
+def charged(prompt: int, cached: int, completion: int, cache_tokens: dict[str, int]) -> dict[str, int]:
+    """``cost_pico_usd`` and each kind's cost, as a gateway charges them at ``PRICE``."""
+    costs = charge(Usage.of(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+                            **cache_tokens), PRICE, "interactive")
+    return {"cost_pico_usd": costs.total, **costs.fields()}
+
+
 def record(tenant_id: int, request_id: str, *, prompt: int = 1_000, cached: int = 200,
            completion: int = 50, status: str = "completed", host: int = 0, disk: int = 0,
            accepted: int = 0, rejected: int = 0, **cache_tokens: int) -> UsageRecord:
-    return UsageRecord(
+    return UsageRecord.of(
         request_id=request_id, tenant_id=tenant_id, api_key_id=None, model="tiny",
         request_class="interactive", tier="default", prompt_tokens=prompt, cached_tokens=cached,
         completion_tokens=completion,
-        cost_pico_usd=cost_pico_usd(PRICE, prompt, cached, completion, "interactive", **cache_tokens),
-        status=status, ttft_ms=12.5, tpot_ms=3.0, created_at=datetime.now(UTC), **cache_tokens,
+        **charged(prompt, cached, completion, cache_tokens), status=status, ttft_ms=12.5, tpot_ms=3.0,
+        created_at=datetime.now(UTC), **cache_tokens,
         cached_host_tokens=host, cached_disk_tokens=disk, accepted_prediction_tokens=accepted,
         rejected_prediction_tokens=rejected,
     )
@@ -201,7 +208,7 @@ async def test_records_validate_their_columns() -> None:
     with pytest.raises(ValueError):
         record(1, "x", prompt=10, cached=11)
     with pytest.raises(ValueError):
-        UsageRecord(request_id="x", tenant_id=1, api_key_id=None, model="m", request_class="interactive",
+        UsageRecord.of(request_id="x", tenant_id=1, api_key_id=None, model="m", request_class="interactive",
                     tier="default", prompt_tokens=1, cached_tokens=0, completion_tokens=0, cost_pico_usd=0,
                     status="completed", ttft_ms=None, tpot_ms=None, created_at=datetime(2026, 1, 1))
     for name in CACHE_TOKEN_FIELDS:
@@ -226,7 +233,8 @@ async def test_records_validate_their_columns() -> None:
     assert set(optional) == set(OPTIONAL_COUNTS)
     older = {k: v for k, v in orjson.loads(rec.to_json()).items() if k not in optional}
     # A gateway older than the cache, tier and prediction counts sent none: they read as 0.
-    assert UsageRecord.from_json(orjson.dumps(older)) == replace(rec, **dict.fromkeys(optional, 0))
+    without = UsageRecord.of(**rec.fields() | dict.fromkeys(optional, 0))
+    assert UsageRecord.from_json(orjson.dumps(older)) == without
     newer = orjson.loads(rec.to_json()) | {"reasoning_tokens": 7}  # written by a newer gateway
     assert UsageRecord.from_json(orjson.dumps(newer)) == rec
     with pytest.raises(KeyError):

@@ -20,17 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from billing.ledger import UsageFlusher
 from billing.outbox import PREDICTION_TOKEN_FIELDS, UsageRecord, append_usage
 from billing.partitions import ensure_usage_partitions
-from billing.prices import CACHE_TOKEN_FIELDS, Price, cost_pico_usd
-from billing.rollups import (
-    KIND_COST_COLUMNS,
-    KIND_TOKEN_COLUMNS,
-    KINDS,
-    PriceHistory,
-    find_rollup_mismatches,
-    hour_of,
-    reconcile_rollups,
-)
+from billing.prices import CACHE_TOKEN_FIELDS, Price, charge, cost_pico_usd
+from billing.rollups import find_rollup_mismatches, hour_of, reconcile_rollups
 from billing.statements import TOKEN_KINDS, build_statement, carry_rounding, usd_exact
+from engine.usage import COST_FIELDS, PRICED_KINDS, Usage
 from tests.factories import create_price, create_tenant, create_usage_event
 from tollgate.db import Database
 from tollgate.models import UsageEvent, UsageHourly
@@ -60,7 +53,7 @@ def make_records(tenant_ids: list[int], count: int, seed: int) -> list[UsageReco
                      "rejected_prediction_tokens": rejected}
         at = MONTH_START + timedelta(days=rng.choice([0, 14, 30]), hours=rng.randint(0, 3),
                                      seconds=rng.randint(0, 3599))
-        records.append(UsageRecord(
+        records.append(UsageRecord.of(
             request_id=f"r{seed}-{i}", tenant_id=rng.choice(tenant_ids), api_key_id=None, model=model,
             request_class=klass, tier="default", prompt_tokens=prompt, cached_tokens=cached,
             completion_tokens=completion,
@@ -87,10 +80,10 @@ async def ledger_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
 async def rollup_buckets(session, tenant_ids: list[int]) -> dict[tuple, tuple]:
     rows = (await session.scalars(select(UsageHourly).where(UsageHourly.tenant_id.in_(tenant_ids)))).all()
     for r in rows:  # the kind split always adds up to the ledger cost
-        assert sum(getattr(r, name) for name in KIND_COST_COLUMNS) == r.cost_pico_usd
+        assert sum(getattr(r, name) for name in COST_FIELDS) == r.cost_pico_usd
     return {(r.tenant_id, hour_of(r.hour), r.model, r.request_class):
-            tuple(getattr(r, name) for name in ("requests", *KIND_TOKEN_COLUMNS, "cost_pico_usd",
-                                                 *PREDICTION_TOKEN_FIELDS))
+            (r.requests, r.prompt_tokens - r.cached_tokens, r.cached_tokens, r.completion_tokens,
+             *(getattr(r, name) for name in (*CACHE_TOKEN_FIELDS, "cost_pico_usd", *PREDICTION_TOKEN_FIELDS)))
             for r in rows}
 
 
@@ -98,7 +91,7 @@ async def cache_costs_by_kind(session, tenant_ids: list[int]) -> dict[tuple, lis
     """Per (tenant, hour, model, class): the cache products' rolled-up costs."""
     rows = (await session.scalars(select(UsageHourly).where(UsageHourly.tenant_id.in_(tenant_ids)))).all()
     return {(r.tenant_id, hour_of(r.hour), r.model, r.request_class):
-            [getattr(r, name) for name in KIND_COST_COLUMNS[3:]] for r in rows}
+            [getattr(r, name) for name in COST_FIELDS[3:]] for r in rows}
 
 
 async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(new_database,
@@ -202,9 +195,8 @@ async def test_rollups_equal_the_ledger_after_concurrent_writers_and_reconciles(
                                                             UsageHourly.request_class == wrong[3])
                                   .values(cost_pico_usd=UsageHourly.cost_pico_usd + 1))
             session.add(UsageHourly(tenant_id=tenants[0], hour=MONTH_START + timedelta(days=5), model="alpha",
-                                    request_class="batch", requests=1, input_tokens=1, cached_input_tokens=0,
-                                    output_tokens=0, input_cost_pico_usd=5, cached_input_cost_pico_usd=0,
-                                    output_cost_pico_usd=0, cost_pico_usd=5))
+                                    request_class="batch", requests=1, prompt_tokens=1,
+                                    input_cost_pico_usd=5, cost_pico_usd=5))
         async with db.session() as session:
             found = await find_rollup_mismatches(session, MONTH_START, MONTH_START + timedelta(days=32))
             assert len(found) == 4
@@ -269,50 +261,37 @@ def test_exact_amounts_have_twelve_decimals_zero_included() -> None:
         "0.000000000000", "0.000001234567", "5.000000000001"]  # zero was "0E-12"
 
 
-def test_the_split_uses_the_price_the_request_was_admitted_with() -> None:
-    change = datetime(2026, 10, 10, 12, tzinfo=UTC)
+def test_a_charge_splits_the_cost_by_kind_at_the_price_given() -> None:
     old, new = Price.of(input=3_000_000, output=15_000_000), Price.of(input=2_000_000, output=9_000_000)
-    history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), old), ("alpha", change, new)])
-    row = {"model": "alpha", "request_class": "interactive", "prompt_tokens": 100, "cached_tokens": 40,
-           "completion_tokens": 7, "created_at": change + timedelta(seconds=30),
-           "cost_pico_usd": cost_pico_usd(old, 100, 40, 7, "interactive"),  # admitted before the change
-           **dict.fromkeys(CACHE_TOKEN_FIELDS, 0)}
-    assert history.split(row) == (60 * 3_000_000, 40 * 300_000, 7 * 15_000_000, 0, 0, 0)
-    row["cost_pico_usd"] = cost_pico_usd(new, 100, 40, 7, "interactive")
-    assert history.split(row) == (60 * 2_000_000, 40 * 200_000, 7 * 9_000_000, 0, 0, 0)
-    row["cost_pico_usd"] = 1_000_003  # matches no price (written by hand): apportioned, still exact
-    assert sum(history.split(row)) == 1_000_003
+    usage = Usage.of(prompt_tokens=100, cached_tokens=40, completion_tokens=7)
+    assert tuple(charge(usage, old, "interactive").costs.values()) == (
+        60 * 3_000_000, 40 * 300_000, 7 * 15_000_000, 0, 0, 0)
+    assert tuple(charge(usage, new, "interactive").costs.values()) == (
+        60 * 2_000_000, 40 * 200_000, 7 * 9_000_000, 0, 0, 0)
+    assert charge(usage, old, "interactive").total == cost_pico_usd(old, 100, 40, 7, "interactive")
 
 
-def test_an_embeddings_row_is_split_at_the_embedding_price_all_input() -> None:
+def test_an_embeddings_charge_is_all_input_at_the_embedding_price() -> None:
     price = Price.of(input=3_000_000, output=15_000_000, embedding_input=20_000)
-    history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), price)])
-    row = {"model": "alpha", "request_class": "batch", "prompt_tokens": 100, "cached_tokens": 40,
-           "completion_tokens": 0, "created_at": datetime(2026, 10, 10, tzinfo=UTC),
-           "cost_pico_usd": cost_pico_usd(price, 100, 40, 0, "batch", embedding=True),
-           **dict.fromkeys(CACHE_TOKEN_FIELDS, 0)}
-    assert history.split(row) == (100 * 10_000, 0, 0, 0, 0, 0)
-    row["cost_pico_usd"] = cost_pico_usd(price, 100, 40, 0, "batch")  # a generation that stopped at once
-    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0, 0, 0, 0)
+    usage = Usage.of(prompt_tokens=100, cached_tokens=40)
+    embedding = charge(usage, price, "batch", embedding=True)
+    assert tuple(embedding.costs.values()) == (100 * 10_000, 0, 0, 0, 0, 0)
+    # a generation that stopped at once
+    assert tuple(charge(usage, price, "batch").costs.values()) == (60 * 1_500_000, 40 * 150_000, 0, 0, 0, 0)
 
 
-def test_the_cache_products_are_split_at_the_price_in_effect() -> None:
-    change = datetime(2026, 10, 10, 12, tzinfo=UTC)
+def test_the_cache_products_are_charged_at_their_prices() -> None:
     old = Price.of(input=3_000_000, output=15_000_000, cache_write=3_750_000, cache_pin=300_000,
                    cache_retention=100_000)
     new = Price.of(input=3_000_000, output=15_000_000, cache_write=1_000_000, cache_pin=500_000)
-    history = PriceHistory([("alpha", datetime(2020, 1, 1, tzinfo=UTC), old), ("alpha", change, new)])
-    assert KINDS == ("input", "cached_input", "output", "cache_write", "cache_pinned", "cache_retained")
-    counts = {"cache_write_tokens": 48, "cache_pinned_tokens": 96, "cache_retained_tokens": 80}
-    row = {"model": "alpha", "request_class": "batch", "prompt_tokens": 100, "cached_tokens": 40,
-           "completion_tokens": 0, "created_at": change + timedelta(seconds=30),
-           "cost_pico_usd": cost_pico_usd(old, 100, 40, 0, "batch", **counts), **counts}
-    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0, 48 * 1_875_000, 96 * 150_000, 80 * 50_000)
-    row["cost_pico_usd"] = cost_pico_usd(new, 100, 40, 0, "batch", **counts)
-    assert history.split(row) == (60 * 1_500_000, 40 * 150_000, 0, 48 * 500_000, 96 * 250_000, 0)
-    row["cost_pico_usd"] = 123_456_789  # matches no price: apportioned by the newest price, still exact
-    split = history.split(row)
-    assert sum(split) == 123_456_789 and split[3] > 0 and split[4] > 0 and split[5] == 0
+    assert [k.value for k in PRICED_KINDS] == ["input", "cached_input", "output", "cache_write",
+                                               "cache_pinned", "cache_retained"]
+    usage = Usage.of(prompt_tokens=100, cached_tokens=40, cache_write_tokens=48, cache_pinned_tokens=96,
+                     cache_retained_tokens=80)
+    assert tuple(charge(usage, old, "batch").costs.values()) == (
+        60 * 1_500_000, 40 * 150_000, 0, 48 * 1_875_000, 96 * 150_000, 80 * 50_000)
+    assert tuple(charge(usage, new, "batch").costs.values()) == (
+        60 * 1_500_000, 40 * 150_000, 0, 48 * 500_000, 96 * 250_000, 0)
 
 
 async def test_monthly_partitions_take_their_rows_out_of_the_default_partition(db_session) -> None:

@@ -145,7 +145,7 @@ async def test_flush_and_reconcile_tasks_end_to_end(new_database, service_settin
         async with db.session() as session:
             tenant = await create_tenant(session)
         for i in range(7):
-            await append_usage(redis_client, UsageRecord(
+            await append_usage(redis_client, UsageRecord.of(
                 request_id=f"task-{i}", tenant_id=tenant.id, api_key_id=None, model="tiny",
                 request_class="batch", tier="flex", prompt_tokens=10, cached_tokens=0, completion_tokens=i,
                 cost_pico_usd=1_000 + i, status="completed", ttft_ms=None, tpot_ms=None,
@@ -264,7 +264,7 @@ def test_celery_tasks_run_in_a_worker_process_runtime(new_database, service_sett
     tenant_id = asyncio.run(seed())
     client = redis.Redis.from_url(service_settings.redis_url)
     client.flushdb()
-    rec = UsageRecord(request_id="celery-1", tenant_id=tenant_id, api_key_id=None, model="tiny",
+    rec = UsageRecord.of(request_id="celery-1", tenant_id=tenant_id, api_key_id=None, model="tiny",
                       request_class="interactive", tier="default", prompt_tokens=5, cached_tokens=0,
                       completion_tokens=5, cost_pico_usd=42, status="completed", ttft_ms=None, tpot_ms=None,
                       created_at=datetime.now(UTC))

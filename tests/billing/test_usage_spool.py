@@ -18,7 +18,7 @@ from tollgate.local_services import free_port
 
 
 def _record(request_id: str, completion: int = 5, accepted: int = 0, rejected: int = 0) -> UsageRecord:
-    return UsageRecord(request_id=request_id, tenant_id=7, api_key_id=1, model="tiny",
+    return UsageRecord.of(request_id=request_id, tenant_id=7, api_key_id=1, model="tiny",
                        request_class="interactive", tier="default", prompt_tokens=11, cached_tokens=0,
                        completion_tokens=completion, cost_pico_usd=123, status="completed", ttft_ms=None,
                        tpot_ms=None, created_at=datetime.now(UTC), accepted_prediction_tokens=accepted,

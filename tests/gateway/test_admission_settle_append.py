@@ -22,7 +22,7 @@ def tenant(tenant_id: int) -> TenantLimits:
 
 
 def record(request_id: str, tenant_id: int, cost: int) -> UsageRecord:
-    return UsageRecord(request_id=request_id, tenant_id=tenant_id, api_key_id=None, model="m",
+    return UsageRecord.of(request_id=request_id, tenant_id=tenant_id, api_key_id=None, model="m",
                        request_class="interactive", tier="default", prompt_tokens=10, cached_tokens=0,
                        completion_tokens=5, cost_pico_usd=cost, status="completed", ttft_ms=1.0,
                        tpot_ms=None, created_at=datetime.now(UTC))

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 from billing.prices import Price, PriceBook, cost_pico_usd
+from engine.usage import Usage
 from gateway.generation.service import Generation
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -20,7 +21,7 @@ def generation(arrived: datetime, book: PriceBook, request_class: str = "interac
     gen = Generation(runtime=SimpleNamespace(prices=book, request_class=request_class),  # type: ignore[arg-type]
                      principal=None, route=SimpleNamespace(name="m"), request_id="r",  # type: ignore[arg-type]
                      prompts=[[1] * 10], sampling={}, n=1, max_tokens=5, tier="standard", _created_at=arrived)
-    gen.usage.prompt_tokens, gen.usage.cached_tokens, gen.usage.completion_tokens = 10, 4, 5
+    gen.usage = Usage.of(prompt_tokens=10, cached_tokens=4, completion_tokens=5)
     return gen
 
 
@@ -29,9 +30,10 @@ def test_a_request_running_across_a_price_change_is_billed_at_the_price_it_arriv
     priced): the old row prices it."""
     book = PriceBook([("m", T0, OLD), ("m", T0 + timedelta(hours=1), NEW)])
     arrived = T0 + timedelta(minutes=59, seconds=59)
-    assert generation(arrived, book)._cost()[0] == cost_pico_usd(OLD, 10, 4, 5, "interactive")
-    assert generation(arrived, book, "batch")._cost()[0] == cost_pico_usd(OLD, 10, 4, 5, "batch")
-    assert generation(T0 + timedelta(hours=1), book)._cost()[0] == cost_pico_usd(NEW, 10, 4, 5, "interactive")
+    assert generation(arrived, book)._charge().total == cost_pico_usd(OLD, 10, 4, 5, "interactive")
+    assert generation(arrived, book, "batch")._charge().total == cost_pico_usd(OLD, 10, 4, 5, "batch")
+    later = generation(T0 + timedelta(hours=1), book)
+    assert later._charge().total == cost_pico_usd(NEW, 10, 4, 5, "interactive")
 
 
 def test_the_price_admission_fetched_is_the_one_billed() -> None:
@@ -39,7 +41,7 @@ def test_the_price_admission_fetched_is_the_one_billed() -> None:
     was reloaded meanwhile with the row removed or replaced."""
     gen = generation(T0, PriceBook([("m", T0, NEW)]))
     gen._price = OLD
-    assert gen._cost()[0] == cost_pico_usd(OLD, 10, 4, 5, "interactive")
+    assert gen._charge().total == cost_pico_usd(OLD, 10, 4, 5, "interactive")
 
 
 async def test_the_admission_lease_is_renewed_on_a_timer_until_the_end() -> None:

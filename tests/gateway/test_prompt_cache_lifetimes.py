@@ -14,7 +14,7 @@ import pytest
 from engine.kv.block_hash import prefix_block_hashes
 from engine.kv.events import TIER_BITS
 from engine.tokenizer import Tokenizer
-from gateway.generation.service import cache_salt
+from gateway.tenants.cache_salt import cache_salt
 from tests.gateway.conftest import MODEL, GatewayUnderTest, TenantKey
 from tests.gateway.test_openai_errors import check_error
 from tests.openai_schema import assert_conforms

@@ -9,8 +9,9 @@ from engine.kv.block_hash import prefix_block_hashes
 from engine.protocol import LoadReport
 from gateway.engine_client import EngineClient
 from gateway.errors import ServiceUnavailableError
-from gateway.generation.service import cache_salt, tenant_routing_key
+from gateway.generation.service import tenant_routing_key
 from gateway.routing import WATERMARK_INFLIGHT_GAP, WATERMARK_WAITING, Router
+from gateway.tenants.cache_salt import cache_salt
 from tollgate.settings import ModelConfig, PoolConfig, Settings
 
 URLS = [f"http://replica-{i}:8100" for i in range(4)]

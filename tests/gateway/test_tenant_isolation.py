@@ -110,7 +110,7 @@ def new_database_module(shared_servers: Any) -> Any:
 async def _ledger_rows_for(gateway: GatewayUnderTest, tenant_id: int) -> None:
     redis = gateway.runtime.redis
     for i in range(3):
-        await append_usage(redis, UsageRecord(
+        await append_usage(redis, UsageRecord.of(
             request_id=f"isolation-b-{tenant_id}-{i}", tenant_id=tenant_id, api_key_id=None, model=MODEL,
             request_class="interactive", tier="default", prompt_tokens=1000, cached_tokens=0,
             completion_tokens=100, cost_pico_usd=4_500_000_000, status="completed", ttft_ms=None,

@@ -56,7 +56,7 @@ class Setup:
 def record(tenant_id: int, i: int, row: tuple) -> UsageRecord:
     model, klass, hour, prompt, cached, completion, cache = row
     cache_tokens = dict(zip(CACHE_TOKEN_FIELDS, cache, strict=True))
-    return UsageRecord(request_id=f"usage-api-{tenant_id}-{i}", tenant_id=tenant_id, api_key_id=None,
+    return UsageRecord.of(request_id=f"usage-api-{tenant_id}-{i}", tenant_id=tenant_id, api_key_id=None,
                        model=model, request_class=klass, tier="default", prompt_tokens=prompt,
                        cached_tokens=cached, completion_tokens=completion,
                        cost_pico_usd=cost_pico_usd(PRICES.get(model, PRICES["alpha"]), prompt, cached,

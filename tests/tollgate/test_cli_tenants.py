@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.protocol import GenerateRequest
-from gateway.generation.service import cache_salt
+from gateway.tenants.cache_salt import cache_salt
 from gateway.tenants.keys import parse_key
 from gateway.tenants.service import ApiKeyService, InvalidApiKey
 from tests.gateway.gateway_processes import synthetic_engine

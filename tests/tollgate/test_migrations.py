@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -13,6 +13,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, pool
 
 from billing.partitions import ensure_usage_partitions
+from billing.statements import build_statement, carry_rounding
 from tollgate import schema
 from tollgate.db import Database, to_psycopg_url
 from tollgate.models import Base
@@ -306,3 +307,178 @@ def test_0008_gives_existing_ledger_rows_and_rollups_no_prediction_tokens(new_da
         assert not set(PREDICTION_TOKENS) & _columns(conn, "usage_events_2032_03", "usage_partitions")
         assert conn.execute("SELECT count(*) FROM usage_events WHERE model = 'm8'").fetchone() == (2,)
     schema.upgrade(new_database)
+
+
+# Ledger rows as the schema before 0011 held them: (request id, model, class, prompt, cached, completion,
+# cache write, pinned, retained, cost, created_at), and the per-kind costs 0011 must give each one (input,
+# cached_input, output, cache_write, cache_pinned, cache_retained), worked out by hand from the price rows.
+_M11_CHANGE = datetime(2032, 3, 10, 12, tzinfo=UTC)
+_M11_ROWS = [
+    # Interactive at the first price: 60 x 3 + 40 x 0.3 + 7 x 15 (pico-USD per token, millions).
+    ("m11-old", "m11", "interactive", 100, 40, 7, 0, 0, 0, 297_000_000, datetime(2032, 3, 2, tzinfo=UTC),
+     (180_000_000, 12_000_000, 105_000_000, 0, 0, 0)),
+    # Admitted before the price change, recorded after it: still the first price.
+    ("m11-straddle", "m11", "interactive", 100, 40, 7, 0, 0, 0, 297_000_000,
+     _M11_CHANGE + timedelta(seconds=30), (180_000_000, 12_000_000, 105_000_000, 0, 0, 0)),
+    # Batch at the second price, with the cache products: 60 x 1 + 40 x 0.1 + 48 x 0.5 + 96 x 0.25.
+    ("m11-batch", "m11", "batch", 100, 40, 0, 48, 96, 0, 112_000_000, _M11_CHANGE + timedelta(hours=2),
+     (60_000_000, 4_000_000, 0, 24_000_000, 24_000_000, 0)),
+    # An embeddings request at the second price: all 100 prompt tokens at 0.05, cached ones included.
+    ("m11-embed", "m11", "interactive", 100, 40, 0, 0, 0, 0, 5_000_000, _M11_CHANGE + timedelta(hours=3),
+     (5_000_000, 0, 0, 0, 0, 0)),
+    # Written by hand (matches no price): apportioned by the second price's weights (60 x 2, 40 x 0.2,
+    # 10 x 8 = 120 : 8 : 80 of 1000), largest remainder first.
+    ("m11-hand", "m11", "interactive", 100, 40, 10, 0, 0, 0, 1_000, _M11_CHANGE + timedelta(hours=4),
+     (577, 38, 385, 0, 0, 0)),
+]
+
+
+def test_0011_prices_each_ledger_row_once_and_keeps_every_amount(new_database):
+    """A ledger written by the schema before 0011 (two price rows, batch, cache products, an embeddings row,
+    a hand-made row): each row gets the per-kind costs the rollups used to search for; the rollups and the
+    statements read the same tokens and amounts, to the pico-dollar, before and after."""
+    schema.downgrade(new_database, "0010")
+    with psycopg.connect(new_database, autocommit=True) as conn:
+        tenant_id = conn.execute("INSERT INTO tenants (name) VALUES ('m11') RETURNING id").fetchone()[0]
+        _attach_march_partition(conn, 2032)
+        for start, (inp, out, write, pin, embed) in (
+                (datetime(2020, 1, 1, tzinfo=UTC), (3_000_000, 15_000_000, 0, 0, 50_000)),
+                (_M11_CHANGE, (2_000_000, 8_000_000, 1_000_000, 500_000, 50_000))):
+            conn.execute(
+                "INSERT INTO prices (model, effective_from, input, cached_input, output, batch_input,"
+                " batch_cached_input, batch_output, embedding_input, batch_embedding_input, cache_write,"
+                " cache_pin, cache_retention, batch_cache_write, batch_cache_pin, batch_cache_retention)"
+                " VALUES ('m11', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0, %s, %s, 0)",
+                (start, inp, inp // 10, out, inp // 2, inp // 20, out // 2, embed, embed // 2, write, pin,
+                 write // 2, pin // 2))
+        for rid, model, klass, prompt, cached, completion, write, pin, kept, cost, at, _ in _M11_ROWS:
+            conn.execute(
+                "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
+                " cached_tokens, completion_tokens, cache_write_tokens, cache_pinned_tokens,"
+                " cache_retained_tokens, cost_pico_usd, status, created_at)"
+                " VALUES (%s, %s, %s, %s, 'default', %s, %s, %s, %s, %s, %s, %s, 'completed', %s)",
+                (rid, tenant_id, model, klass, prompt, cached, completion, write, pin, kept, cost, at))
+    _old_rollups(new_database)  # the rollups as the code before 0011 kept them
+    with psycopg.connect(new_database) as conn:
+        kinds = ("input", "cached_input", "output", "cache_write", "cache_pinned", "cache_retained")
+        before = conn.execute(
+            "SELECT request_class, sum(input_tokens), sum(cached_input_tokens), sum(output_tokens),"
+            " sum(cache_write_tokens), sum(cache_pinned_tokens), sum(cache_retained_tokens),"
+            f" {', '.join(f'sum({k}_cost_pico_usd)' for k in kinds)}, sum(cost_pico_usd), sum(requests)"
+            " FROM usage_hourly WHERE model = 'm11' GROUP BY request_class ORDER BY request_class").fetchall()
+    old_lines = _statement_lines(new_database, tenant_id)
+
+    schema.upgrade(new_database)
+    with psycopg.connect(new_database) as conn:
+        costs = conn.execute(
+            f"SELECT request_id, {', '.join(f'{k}_cost_pico_usd' for k in kinds)} FROM usage_events"
+            " WHERE model = 'm11'").fetchall()
+        assert {r[0]: tuple(r[1:]) for r in costs} == {r[0]: r[-1] for r in _M11_ROWS}
+        after = conn.execute(
+            "SELECT request_class, sum(prompt_tokens - cached_tokens), sum(cached_tokens),"
+            " sum(completion_tokens), sum(cache_write_tokens), sum(cache_pinned_tokens),"
+            " sum(cache_retained_tokens),"
+            f" {', '.join(f'sum({k}_cost_pico_usd)' for k in kinds)}, sum(cost_pico_usd), sum(requests)"
+            " FROM usage_hourly WHERE model = 'm11' GROUP BY request_class ORDER BY request_class").fetchall()
+        assert after == before
+        # The sum check reaches the partitions: a row whose kinds do not add up to its cost is refused.
+        with pytest.raises(psycopg.errors.CheckViolation, match="ck_usage_events_kind_costs"):
+            conn.execute(
+                "INSERT INTO usage_events (request_id, tenant_id, model, request_class, tier, prompt_tokens,"
+                " completion_tokens, cost_pico_usd, input_cost_pico_usd, status, created_at) VALUES"
+                " ('m11-bad', %s, 'm11', 'interactive', 'default', 10, 0, 5, 4, 'completed',"
+                " '2032-03-03T00:00:00+00:00')", (tenant_id,))
+    assert _statement_lines(new_database, tenant_id) == old_lines
+    assert [line[1:3] for line in old_lines] == [
+        ("interactive", "input"), ("interactive", "cached_input"), ("interactive", "output"),
+        ("batch", "input"), ("batch", "cached_input"), ("batch", "cache_write"), ("batch", "cache_pinned")]
+
+    schema.downgrade(new_database, "0010")  # and back: the old rollup columns, rebuilt from the ledger
+    with psycopg.connect(new_database) as conn:
+        again = conn.execute(
+            "SELECT request_class, sum(input_tokens), sum(cached_input_tokens), sum(output_tokens),"
+            " sum(cache_write_tokens), sum(cache_pinned_tokens), sum(cache_retained_tokens),"
+            f" {', '.join(f'sum({k}_cost_pico_usd)' for k in kinds)}, sum(cost_pico_usd), sum(requests)"
+            " FROM usage_hourly WHERE model = 'm11' GROUP BY request_class ORDER BY request_class").fetchall()
+        assert again == before
+    schema.upgrade(new_database)
+
+
+def _old_rollups(url: str) -> None:
+    """The old rollups of March 2032: the per-kind split the code before 0011 found (its frozen copy in the
+    migration), summed per bucket as ``billing.rollups`` did."""
+    from importlib import import_module
+
+    migration = import_module("migrations.versions.20261128_1700_0011_kind_costs")
+    with psycopg.connect(url, autocommit=True) as conn:
+        prices = migration._Prices(_as_rows(conn, "SELECT * FROM prices ORDER BY model, effective_from"))
+        rows = _as_rows(conn, "SELECT * FROM usage_events WHERE model = 'm11'")
+        buckets: dict[tuple, list[int]] = {}
+        for r in rows:
+            key = (r.tenant_id, r.created_at.replace(minute=0, second=0, microsecond=0), r.model,
+                   r.request_class)
+            sums = buckets.setdefault(key, [0] * 11)
+            split = prices.split(r)
+            kinds = (r.prompt_tokens - r.cached_tokens, r.cached_tokens, r.completion_tokens,
+                     r.cache_write_tokens, r.cache_pinned_tokens, r.cache_retained_tokens)
+            for i, value in enumerate((*kinds, *split[:3], r.cost_pico_usd, 1)):
+                sums[i] += value
+            for i, value in enumerate(split[3:]):
+                key_costs = buckets.setdefault((*key, "cache"), [0, 0, 0])
+                key_costs[i] += value
+        for key, sums in buckets.items():
+            if key[-1] == "cache":
+                continue
+            cache = buckets.get((*key, "cache"), [0, 0, 0])
+            conn.execute(
+                "INSERT INTO usage_hourly (tenant_id, hour, model, request_class, input_tokens,"
+                " cached_input_tokens, output_tokens, cache_write_tokens, cache_pinned_tokens,"
+                " cache_retained_tokens, input_cost_pico_usd, cached_input_cost_pico_usd,"
+                " output_cost_pico_usd, cost_pico_usd, requests, cache_write_cost_pico_usd,"
+                " cache_pinned_cost_pico_usd, cache_retained_cost_pico_usd) VALUES (%s, %s, %s, %s, %s, %s,"
+                " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)", (*key, *sums, *cache))
+
+
+def _as_rows(conn: psycopg.Connection, sql: str) -> list:
+    from types import SimpleNamespace
+
+    cur = conn.execute(sql)
+    names = [c.name for c in cur.description]
+    return [SimpleNamespace(_mapping=dict(zip(names, row, strict=True)), **dict(zip(names, row, strict=True)))
+            for row in cur.fetchall()]
+
+
+def _statement_lines(url: str, tenant_id: int) -> list[tuple]:
+    """The March 2032 statement's lines (model, class, kind, tokens, pico-USD, cents), from the old
+    rollup columns before 0011 and by ``billing.statements`` after it."""
+    with psycopg.connect(url) as conn:
+        columns = _columns(conn, "usage_hourly")
+    if "input_tokens" in columns:  # the schema before 0011: the old statement's query, by hand
+        kinds = ("input", "cached_input", "output", "cache_write", "cache_pinned", "cache_retained")
+        tokens = ("input_tokens", "cached_input_tokens", "output_tokens", "cache_write_tokens",
+                  "cache_pinned_tokens", "cache_retained_tokens")
+        with psycopg.connect(url) as conn:
+            rows = conn.execute(
+                f"SELECT model, request_class, {', '.join(f'sum({t})' for t in tokens)},"
+                f" {', '.join(f'sum({k}_cost_pico_usd)' for k in kinds)} FROM usage_hourly"
+                " WHERE tenant_id = %s GROUP BY model, request_class", (tenant_id,)).fetchall()
+        order = {"interactive": 0, "batch": 1}
+        raw = []
+        for model, klass, *sums in sorted(rows, key=lambda r: (r[0], order[r[1]])):
+            for kind, count, amount in zip(kinds, sums[:6], sums[6:], strict=True):
+                if count or amount:
+                    raw.append((model, klass, kind, int(count), int(amount)))
+        cents = carry_rounding([r[4] for r in raw])
+        return [(*r, c) for r, c in zip(raw, cents, strict=True)]
+
+    async def build() -> list[tuple]:
+        db = Database(url, pool_size=1)
+        try:
+            async with db.session() as session:
+                statement = await build_statement(session, tenant_id, "2032-03")
+        finally:
+            await db.dispose()
+        return [(line.model, line.request_class, line.token_kind, line.tokens, line.amount_pico_usd,
+                 line.amount_cents) for line in statement.lines]
+
+    return asyncio.run(build())
