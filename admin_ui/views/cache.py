@@ -24,14 +24,16 @@ from starlette.responses import Response
 
 from admin_ui.session import CurrentAdmin
 from admin_ui.web import render
+from engine.usage import CACHE_TIERS, KINDS, SURCHARGE_KINDS, TIER_KINDS, TokenKind
 from tollgate.models import Tenant, UsageEvent
 
 router = APIRouter(prefix="/admin/cache")
 WINDOWS = {"1h": 3600, "24h": 24 * 3600, "7d": 7 * 24 * 3600}
 MAX_TENANTS = 100
-TIERS = ("device", "host", "disk")
-SUMS = ("prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_disk_tokens", "cache_write_tokens",
-        "cache_pinned_tokens", "cache_retained_tokens")
+TIERS = CACHE_TIERS
+# The ledger counts the page sums: the prompt, the cached part and its tiers, and the cache products.
+SUMS = tuple(KINDS[k].field for k in (TokenKind.INPUT, TokenKind.CACHED_INPUT, *TIER_KINDS.values(),
+                                      *SURCHARGE_KINDS))
 MOVES = (("offloaded_blocks", "offloaded to host"), ("loaded_blocks", "loaded from host"),
          ("persisted_blocks", "written to disk"), ("disk_read_blocks", "read from disk"),
          ("host_evicted_blocks", "dropped from host"), ("disk_evicted_blocks", "dropped from disk"))

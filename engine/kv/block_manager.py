@@ -60,8 +60,9 @@ from engine.kv.block_hash import hash_block, salt_digest
 from engine.kv.events import KVEventLog
 from engine.kv.tiers import NO_SALT, HostTier, salt_key
 from engine.sequence import Sequence
+from engine.usage import CACHE_TIERS
 
-TIERS = ("device", "host", "disk")
+TIERS = CACHE_TIERS  # the prompt-cache tiers, named once (engine.usage)
 
 
 class BlockManager:
