@@ -158,9 +158,9 @@ async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
         async for delta in stream:
             lines = [_delta_line(request_id, c) for c in delta.completions if c.token_ids or c.text]
             if delta.finished and delta.usage is not None and delta.timings is not None:
-                final = {"type": "final", "request_id": request_id,
-                         "finish_reasons": delta.finish_reasons or [],
-                         "usage": delta.usage.fields(), "timings": asdict(delta.timings)}
+                final: dict[str, Any] = {"type": "final", "request_id": request_id,
+                                         "finish_reasons": delta.finish_reasons or [],
+                                         "usage": delta.usage.fields(), "timings": asdict(delta.timings)}
                 if delta.embedding is not None:
                     final["embedding"] = delta.embedding
                 lines.append(orjson.dumps(final) + b"\n")

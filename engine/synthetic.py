@@ -263,7 +263,7 @@ class SyntheticEngine:
                 await prefill.done.wait()
             await asyncio.sleep(self.ttft_s)
             step = 0
-            deltas = []
+            deltas: list[CompletionDelta] = []
             if pooling is not None:  # an embedding: no tokens
                 reasons = ["stop"] * n
                 first_token = time.monotonic()
