@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 Row = TypeVar("Row")
 
 
-async def keyset_page(session: AsyncSession, statement: Select[tuple[Row]], model: Any, cursor: Any | None,
+async def keyset_page(session: AsyncSession, statement: Select[Row], model: Any, cursor: Any | None,
                       *, limit: int, descending: bool) -> tuple[list[Row], bool]:  # fmt: skip
     """Up to ``limit`` rows of ``statement`` (a ``select(model)`` with the caller's filters) after
     ``cursor`` (a row of ``model``, or None for the first page), and whether more follow."""

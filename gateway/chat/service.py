@@ -34,6 +34,7 @@ from engine.protocol import DeltaRecord
 from engine.tokenizer import Tokenizer
 from gateway.auth import Principal
 from gateway.chat.schemas import (
+    AllowedToolsChoice,
     ChatCompletionRequest,
     NamedToolChoice,
     to_template_dict,
@@ -72,6 +73,8 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
     route = lookup_model(runtime, principal, body.model)
     tokenizer = runtime.tokenizer(route.name)
     choice = body.tool_choice
+    if isinstance(choice, AllowedToolsChoice):  # check() has narrowed the tools and left its mode instead
+        choice = choice.allowed_tools.mode
     tool_use = ToolUse.of(body.function_tools, None if isinstance(choice, NamedToolChoice) else choice,
                           choice.function.name if isinstance(choice, NamedToolChoice) else None)
     messages = [to_template_dict(m) for m in body.messages]

@@ -9,8 +9,9 @@ at every step, oldest first. ``delete_expired`` is beat's (system-wide).
 from __future__ import annotations
 
 from datetime import datetime
+from typing import cast
 
-from sqlalchemy import Integer, delete, func, literal, select
+from sqlalchemy import Integer, Table, delete, func, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tollgate.models import StoredResponse
@@ -18,9 +19,11 @@ from tollgate.models import StoredResponse
 # A conversation longer than this many responses is cut at its oldest end (a guard against a cycle,
 # which ids generated here cannot form, and against unbounded prompts).
 MAX_CHAIN = 1000
-# A Core statement built once (no ORM bookkeeping, no per-call statement building).
-_INSERT = StoredResponse.__table__.insert()
-_COLUMNS = list(StoredResponse.__table__.columns)
+# The mapped table (a declarative class's ``__table__`` is typed as any ``FromClause``; this one is a
+# ``Table``), and a Core statement built once (no ORM bookkeeping, no per-call statement building).
+RESPONSES = cast(Table, StoredResponse.__table__)
+_INSERT = RESPONSES.insert()
+_COLUMNS = list(RESPONSES.columns)
 
 
 class ResponseRepository:

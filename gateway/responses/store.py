@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.deps import GatewayRuntime
 from gateway.errors import ServiceUnavailableError
-from gateway.responses.repository import MAX_CHAIN, ResponseRepository, row_values
+from gateway.responses.repository import MAX_CHAIN, RESPONSES, ResponseRepository, row_values
 from tollgate.models import StoredResponse
 from tollgate.streams import StreamGroup
 
@@ -69,7 +69,7 @@ def encode_row(row: StoredResponse) -> bytes:
     return orjson.dumps(row_values(row))
 
 
-def decode_row(raw: bytes) -> StoredResponse:
+def decode_row(raw: bytes | str) -> StoredResponse:
     values = orjson.loads(raw)
     for name in _DATETIMES:
         values[name] = datetime.fromisoformat(values[name])
@@ -260,7 +260,7 @@ class ResponseFlusher:
         return inserted
 
     async def _insert_rows(self, values: list[dict[str, Any]]) -> int:
-        statement = insert(StoredResponse.__table__).on_conflict_do_nothing(index_elements=["id"])
+        statement = insert(RESPONSES).on_conflict_do_nothing(index_elements=["id"])
         async with self._sessions() as session, session.begin():
-            result = await session.execute(statement.returning(StoredResponse.__table__.c.id), values)
+            result = await session.execute(statement.returning(RESPONSES.c.id), values)
             return len(result.all())
