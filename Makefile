@@ -28,7 +28,7 @@ check: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy gateway billing tollgate admin_ui
+	$(VENV)/bin/mypy gateway billing tollgate admin_ui engine kernels
 
 fmt: setup
 	$(VENV)/bin/ruff check --fix .

@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as SequenceLike
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
 from engine.kv.cache import KVCache
+from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.model_runner import ModelRunner, Step
 from engine.output_processor import OutputProcessor, ewma
@@ -80,8 +82,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config)
-        self.kv = KVCache.create(config, self.runner.num_kv_blocks, self.runner.kv_transfer)
-        self.kv_events = self.kv.events
+        self.kv_events = KVEventLog()  # what every tier of the prefix cache holds, in order
+        self.kv = KVCache.create(config, self.runner.num_kv_blocks, self.runner.kv_transfer, self.kv_events)
         self.scheduler = Scheduler(config, self.kv)
         self.vocab_size: int = self.runner.vocab_size
         self.eos_token_ids: frozenset[int] = frozenset(self.runner.eos_token_ids)
@@ -208,11 +210,10 @@ class LLMEngine:
         ]
         if self.speculation is not None and pooling is None and speculates(params):
             tokenizer = self.tokenizer
-            text = {} if tokenizer is None else dict(
-                token_bytes=tokenizer.token_bytes,
-                encode=lambda s: tokenizer.encode(s, add_special_tokens=False))  # fmt: skip
+            token_bytes = None if tokenizer is None else tokenizer.token_bytes
+            encode = None if tokenizer is None else partial(tokenizer.encode, add_special_tokens=False)
             for seq in seqs:
-                seq.speculation = self.speculation.state(predicted, **text)
+                seq.speculation = self.speculation.state(predicted, token_bytes=token_bytes, encode=encode)
         self.outputs.add(request_id, prompt, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
