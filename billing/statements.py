@@ -16,10 +16,10 @@ Invariants:
   those pinned in host memory (``prompt_cache_options.ttl``), ``cache_retained`` those kept on disk
   (``prompt_cache_retention: "24h"``).
 - Predicted Outputs: an ``output`` line also says how many of its tokens were accepted and rejected
-  prediction tokens (``accepted_prediction_tokens``, ``rejected_prediction_tokens``; in the JSON of that
-  line and in the CSV's last two columns, empty on other lines). They are part of the line's tokens and
-  amount, never lines of their own: rejected prediction tokens are billed as output, as OpenAI bills them.
-  The statement's totals of both are the sums over its lines.
+  prediction tokens (``accepted_prediction_tokens``, ``rejected_prediction_tokens``: the output's parts,
+  ``DETAIL_FIELDS``; in the JSON of that line and in the CSV's last columns, empty on other lines). They
+  are part of the line's tokens and amount, never lines of their own: rejected prediction tokens are
+  billed as output, as OpenAI bills them. The statement's totals of both are the sums over its lines.
 """
 
 from __future__ import annotations
@@ -35,17 +35,18 @@ from typing import Any
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.outbox import PREDICTION_TOKEN_FIELDS
 from billing.prices import Charge
 from billing.rollups import SUMMED
 from billing.spend import month_bounds
-from engine.usage import PRICED_KINDS, TokenKind, Usage
+from engine.usage import KINDS, PRICED_KINDS, TokenKind, Usage, parts_of
 from tollgate.models import BIGINT_MAX, Tenant, UsageHourly
 
 PICO_PER_CENT = 10**10
 PICO_PER_USD = 10**12
 TOKEN_KINDS = tuple(k.value for k in PRICED_KINDS)
-OUTPUT_KIND = TokenKind.OUTPUT  # the kind whose lines carry the prediction token counts
+OUTPUT_KIND = TokenKind.OUTPUT  # the kind whose lines carry its parts' counts
+# The output's parts (``engine.usage``): today the Predicted Outputs counts, accepted and rejected.
+DETAIL_FIELDS = tuple(KINDS[k].field for k in parts_of(OUTPUT_KIND))
 _CLASS_ORDER = {"interactive": 0, "batch": 1}
 _MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
 
@@ -73,9 +74,14 @@ class StatementLine:
     tokens: int
     amount_pico_usd: int
     amount_cents: int
-    # Of an ``output`` line's tokens, the accepted and rejected prediction tokens (0 on other lines).
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
+    # Of an ``output`` line's tokens, the output's parts by field name (``DETAIL_FIELDS``; none elsewhere).
+    details: dict[str, int] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> int:
+        """A detail count by its field name (0 on a line that has none)."""
+        if name not in DETAIL_FIELDS:
+            raise AttributeError(f"'StatementLine' object has no attribute {name!r}")
+        return self.details.get(name, 0)
 
     @property
     def has_details(self) -> bool:
@@ -87,7 +93,7 @@ class StatementLine:
                "amount_usd_exact": usd_exact(self.amount_pico_usd), "amount_cents": self.amount_cents,
                "amount": format_cents(self.amount_cents)}
         if self.has_details:
-            out.update({name: getattr(self, name) for name in PREDICTION_TOKEN_FIELDS})
+            out.update({name: self.details.get(name, 0) for name in DETAIL_FIELDS})
         return out
 
 
@@ -104,7 +110,7 @@ class Statement:
     total_cents: int = 0
 
     def detail_totals(self) -> dict[str, int]:
-        return {name: sum(getattr(line, name) for line in self.lines) for name in PREDICTION_TOKEN_FIELDS}
+        return {name: sum(line.details.get(name, 0) for line in self.lines) for name in DETAIL_FIELDS}
 
     def as_dict(self) -> dict[str, Any]:
         return {"object": "statement", "tenant_id": self.tenant_id, "tenant_name": self.tenant_name,
@@ -118,9 +124,9 @@ class Statement:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(["tenant", "month", "model", "request_class", "token_kind", "tokens",
-                         "amount_pico_usd", "amount_usd", *PREDICTION_TOKEN_FIELDS])
+                         "amount_pico_usd", "amount_usd", *DETAIL_FIELDS])
         for line in self.lines:
-            details = [getattr(line, name) if line.has_details else "" for name in PREDICTION_TOKEN_FIELDS]
+            details = [line.details.get(name, 0) if line.has_details else "" for name in DETAIL_FIELDS]
             writer.writerow([self.tenant_name, self.month, line.model, line.request_class, line.token_kind,
                              line.tokens, line.amount_pico_usd, format_cents(line.amount_cents), *details])
         writer.writerow([self.tenant_name, self.month, "TOTAL", "", "", "", self.total_pico_usd,
@@ -166,13 +172,13 @@ async def build_statement(session: AsyncSession, tenant_id: int, month: str) -> 
         statement.requests += int(requests)
         totals = {name: int(v) for name, v in zip(SUMMED, sums_of_row, strict=True)}
         usage, costs = Usage.from_fields(totals), Charge.from_fields(totals)
-        details = {name: totals[name] for name in PREDICTION_TOKEN_FIELDS}
+        details = {name: totals[name] for name in DETAIL_FIELDS}
         for kind, tokens in usage.billed().items():
             amount = costs.costs[kind]
             if tokens or amount:
                 raw.append((model, klass, kind.value, tokens, amount, details if kind == OUTPUT_KIND else {}))
     cents = carry_rounding([r[4] for r in raw])
-    statement.lines = [StatementLine(m, c, k, t, a, cent, **d)
+    statement.lines = [StatementLine(m, c, k, t, a, cent, d)
                        for (m, c, k, t, a, d), cent in zip(raw, cents, strict=True)]
     statement.total_pico_usd = sum(line.amount_pico_usd for line in statement.lines)
     statement.total_cents = cents_half_up(statement.total_pico_usd)

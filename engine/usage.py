@@ -103,6 +103,13 @@ def parts_of(kind: TokenKind) -> tuple[TokenKind, ...]:
     return tuple(k for k, s in KINDS.items() if s.within is kind and not s.surcharge)
 
 
+def root_of(kind: TokenKind) -> TokenKind:
+    """The top kind ``kind`` belongs to (``INPUT`` or ``OUTPUT``): the side of the request it counts."""
+    while (within := KINDS[kind].within) is not None:
+        kind = within
+    return kind
+
+
 def cost_field(kind: TokenKind) -> str:
     """The ledger and rollup column holding the cost of a priced kind's tokens."""
     return f"{kind.value}_cost_pico_usd"

@@ -11,10 +11,13 @@ Invariants:
 - ``group_by`` supports ``model`` and ``batch`` (usage) and ``line_item`` (costs: model × class × token
   kind); Tollgate has no projects or users, so grouping or filtering by them (or by API key, which the
   rollups do not keep) is a 400 naming the parameter rather than a silently wrong answer.
+- Every token kind under the prompt or the output is a field ``<input|output>_<field>``
+  (``detail_fields``, from ``engine.usage.KINDS``): OpenAI's own and Tollgate's additions alike.
 - Prompt-cache products: as in OpenAI's schema, ``input_tokens`` = ``input_cached_tokens`` +
   ``input_cache_write_tokens`` + ``input_uncached_tokens`` (cache writes are prompt tokens the engine
-  computed, never cached ones). Tollgate adds ``input_cache_pinned_tokens`` (pinned in host memory for
-  ``prompt_cache_options.ttl``) and ``input_cache_retained_tokens`` (kept on disk for
+  computed, never cached ones); ``input_cached_host_tokens`` / ``input_cached_disk_tokens`` say which
+  of the cached ones came from host memory and disk. Tollgate adds ``input_cache_pinned_tokens`` (pinned
+  in host memory for ``prompt_cache_options.ttl``) and ``input_cache_retained_tokens`` (kept on disk for
   ``prompt_cache_retention: "24h"``), prompt tokens counted in ``input_tokens`` too. Their costs are the
   line items ``cache write``, ``cache pin`` and ``cache retention``, listed only when there are some.
 - Predicted Outputs: Tollgate adds ``output_accepted_prediction_tokens`` and
@@ -32,7 +35,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from engine.usage import KINDS, SURCHARGE_KINDS, TokenKind, total
+from engine.usage import KINDS, SURCHARGE_KINDS, TokenKind, Usage, root_of, total
 from gateway.errors import InvalidRequestError
 from gateway.usage.repository import UsageRepository, UsageRow
 from tollgate.models import LATEST_TIME
@@ -159,14 +162,8 @@ async def completions_usage(repo: UsageRepository, *, start_time: int, end_time:
             usage = total(r.usage for r in members)
             results.append({
                 "object": "organization.usage.completions.result", "input_tokens": usage.prompt_tokens,
-                "input_cached_tokens": usage.cached_tokens,
-                "input_cache_write_tokens": usage.cache_write_tokens,
+                "output_tokens": usage.completion_tokens, **detail_fields(usage),
                 "input_uncached_tokens": max(0, usage.billed()[TokenKind.INPUT] - usage.cache_write_tokens),
-                "input_cache_pinned_tokens": usage.cache_pinned_tokens,
-                "input_cache_retained_tokens": usage.cache_retained_tokens,
-                "output_tokens": usage.completion_tokens,
-                "output_accepted_prediction_tokens": usage.accepted_prediction_tokens,
-                "output_rejected_prediction_tokens": usage.rejected_prediction_tokens,
                 "input_audio_tokens": 0,
                 "output_audio_tokens": 0, "num_model_requests": sum(r.requests for r in members),
                 "project_id": None, "user_id": None, "api_key_id": None, "model": model, "batch": is_batch,
@@ -175,6 +172,14 @@ async def completions_usage(repo: UsageRepository, *, start_time: int, end_time:
                      "results": results})
     return {"object": "page", "data": data, "has_more": plan.next_page is not None,
             "next_page": plan.next_page}
+
+
+def detail_fields(usage: Usage) -> dict[str, int]:
+    """Every kind but the prompt and the output, as ``<side>_<field>``: OpenAI's ``input_cached_tokens``
+    and ``input_cache_write_tokens``, and Tollgate's own (``input_cached_host_tokens``,
+    ``output_accepted_prediction_tokens``, ...)."""
+    return {f"{root_of(k).value}_{spec.field}": usage[k]
+            for k, spec in KINDS.items() if spec.within is not None}
 
 
 def line_item(row: UsageRow, kind: TokenKind) -> str:

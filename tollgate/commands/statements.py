@@ -52,5 +52,4 @@ def statements(tenant: str, month: str, fmt: str) -> None:
     click.echo(f"exact total: {statement.total_pico_usd} pico-USD")
     details = statement.detail_totals()
     if any(details.values()):
-        click.echo(f"of the output, prediction tokens accepted: {details['accepted_prediction_tokens']}, "
-                   f"rejected (billed as output): {details['rejected_prediction_tokens']}")
+        click.echo("of the output: " + ", ".join(f"{name} {count}" for name, count in details.items()))
