@@ -261,10 +261,6 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
-    def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return missing <= self.num_free_blocks
-
     def commit_computed(self, seq: Sequence) -> None:
         """Register the chain hashes of the sequence's blocks that became full and computed (within its
         cacheable prefix), then apply its cache lifetimes once its cacheable prompt blocks are in."""
@@ -336,16 +332,6 @@ class BlockManager:
                 del self._evictable[block]
                 self._free.append(block)
         return len(gone) + (self.tiers.purge(key) if self.tiers is not None else 0)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (in-use blocks keep their contents, evictable ones become free)."""
-        for digest, block in self._hash_to_block.items():
-            self._block_hash[block] = None
-            if self.events is not None:
-                self.events.removed(digest, "device")
-        self._hash_to_block.clear()
-        self._free.extend(self._evictable)
-        self._evictable.clear()
 
     # ---- internals ------------------------------------------------------------------------------
     def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
