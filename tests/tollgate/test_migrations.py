@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
 
 import psycopg
 import pytest
@@ -367,6 +369,8 @@ def test_0011_prices_each_ledger_row_once_and_keeps_every_amount(new_database):
             f" {', '.join(f'sum({k}_cost_pico_usd)' for k in kinds)}, sum(cost_pico_usd), sum(requests)"
             " FROM usage_hourly WHERE model = 'm11' GROUP BY request_class ORDER BY request_class").fetchall()
     old_lines = _statement_lines(new_database, tenant_id)
+    old_costs = _daily_costs_before(new_database, tenant_id)
+    old_export = _stripe_hours(new_database, tenant_id)
 
     schema.upgrade(new_database)
     with psycopg.connect(new_database) as conn:
@@ -389,6 +393,8 @@ def test_0011_prices_each_ledger_row_once_and_keeps_every_amount(new_database):
                 " ('m11-bad', %s, 'm11', 'interactive', 'default', 10, 0, 5, 4, 'completed',"
                 " '2032-03-03T00:00:00+00:00')", (tenant_id,))
     assert _statement_lines(new_database, tenant_id) == old_lines
+    assert _daily_costs_after(new_database, tenant_id) == old_costs  # the Costs API's line items
+    assert _stripe_hours(new_database, tenant_id) == old_export  # what the Stripe export sends per hour
     assert [line[1:3] for line in old_lines] == [
         ("interactive", "input"), ("interactive", "cached_input"), ("interactive", "output"),
         ("batch", "input"), ("batch", "cached_input"), ("batch", "cache_write"), ("batch", "cache_pinned")]
@@ -482,3 +488,64 @@ def _statement_lines(url: str, tenant_id: int) -> list[tuple]:
                  line.amount_cents) for line in statement.lines]
 
     return asyncio.run(build())
+
+
+def _daily_costs_before(url: str, tenant_id: int) -> dict[tuple[int, str], tuple[float, int]]:
+    """The Costs API's answer for March 2032 before 0011, from the old rollup columns: per (day, line item)
+    the USD amount and the tokens, as ``gateway.usage.service.costs`` computed them."""
+    names = {"input": "input", "cached_input": "cached input", "output": "output",
+             "cache_write": "cache write", "cache_pinned": "cache pin", "cache_retained": "cache retention"}
+    tokens = {"input": "input_tokens", "cached_input": "cached_input_tokens", "output": "output_tokens",
+              "cache_write": "cache_write_tokens", "cache_pinned": "cache_pinned_tokens",
+              "cache_retained": "cache_retained_tokens"}
+    out: dict[tuple[int, str], list[int]] = {}
+    with psycopg.connect(url) as conn:
+        for kind, column in tokens.items():
+            rows = conn.execute(
+                f"SELECT hour, model, request_class, {column}, {kind}_cost_pico_usd FROM usage_hourly"
+                " WHERE tenant_id = %s", (tenant_id,)).fetchall()
+            for hour, model, klass, count, amount in rows:
+                if kind.startswith("cache_") and not (count or amount):
+                    continue
+                day = int(hour.replace(hour=0).timestamp())
+                name = f"{model}, {'batch ' if klass == 'batch' else ''}{names[kind]}"
+                acc = out.setdefault((day, name), [0, 0])
+                acc[0] += amount
+                acc[1] += count
+    return {key: (float(Decimal(amount) / Decimal(10**12)), count) for key, (amount, count) in out.items()}
+
+
+def _daily_costs_after(url: str, tenant_id: int) -> dict[tuple[int, str], tuple[float, int]]:
+    from gateway.usage.repository import UsageRepository
+    from gateway.usage.service import costs
+
+    async def ask() -> dict[str, Any]:
+        db = Database(url, pool_size=1)
+        try:
+            async with db.session() as session:
+                return await costs(UsageRepository(session, tenant_id),
+                                   start_time=int(datetime(2032, 3, 1, tzinfo=UTC).timestamp()),
+                                   end_time=int(datetime(2032, 4, 1, tzinfo=UTC).timestamp()),
+                                   bucket_width="1d", group_by=["line_item"], limit=31, page=None,
+                                   now=int(datetime(2032, 5, 1, tzinfo=UTC).timestamp()))
+        finally:
+            await db.dispose()
+
+    page = asyncio.run(ask())
+    return {(bucket["start_time"], r["line_item"]): (r["amount"]["value"], r["quantity"])
+            for bucket in page["data"] for r in bucket["results"]}
+
+
+def _stripe_hours(url: str, tenant_id: int) -> dict[datetime, int]:
+    from billing.stripe_export import _hourly_ledger
+
+    async def hours() -> dict[datetime, int]:
+        db = Database(url, pool_size=1)
+        try:
+            async with db.session() as session:
+                return await _hourly_ledger(session, tenant_id, datetime(2032, 3, 1, tzinfo=UTC),
+                                            datetime(2032, 4, 1, tzinfo=UTC))
+        finally:
+            await db.dispose()
+
+    return asyncio.run(hours())
