@@ -63,6 +63,10 @@ class StepInputs:
     sampling: SamplingInputs | None
     drafts: dict[int, list[int]] = field(default_factory=dict)  # first row of a group -> its drafts
     pooled: list[tuple[ScheduledSeq, int, int]] = field(default_factory=list)  # (chunk, first row, rows)
+    # Prompt log-probabilities: (chunk, first logits row after the sampled ones, rows); row ``j`` of a chunk
+    # holds position ``chunk.start + j``'s logits, scored against ``prompt_targets`` (the next prompt token).
+    prompt_rows: list[tuple[ScheduledSeq, int, int]] = field(default_factory=list)
+    prompt_targets: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -167,6 +171,9 @@ class InputBatch:
         offsets: list[int] = []  # a row's position past the sequence's tokens (drafts: 0 .. k)
         drafts: dict[int, list[int]] = {}  # first sampled row -> the drafts its rows verify
         pooled: list[tuple[ScheduledSeq, int, int]] = []
+        prompt_rows: list[tuple[ScheduledSeq, int, int]] = []
+        prompt_indices: list[int] = []
+        prompt_targets: list[int] = []
         init: list[tuple[int, list[int], list[int]]] = []
         slot_of, table_in, table_len = self._slot_of, self._table_in, self._table_len
         bs, max_len = self.block_size, self.max_model_len
@@ -215,6 +222,12 @@ class InputBatch:
                     offsets.append(j)
             elif seq.pooling is not None:
                 pooled.append((item, row - n, n))
+            if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                scored = min(end, seq.num_prompt_tokens - 1) - start  # positions whose next token is prompt
+                if scored > 0:
+                    prompt_rows.append((item, len(prompt_indices), scored))
+                    prompt_indices.extend(range(row - n, row - n + scored))
+                    prompt_targets.extend(token_ids[start + 1:start + 1 + scored])
 
         slots = np.array(slot_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)
@@ -250,7 +263,7 @@ class InputBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens.astype(np.int32),
             block_tables=tables,
-            logits_indices=np.asarray(logits_indices, dtype=np.int64),
+            logits_indices=np.asarray(logits_indices + prompt_indices, dtype=np.int64),
             pending_rows=np.asarray(pending_rows, dtype=np.int64),
             pending_sources=np.asarray(pending_sources, dtype=np.int64),
             query_lens=lens.tolist(),
@@ -259,6 +272,8 @@ class InputBatch:
             sampling=sampling,
             pooled=pooled,
             drafts=drafts,
+            prompt_rows=prompt_rows,
+            prompt_targets=np.asarray(prompt_targets, dtype=np.int64) if prompt_rows else None,
         )
 
     def _noise_seeds(self, sampled: list[Sequence], slots: np.ndarray,

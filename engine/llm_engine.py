@@ -67,7 +67,7 @@ from engine.model_runner import ModelRunner, Step
 from engine.output_processor import OutputProcessor, ewma
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError
 from engine.pooling import PoolingParams
-from engine.sampler import HostSampled, Sampler
+from engine.sampler import HostSampled, Logprob, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, ScheduledBatch, Sequence, SequenceStatus
@@ -426,6 +426,8 @@ class LLMEngine:
         waited = time.perf_counter()
         profile.wait_s += waited - started
         scheduler, outputs = self.scheduler, self.outputs
+        if step.inputs.prompt_rows:
+            self._prompt_logprobs(step)
         for chunk, _, _ in step.inputs.pooled:
             seq = chunk.seq
             if chunk.samples and not seq.is_finished:
@@ -455,6 +457,29 @@ class LLMEngine:
         deltas = outputs.deltas()
         profile.postprocess_s += time.perf_counter() - waited
         return deltas
+
+    def _prompt_logprobs(self, step: Step) -> None:
+        """Fold a step's prompt scores into their sequences (a chunk from position 0 starts afresh: a
+        preempted sequence's recompute); a sequence whose whole prompt is scored hands it to its stream."""
+        scores = step.prompt_scores()
+        assert scores is not None
+        chosen, ranks, values, ids = scores
+        targets = step.inputs.prompt_targets
+        assert targets is not None
+        for chunk, first, rows in step.inputs.prompt_rows:
+            seq = chunk.seq
+            if seq.prompt_logprobs_done or seq.is_finished:
+                continue
+            if chunk.start == 0 or seq.prompt_logprobs is None:
+                seq.prompt_logprobs = []
+            k = seq.params.prompt_logprobs or 0
+            for r in range(first, first + rows):
+                top = ([] if values is None or ids is None
+                       else list(zip(ids[r][:k], values[r][:k], strict=True)))
+                seq.prompt_logprobs.append(Logprob(int(targets[r]), chosen[r], top, ranks[r]))
+            if len(seq.prompt_logprobs) >= seq.num_prompt_tokens - 1:
+                self.outputs.prompt_logprobs(seq, [None, *seq.prompt_logprobs])
+                seq.prompt_logprobs, seq.prompt_logprobs_done = None, True
 
     # ---- stats ----------------------------------------------------------------------------------
     def _account_step(self, batch: ScheduledBatch, prefill_tokens: int, elapsed: float) -> None:

@@ -216,8 +216,8 @@ class ModelRunner:
         self._transfers: list[Work[None]] = []  # tier copies submitted, not checked yet
         logger.info("model %s (%s, %s on %s): %d KV blocks of %d tokens in %s (%.2f GiB), max_model_len %d",
                     model_dir.name, args.architecture, config.dtype, self.device, self.num_kv_blocks,
-                    str(self.kv_dtype).removeprefix("torch."),
-                    self.block_size, self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
+                    self.block_size, str(self.kv_dtype).removeprefix("torch."),
+                    self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
                     self.max_model_len)
 
     def _executor(self, config: EngineConfig) -> DeviceExecutor:
@@ -384,10 +384,29 @@ class ModelRunner:
         if logits_indices.numel() == 0:
             logits = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         else:
-            logits = self.model.compute_logits(hidden[logits_indices]).float()  # [N, vocab]
+            logits = self.model.compute_logits(hidden[logits_indices]).float()  # [N (+ prompt rows), vocab]
+        prompt = None
+        if inputs.prompt_rows:  # rank 0 only: the rows after the sampled ones score the prompt
+            sampled = len(inputs.sampled)
+            prompt = self._score_prompt(inputs, logits[sampled:])
+            logits = logits[:sampled]
         if self.kv_transfer is not None:
             self.kv_transfer.poll()  # land the copies the forward pass hid
-        return Forwarded(logits, list(embeddings), finished)
+        return Forwarded(logits, list(embeddings), finished, prompt)
+
+    def _score_prompt(self, inputs: StepInputs, logits: torch.Tensor) -> HostCopy:
+        """Each prompt row's logprob of the next prompt token and, to the largest ``prompt_logprobs`` of the
+        step, the most likely tokens there, from the raw distribution, on their way to the host."""
+        assert inputs.prompt_targets is not None
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = upload(inputs.prompt_targets, self.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+        k = max(chunk.seq.params.prompt_logprobs or 0 for chunk, _, _ in inputs.prompt_rows)
+        if k == 0:
+            return HostCopy([chosen, ranks, None, None])
+        values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        return HostCopy([chosen, ranks, values, ids])
 
     @staticmethod
     def _sample(forward: Work, sampling: SamplingInputs, sampler: Sampler) -> Sampled:
@@ -468,6 +487,10 @@ def _worker_inputs(inputs: StepInputs) -> StepInputs:
                       inputs.pending_sources, inputs.query_lens, inputs.context_lens, [], None)
 
 
+# Per prompt row: the logprob of the next prompt token, its rank, and the top values and ids (or None).
+PromptScores = tuple[list[float], list[int], list[list[float]] | None, list[list[int]] | None]
+
+
 @dataclass(slots=True)
 class Forwarded:
     """What a forward pass left on the device: logits of the sampled rows; the ``seq_id``s of the finished
@@ -476,6 +499,9 @@ class Forwarded:
     logits: torch.Tensor
     embedded: list[int]
     embeddings: HostCopy | None
+    # The prompt rows' (chosen logprobs [R], their ranks [R], top values [R, k] and ids [R, k]: None without
+    # alternatives).
+    prompt: HostCopy | None = None
 
 
 @dataclass(slots=True)
@@ -493,6 +519,16 @@ class Step:
     inputs: StepInputs
     forward: Work[Forwarded]
     sampling: Work[Sampled] | None
+
+    def prompt_scores(self) -> PromptScores | None:
+        """The prompt rows' logprobs, ranks and top alternatives on the host (``StepInputs.prompt_rows``)."""
+        prompt = self.forward.result().prompt
+        if prompt is None:
+            return None
+        chosen, ranks, values, ids = prompt.get()
+        assert chosen is not None and ranks is not None
+        return (chosen.tolist(), ranks.tolist(), None if values is None else values.tolist(),
+                None if ids is None else ids.tolist())
 
     def result(self) -> tuple[HostSampled | None, dict[int, list[float]]]:
         """(the sampled ids and logprobs, the finished embeddings by ``seq_id``), on the host."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, Timings
 from engine.sampler import Logprob
@@ -47,6 +48,7 @@ class Completion:
     new_logprobs: list | None = None
     reported_finish: bool = False
     embedding: list[float] | None = None
+    new_prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -134,6 +136,12 @@ class OutputProcessor:
             return FinishReason.STOP
         return reason
 
+    def prompt_logprobs(self, seq: Sequence, records: list[Any]) -> None:
+        """The stream's prompt, scored: sent with its next delta."""
+        completion = self._completion_of[seq.seq_id]
+        completion.new_prompt_logprobs = records
+        self._touched[seq.request_id] = completion.request  # type: ignore[assignment]
+
     def embedding(self, seq: Sequence, vector: list[float]) -> None:
         completion = self._completion_of[seq.seq_id]
         completion.embedding = vector
@@ -183,9 +191,11 @@ class OutputProcessor:
             c = completions[0]
             if c.seq.status is SequenceStatus.FINISHED:
                 return self.finish(request)
-            delta = CompletionDelta(c.seq.index, c.new_token_ids, "".join(c.new_text), c.new_logprobs, None)
-            c.new_token_ids, c.new_text, c.new_logprobs = [], [], None
-            return RequestDelta(request.request_id, [delta] if delta.token_ids else [])
+            delta = CompletionDelta(c.seq.index, c.new_token_ids, "".join(c.new_text), c.new_logprobs, None,
+                                    c.new_prompt_logprobs)
+            c.new_token_ids, c.new_text, c.new_logprobs, c.new_prompt_logprobs = [], [], None, None
+            keep = delta.token_ids or delta.prompt_logprobs is not None
+            return RequestDelta(request.request_id, [delta] if keep else [])
         if request.finished:
             return self.finish(request)
         return RequestDelta(request.request_id, self._drain(request))
@@ -198,11 +208,11 @@ class OutputProcessor:
                 if c.seq.finish_reason is None:
                     raise RuntimeError(f"sequence {c.seq.seq_id} is finished without a finish reason")
                 finish = c.seq.finish_reason.value
-            if not c.new_token_ids and finish is None:
+            if not c.new_token_ids and finish is None and c.new_prompt_logprobs is None:
                 continue
             deltas.append(CompletionDelta(c.seq.index, c.new_token_ids, "".join(c.new_text),
-                                          c.new_logprobs, finish))
-            c.new_token_ids, c.new_text, c.new_logprobs = [], [], None
+                                          c.new_logprobs, finish, c.new_prompt_logprobs))
+            c.new_token_ids, c.new_text, c.new_logprobs, c.new_prompt_logprobs = [], [], None, None
             c.reported_finish = c.reported_finish or finish is not None
         return deltas
 

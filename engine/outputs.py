@@ -49,6 +49,9 @@ class CompletionDelta:
     # ``top_logprobs`` objects), else None.
     logprobs: list[Any] | None = None
     finish_reason: str | None = None
+    # Once, with the stream's first delta after its prompt was scored (``prompt_logprobs``): one record per
+    # prompt token, the first None (nothing precedes it).
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +99,8 @@ class RequestOutput:
     prompt: str | None = None
     # An embedding request's vector (``LLM.embed``).
     embedding: list[float] | None = None
+    # ``SamplingParams.prompt_logprobs``: per prompt token its record (vLLM's), the first None.
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -125,6 +130,8 @@ class RequestOutput:
                 out.logprobs.extend(completion.logprobs)
             if completion.finish_reason is not None:
                 out.finish_reason = completion.finish_reason
+            if completion.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = completion.prompt_logprobs
         if delta.finished:
             self.finished = True
             self.usage = delta.usage

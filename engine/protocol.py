@@ -127,6 +127,8 @@ class GenerateRequest(_Strict):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    # The prompt tokens' logprobs with this many alternatives (vLLM's ``prompt_logprobs``); None: none.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     skip_special_tokens: bool = True
     # Who is asking: fair sharing between tenants and the prefix-cache salt default.
@@ -164,7 +166,7 @@ class GenerateRequest(_Strict):
             include={
                 "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
-                "skip_special_tokens",
+                "skip_special_tokens", "prompt_logprobs",
             }
         )
         if kwargs["max_tokens"] is None:
@@ -193,6 +195,8 @@ class TokenLogprob(BaseModel):
     token_id: int
     logprob: float
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
+    # A scored prompt token's rank in its position's distribution (1: the likeliest).
+    rank: int | None = None
 
 
 class DeltaRecord(BaseModel):
@@ -202,6 +206,9 @@ class DeltaRecord(BaseModel):
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    # Once per stream, before or with its first tokens, when the request asked for ``prompt_logprobs``: one
+    # record per prompt token, the first null.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # The final usage on the wire: ``engine.usage.Usage`` in its flat form (every kind by its field name). The

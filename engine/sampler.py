@@ -68,6 +68,8 @@ class Logprob:
     logprob: float
     # (token_id, logprob) of the most likely tokens, most likely first; empty when logprobs == 0.
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # 1 + how many tokens were likelier (a scored prompt token's; None where not computed).
+    rank: int | None = None
 
 
 @dataclass(slots=True)

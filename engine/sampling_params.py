@@ -13,6 +13,10 @@ Conventions:
 - ``logprobs``: ``None`` = none; ``k`` in 0..20 = the sampled token's logprob plus the ``k`` most likely
   alternatives (OpenAI's ``top_logprobs``), from the model's raw distribution (before penalties,
   temperature, top-k/top-p and grammar masks), as OpenAI and vLLM report them.
+- ``prompt_logprobs`` (vLLM's): ``None`` = none; ``k`` in 0..20 = every prompt token's logprob after the
+  tokens before it (the first has none) plus the ``k`` most likely tokens at that position, from the raw
+  distribution. Such a request computes its whole prompt (no prefix-cache hits: a cached position has no
+  logits), chunk by chunk.
 - ``seed``: the same seed, prompt and parameters give the same tokens whatever else runs in the batch.
 - Structured output: ``json_object`` (any JSON object) or ``json_schema`` (a JSON Schema dict; the
   gateway also uses it to force a tool call's arguments) or ``regex``; at most one of them. A schema is
@@ -50,6 +54,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
@@ -75,6 +80,8 @@ class SamplingParams:
         self.max_tokens = _int("max_tokens", self.max_tokens, 1, None)
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         self.stop = _stop_strings(self.stop)
         if not isinstance(self.stop_token_ids, list | tuple):
             raise ValueError("stop_token_ids must be a list of token ids")

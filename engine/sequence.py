@@ -98,6 +98,10 @@ class Sequence:
     # running state of it (a device tensor); cleared on preemption.
     pooling: PoolingParams | None = None
     pooled: Any = None
+    # ``params.prompt_logprobs``: the records of the prompt positions computed so far (position ``p``'s
+    # logits scoring token ``p + 1``), until all ``num_prompt_tokens - 1`` are in and delivered (``None``).
+    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs_done: bool = False
     # Timing marks (monotonic seconds), filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

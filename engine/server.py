@@ -79,6 +79,7 @@ from engine.protocol import (
     encode_record,
 )
 from engine.recent_requests import RecentRequests
+from engine.sampler import Logprob
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -144,19 +145,26 @@ def _delta_line(request_id: str, completion: CompletionDelta) -> bytes:
     record: dict[str, Any] = {"type": "delta", "request_id": request_id, "index": completion.index,
                               "token_ids": completion.token_ids, "text": completion.text}
     if completion.logprobs is not None:
-        record["logprobs"] = [
-            {"token_id": r.token_id, "logprob": r.logprob,
-             "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in r.top_logprobs]}
-            for r in completion.logprobs
-        ]
+        record["logprobs"] = [_logprob(r) for r in completion.logprobs]
+    if completion.prompt_logprobs is not None:
+        record["prompt_logprobs"] = [None if r is None else _logprob(r) for r in completion.prompt_logprobs]
     return orjson.dumps(record) + b"\n"
+
+
+def _logprob(r: Logprob) -> dict[str, Any]:
+    out = {"token_id": r.token_id, "logprob": r.logprob,
+           "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in r.top_logprobs]}
+    if r.rank is not None:
+        out["rank"] = r.rank
+    return out
 
 
 async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
     request_id = stream.request_id
     try:
         async for delta in stream:
-            lines = [_delta_line(request_id, c) for c in delta.completions if c.token_ids or c.text]
+            lines = [_delta_line(request_id, c) for c in delta.completions
+                     if c.token_ids or c.text or c.prompt_logprobs is not None]
             if delta.finished and delta.usage is not None and delta.timings is not None:
                 final: dict[str, Any] = {"type": "final", "request_id": request_id,
                                          "finish_reasons": delta.finish_reasons or [],

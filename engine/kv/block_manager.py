@@ -137,7 +137,10 @@ class BlockManager:
         num_tokens = len(seq.token_ids)
         if num_tokens == 0:
             raise ValueError(f"sequence {seq.seq_id} has no tokens")
-        hits, host_hits = self._cache_hits(seq) if self.enable_prefix_caching else ([], [])
+        # A request scoring its prompt needs every prompt position's logits: it reads nothing cached.
+        scoring = seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done
+        reuse = self.enable_prefix_caching and not scoring
+        hits, host_hits = self._cache_hits(seq) if reuse else ([], [])
         num_new = self.blocks_needed(num_tokens) - len(hits)
         hits_evictable = sum(1 for b in hits if self._ref_counts[b] == 0)
         if num_new > self.num_free_blocks - hits_evictable:

@@ -4,9 +4,10 @@
 ``prompts()`` normalises it to a list whose items are strings or token-id lists. Each prompt yields
 ``n`` choices, numbered ``prompt_index * n + i`` as OpenAI does.
 
-Refused with a 400 because the engine cannot honour them: ``suffix`` (no fill-in-the-middle),
-``best_of`` other than ``n`` (no server-side ranking), ``echo`` together with ``logprobs`` (no prompt
-log-probabilities).
+``echo`` with ``logprobs`` scores the prompt too (what evaluation harnesses send): the prompt tokens come
+first in the choice's ``logprobs``, the first with a null logprob. Refused with a 400 because the engine
+cannot honour them: ``suffix`` (no fill-in-the-middle), ``best_of`` other than ``n`` (no server-side
+ranking).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class CompletionRequest(SamplingFields, PromptCacheFields):
     # and the cache lifetimes (a legacy prompt has no parts to put breakpoints on: ``explicit`` mode
     # caches nothing).
     prompt_cache_key: str | None = None
+    # vLLM's extension: each choice also carries ``prompt_logprobs`` (per prompt token, the first null: its
+    # id, logprob, rank and decoded text, with this many likeliest tokens).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -69,10 +73,6 @@ class CompletionRequest(SamplingFields, PromptCacheFields):
             raise InvalidRequestError(
                 "Invalid 'best_of': ranking several candidates server-side is not supported; "
                 "set best_of equal to n or leave it out.", param="best_of", code="unsupported_parameter")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError(
-                "Invalid 'logprobs': log-probabilities of an echoed prompt are not supported; "
-                "use echo or logprobs, not both.", param="logprobs", code="unsupported_parameter")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a token-id list (OpenAI's default prompt is an empty document)."""

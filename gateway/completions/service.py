@@ -13,7 +13,7 @@ stream (and unlike its published schema, which shares one object for both), a ch
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -26,7 +26,13 @@ from gateway.errors import InvalidRequestError
 from gateway.generation.requests import check_context_length, lookup_model, resolve_tier, sampling_fields
 from gateway.generation.service import Generation, run_generation
 from gateway.openai.answers import Answer
-from gateway.openai.encoding import CompletionLogprobs, completion_id, completion_usage, system_fingerprint
+from gateway.openai.encoding import (
+    CompletionLogprobs,
+    completion_id,
+    completion_usage,
+    prompt_logprobs_by_id,
+    system_fingerprint,
+)
 from gateway.openai.streaming import DONE_FRAME, json_frame
 
 
@@ -57,6 +63,9 @@ def _tokenize(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[list
     return out
 
 
+# vLLM's ``prompt_logprobs`` of one choice from the engine's records (``prompt_logprobs_by_id``).
+PromptLogprobsById = Callable[[list[Any]], list[Any]]
+
 async def start_completion(runtime: GatewayRuntime, principal: Principal, request_id: str,
                            body: CompletionRequest) -> Answer:
     """The completion, started (``gateway.openai.answers``); raises what to answer instead."""
@@ -81,6 +90,10 @@ async def start_completion(runtime: GatewayRuntime, principal: Principal, reques
     if body.logprobs is not None:
         sampling["logprobs"] = True
         sampling["top_logprobs"] = body.logprobs
+        if body.echo:  # the echoed prompt's tokens are scored too
+            sampling["prompt_logprobs"] = body.logprobs
+    if body.prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = max(body.prompt_logprobs, sampling.get("prompt_logprobs") or 0)
     tier = resolve_tier(runtime, principal, body.service_tier)
     generation = await run_generation(runtime, principal, route, request_id, prompts, sampling, n=n,
                                       max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key,
@@ -90,21 +103,32 @@ async def start_completion(runtime: GatewayRuntime, principal: Principal, reques
     fingerprint = system_fingerprint(route)
     logprob_builders = ([CompletionLogprobs(tokenizer, len(echo_texts[i // n]) if echo_texts else 0)
                          for i in range(n * len(prompts))] if body.logprobs is not None else None)
+    by_id: PromptLogprobsById | None = None
+    if body.prompt_logprobs is not None:
+        def by_id(records: list[Any]) -> list[Any]:
+            return prompt_logprobs_by_id(tokenizer, records)
     return Answer(
         generation,
-        body=lambda: _complete(generation, response_id, created, fingerprint, echo_texts, logprob_builders),
+        body=lambda: _complete(generation, response_id, created, fingerprint, echo_texts, logprob_builders,
+                               by_id),
         frames=lambda: _stream(generation, response_id, created, fingerprint, echo_texts, logprob_builders,
-                               include_usage=body.include_usage),
+                               by_id, include_usage=body.include_usage),
     )
 
 
 async def _complete(generation: Generation, response_id: str, created: int, fingerprint: str,
-                    echo_texts: list[str] | None,
-                    logprob_builders: list[CompletionLogprobs] | None) -> dict[str, Any]:
+                    echo_texts: list[str] | None, logprob_builders: list[CompletionLogprobs] | None,
+                    by_id: PromptLogprobsById | None) -> dict[str, Any]:
     count = generation.n * len(generation.prompts)
     texts: list[list[str]] = [[echo_texts[i // generation.n]] if echo_texts else [] for i in range(count)]
+    scored: dict[int, list[Any]] = {}
     async for record in generation.records():
+        if by_id is not None and record.prompt_logprobs is not None:
+            scored[record.index] = by_id(record.prompt_logprobs)
         texts[record.index].append(record.text)
+        if logprob_builders is not None and record.prompt_logprobs is not None:
+            logprob_builders[record.index].add_prompt(generation.prompts[record.index // generation.n],
+                                                      record.prompt_logprobs)
         if logprob_builders is not None and record.logprobs:
             logprob_builders[record.index].add(record.logprobs)
     if generation.error is not None:
@@ -113,6 +137,7 @@ async def _complete(generation: Generation, response_id: str, created: int, fing
         "text": "".join(texts[i]), "index": i,
         "logprobs": logprob_builders[i].as_openai() if logprob_builders is not None else None,
         "finish_reason": _finish_reason(generation.finish_reasons.get(i)),
+        **({"prompt_logprobs": scored.get(i)} if by_id is not None else {}),
     } for i in range(count)]
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": generation.route.name, "system_fingerprint": fingerprint, "choices": choices,
@@ -120,22 +145,34 @@ async def _complete(generation: Generation, response_id: str, created: int, fing
 
 
 async def _stream(generation: Generation, response_id: str, created: int, fingerprint: str,
-                  echo_texts: list[str] | None, logprob_builders: list[CompletionLogprobs] | None, *,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  echo_texts: list[str] | None, logprob_builders: list[CompletionLogprobs] | None,
+                  by_id: PromptLogprobsById | None, *, include_usage: bool) -> AsyncIterator[bytes]:
     head = b"data: " + orjson.dumps({"id": response_id, "object": "text_completion", "created": created,
                                      "model": generation.route.name,
                                      "system_fingerprint": fingerprint})[:-1] + b',"choices":['
     tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
 
-    def chunk(index: int, text: str, finish_reason: str | None = None, lp: dict | None = None) -> bytes:
+    def chunk(index: int, text: str, finish_reason: str | None = None, lp: dict | None = None,
+              prompt: list[Any] | None = None) -> bytes:
         choice = {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}
+        if prompt is not None:
+            choice["prompt_logprobs"] = prompt
         return head + orjson.dumps(choice) + tail
 
     count = generation.n * len(generation.prompts)
-    if echo_texts:
+    # The echo leads each choice; with logprobs it waits for the engine's scores of the prompt.
+    scored = echo_texts is not None and logprob_builders is not None
+    if echo_texts and not scored:
         for i in range(count):
             yield chunk(i, echo_texts[i // generation.n])
     async for record in generation.records():
+        if by_id is not None and record.prompt_logprobs is not None:
+            yield chunk(record.index, "", None, None, by_id(record.prompt_logprobs))
+        if scored and record.prompt_logprobs is not None:
+            assert echo_texts is not None and logprob_builders is not None
+            prompt_ids = generation.prompts[record.index // generation.n]
+            prompt_lp = logprob_builders[record.index].add_prompt(prompt_ids, record.prompt_logprobs)
+            yield chunk(record.index, echo_texts[record.index // generation.n], None, prompt_lp)
         lp = None
         if logprob_builders is not None and record.logprobs:
             lp = logprob_builders[record.index].add(record.logprobs)

@@ -86,6 +86,23 @@ def chat_token_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob]) -> li
     return out
 
 
+def prompt_logprobs_by_id(tokenizer: Tokenizer, records: list[TokenLogprob | None]) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {logprob, rank,
+    decoded_token}}`` holding the prompt token and the likeliest ones (ranked 1, 2, ...)."""
+    out: list[Any] = []
+    for record in records:
+        if record is None:
+            out.append(None)
+            continue
+        entry = {str(t.token_id): {"logprob": t.logprob, "rank": i + 1,
+                                   "decoded_token": tokenizer.token_text(t.token_id)}
+                 for i, t in enumerate(record.top_logprobs)}
+        entry[str(record.token_id)] = {"logprob": record.logprob, "rank": record.rank,
+                                       "decoded_token": tokenizer.token_text(record.token_id)}
+        out.append(entry)
+    return out
+
+
 class CompletionLogprobs:
     """OpenAI's legacy ``logprobs`` object of one choice, built incrementally (``text_offset`` counts
     characters from the start of the choice's text)."""
@@ -94,9 +111,27 @@ class CompletionLogprobs:
         self._tokenizer = tokenizer
         self._offset = start_offset
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
+
+    def add_prompt(self, prompt_ids: list[int], records: list[TokenLogprob | None]) -> dict[str, Any]:
+        """The echoed prompt's tokens, before any generated one: each with its logprob after the tokens
+        before it (the first has none: null, as OpenAI answers); returns the object for just them. Their
+        offsets count from the start of the echo."""
+        chunk = CompletionLogprobs(self._tokenizer)
+        offset = 0
+        for token_id, record in zip(prompt_ids, records, strict=True):
+            text = self._tokenizer.token_text(token_id)
+            top = None if record is None else {self._tokenizer.token_text(t.token_id): t.logprob
+                                               for t in record.top_logprobs}
+            for target in (self, chunk):
+                target.tokens.append(text)
+                target.token_logprobs.append(None if record is None else record.logprob)
+                target.top_logprobs.append(top)
+                target.text_offset.append(offset)
+            offset += len(text)
+        return chunk.as_openai()
 
     def add(self, records: list[TokenLogprob]) -> dict[str, Any]:
         """Append records; returns the object for just these records (a stream chunk's logprobs)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -90,6 +91,70 @@ async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:
     n = body["usage"]["completion_tokens"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == n
     assert all(len(top) <= 2 for top in lp["top_logprobs"])
+
+
+async def test_an_echoed_prompt_is_scored_as_transformers_scores_it(client: httpx.AsyncClient,
+                                                                    tiny_model_dir: Path) -> None:
+    """What lm-evaluation-harness's ``local-completions`` sends for a log-likelihood: token-id prompts,
+    ``echo``, ``logprobs: 1``, ``max_tokens: 1``. Every prompt token after the first gets its logprob
+    given the tokens before it (equal to transformers' on the same checkpoint), the first a null, and the
+    top alternative says whether the continuation is greedy; a repeated prompt is computed again (a cached
+    position has no logits), a batched and a streamed request answer the same."""
+    import torch
+    import transformers
+
+    context, continuation = [301, 17, 5, 88, 912, 40], [77, 3, 250]
+    prompts = [context + continuation, context[:3] + continuation]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    request = {"model": MODEL, "prompt": prompts[0], "echo": True, "logprobs": 1, "max_tokens": 1,
+               "temperature": 0}
+    for _ in range(2):
+        r = await client.post("/completions", json=request)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        lp = body["choices"][0]["logprobs"]
+        # The first prompt token has nothing before it: null, as OpenAI and vLLM answer (the published
+        # schema has no place for it; everything else conforms).
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert_conforms(_first_scored(body), "CreateCompletionResponse")
+        assert len(lp["tokens"]) == len(prompts[0]) + 1 and lp["text_offset"][0] == 0
+        with torch.no_grad():
+            reference = torch.log_softmax(model(torch.tensor([prompts[0]])).logits[0].float(), dim=-1)
+        for i in range(1, len(prompts[0])):
+            assert lp["token_logprobs"][i] == pytest.approx(reference[i - 1, prompts[0][i]].item(), abs=1e-4)
+            (best,) = lp["top_logprobs"][i].values()
+            assert best == pytest.approx(reference[i - 1].max().item(), abs=1e-4)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the second time too
+
+    batched = (await client.post("/completions", json={**request, "prompt": prompts})).json()
+    assert [c["logprobs"]["token_logprobs"][:len(p)] for c, p in zip(batched["choices"], prompts,
+                                                                      strict=True)][0] == pytest.approx(
+        [None, *lp["token_logprobs"][1:len(prompts[0])]], abs=1e-5)
+    # vLLM's extension: per prompt token, its id's logprob and rank, and the likeliest ones.
+    extension = (await client.post("/completions", json={"model": MODEL, "prompt": prompts[0],
+                                                         "max_tokens": 1, "prompt_logprobs": 2})).json()
+    entries = extension["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompts[0])
+    for i in range(1, len(prompts[0])):
+        mine = entries[i][str(prompts[0][i])]
+        assert mine["logprob"] == pytest.approx(reference[i - 1, prompts[0][i]].item(), abs=1e-4)
+        assert mine["rank"] == 1 + int((reference[i - 1] > reference[i - 1, prompts[0][i]]).sum())
+        assert sorted(e["rank"] for e in entries[i].values())[:2] == [1, 2] or mine["rank"] <= 2
+    streamed = await client.post("/completions", json={**request, "stream": True})
+    events = [json.loads(e) for e in sse_events(streamed.text) if e != "[DONE]"]
+    first = events[0]["choices"][0]
+    assert first["text"] == body["choices"][0]["text"][:len(first["text"])]
+    assert first["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:len(prompts[0])],
+                                                                     abs=1e-5)
+
+
+def _first_scored(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with each choice's logprobs starting at the second prompt token."""
+    body = json.loads(json.dumps(body))
+    for choice in body["choices"]:
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            choice["logprobs"][name] = choice["logprobs"][name][1:]
+    return body
 
 
 async def test_streamed_completion(client: httpx.AsyncClient, gateway: GatewayUnderTest) -> None:

@@ -110,7 +110,6 @@ INVALID_COMPLETION = [
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
     ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
 ]
