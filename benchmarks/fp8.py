@@ -23,7 +23,11 @@ GPU table (when CUDA is present): ``kernels.fp8_linear`` (W8A8 on sm_89+) agains
 Llama-3-8B's projection shapes, at decode (M = 1, 64) and prefill (M = 2048) token counts: TFLOP/s of
 each, side by side in one run.
 
-    python benchmarks/fp8.py [--prompts 8] [--tokens 32] [--out benchmarks/out/fp8.json]
+Trained-model KV table (``--train-seconds N``): ``engine.tiny``'s llama trained N seconds on the
+repository's docs and engine sources, then the FP8 KV cache against float32 over held-out text, overall
+and at positions whose top-2 probability gap exceeds 0.02 / 0.05 / 0.1.
+
+    python benchmarks/fp8.py [--prompts 8] [--tokens 32] [--train-seconds 240] [--out benchmarks/out/fp8.json]
 """
 
 from __future__ import annotations
@@ -210,6 +214,72 @@ def kv_cache_rows(prompt_count: int) -> list[dict[str, Any]]:
     return rows
 
 
+MARGINS = (0.02, 0.05, 0.1)
+
+
+def train_tiny(out: Path, seconds: float, seed: int = 0) -> tuple[Path, list[int], dict[str, Any]]:
+    """``engine.tiny``'s llama trained for ``seconds`` on the repository's own docs and engine sources
+    (next-token loss, AdamW, 128-token windows): a tiny model whose logits are peaked where the text is
+    predictable, unlike a random one's. Returns its directory, 4,000 held-out tokens, and the run's
+    figures."""
+    import random
+
+    import transformers
+    from tokenizers import Tokenizer
+
+    from engine.tiny import create_tiny_checkpoint
+
+    model_dir = create_tiny_checkpoint(out, arch="llama", seed=seed)
+    sources = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "engine").glob("*.py"))[:30]
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(
+        "\n".join(p.read_text() for p in sources)).ids
+    held, train = ids[-4000:], ids[:-4000]
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    started, steps, loss = time.perf_counter(), 0, float("nan")
+    while time.perf_counter() - started < seconds:
+        starts = [rng.randrange(0, len(train) - 129) for _ in range(16)]
+        x = torch.tensor([train[i:i + 128] for i in starts])
+        step_loss = model(x, labels=x).loss
+        opt.zero_grad()
+        step_loss.backward()
+        opt.step()
+        steps, loss = steps + 1, step_loss.item()
+    model.save_pretrained(model_dir)
+    return model_dir, held, {"steps": steps, "train_tokens": len(train), "final_loss": loss}
+
+
+def trained_kv_rows(seconds: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The FP8 KV cache on a trained tiny model (``train_tiny``), teacher-forced over eight 96-token
+    held-out windows: top-1 agreement overall and where the float32 cache's top two probabilities differ
+    by more than each of ``MARGINS`` (the flips sit at near-ties)."""
+    from engine.quantize import CALIBRATION_TEXT, calibrate_kv_scales
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, held, training = train_tiny(Path(tmp) / "trained", seconds)
+        prompts = [held[i * 100:i * 100 + 96] for i in range(8)]
+        full = [teacher_forced_logits(model_dir, p, torch.float32) for p in prompts]
+        top_prob = torch.cat([torch.softmax(a, -1).max(-1).values for a in full])
+        training["mean_top1_probability"] = float(top_prob.mean())
+        calibrated = calibrate_kv_scales(model_dir, [CALIBRATION_TEXT])
+        for label, scales in (("1.0", None), ("calibrated", calibrated)):
+            fp8 = [teacher_forced_logits(model_dir, p, torch.float8_e4m3fn, scales) for p in prompts]
+            agree = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(full, fp8, strict=True)])
+            top2 = torch.cat([torch.softmax(a, -1).topk(2, -1).values for a in full])
+            gap = top2[:, 0] - top2[:, 1]
+            row: dict[str, Any] = {"model": "llama (trained)", "scales": label, "positions": agree.numel(),
+                                   "top1_agreement": float(agree.float().mean())}
+            for margin in MARGINS:
+                keep = gap > margin
+                row[f"agreement_margin_{margin}"] = float(agree[keep].float().mean())
+                row[f"share_margin_{margin}"] = float(keep.float().mean())
+            rows.append(row)
+    return rows, training
+
+
 def gpu_rows(repeat: int) -> list[dict[str, Any]]:
     import kernels
     from engine.models.fp8 import quantize_fp8
@@ -259,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--train-seconds", type=float, default=0.0,
+                        help="also train engine.tiny's llama this long on the repository's text (CPU) and "
+                             "measure the FP8 KV cache on it")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "fp8.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -315,6 +388,17 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy": rows,
         "kv_cache": kv,
     }
+    if args.train_seconds > 0:
+        trained, training = trained_kv_rows(args.train_seconds)
+        print(f"\nFP8 KV cache on a trained tiny llama ({training['steps']} steps in "
+              f"{args.train_seconds:.0f} s, final loss {training['final_loss']:.2f}, mean top-1 probability "
+              f"{training['mean_top1_probability']:.2f}), teacher-forced over 8 held-out 96-token windows")
+        print(format_table(
+            ["k/v scales", "top-1 agreement", *(f"top-2 gap > {m}" for m in MARGINS)],
+            [[r["scales"], f"{100 * r['top1_agreement']:.2f}%",
+              *(f"{100 * r[f'agreement_margin_{m}']:.2f}% ({100 * r[f'share_margin_{m}']:.0f}% of positions)"
+                for m in MARGINS)] for r in trained]))
+        payload["kv_cache_trained"] = {"training": training, "rows": trained}
     if torch.cuda.is_available():
         gpu = gpu_rows(args.repeat)
         print(f"\nFP8 GEMM against bf16 on {machine_description('cuda')} (Llama-3-8B projections)")
