@@ -24,7 +24,9 @@ and the drain on SIGTERM (``/health`` 503 ``draining``, new ``/generate`` refuse
 
 ``serve(model, ...)`` builds the engine and runs uvicorn (one worker: the engine owns the device). The
 internal token comes from the argument or ``TOLLGATE_INTERNAL_TOKEN``; without one the replica may only
-listen on a loopback address (checked before the model loads).
+listen on a loopback address (checked before the model loads). Traces are on when the ``OTEL_*``
+variables ask for them (``engine.tracing``): a span per ``/generate``, continuing the caller's
+``traceparent``.
 ``model="synthetic"`` runs ``engine.synthetic.SyntheticEngine`` instead, which emits tokens on a timer
 without any model — a stand-in for gateway load tests only, never a default.
 """
@@ -81,6 +83,7 @@ from engine.protocol import (
 from engine.recent_requests import RecentRequests
 from engine.sampler import Logprob
 from engine.sampling_params import SamplingParams
+from engine.tracing import RequestTrace, Tracing, configure
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +162,7 @@ def _logprob(r: Logprob) -> dict[str, Any]:
     return out
 
 
-async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
+async def _ndjson(stream: RequestStream, trace: RequestTrace | None = None) -> AsyncIterator[bytes]:
     request_id = stream.request_id
     try:
         async for delta in stream:
@@ -172,20 +175,27 @@ async def _ndjson(stream: RequestStream) -> AsyncIterator[bytes]:
                 if delta.embedding is not None:
                     final["embedding"] = delta.embedding
                 lines.append(orjson.dumps(final) + b"\n")
+                if trace is not None:
+                    trace.finished(delta.finish_reasons or [], delta.usage, delta.timings)
             if lines:
                 yield b"".join(lines)
     except (EngineError, RequestValidationError) as exc:
         kind = "invalid_request_error" if isinstance(exc, RequestValidationError) else "server_error"
+        if trace is not None:
+            trace.failed(kind)
         yield encode_record(ErrorRecord(request_id=request_id, error=ErrorInfo(message=str(exc), type=kind)))
     finally:
         stream.close()  # the client went away (or the stream ended): abort if still running
+        if trace is not None:
+            trace.end()
 
 
 def create_app(engine: ServingEngine, *, internal_token: str | None = None,
-               drain: Drain | None = None) -> FastAPI:
+               drain: Drain | None = None, tracing: Tracing | None = None) -> FastAPI:
     """The replica's FastAPI app over an already-loaded engine (shut down with the app). With
     ``internal_token``, every path but ``/health`` and ``/metrics`` needs it; ``drain`` is the state that
-    ``DrainingServer`` flips on SIGTERM (a fresh one when omitted: ``app.state.drain``)."""
+    ``DrainingServer`` flips on SIGTERM (a fresh one when omitted: ``app.state.drain``); with ``tracing``
+    (``engine.tracing``) every ``/generate`` records a span, flushed when the app shuts down."""
     drain = drain or Drain()
 
     @contextlib.asynccontextmanager
@@ -198,6 +208,8 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
         gc.freeze()
         yield
         engine.shutdown()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(title="Tollgate engine replica", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
@@ -214,7 +226,28 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
         return _error(400, f"{param}: {message}" if param else message, param)
 
     @app.post("/generate", response_model=None)
-    async def generate(body: GenerateRequest) -> Response:
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        if tracing is None:
+            return await _generate(body, None)
+        trace = RequestTrace(tracing.tracer, request.headers, {
+            "tollgate.request.id": body.request_id, "gen_ai.request.model": engine.model_name,
+            "tollgate.engine.pool": engine.pool, "tollgate.engine.tenant": body.tenant,
+            "tollgate.priority": body.priority, "gen_ai.request.temperature": body.temperature,
+            **({} if body.max_tokens is None else {"gen_ai.request.max_tokens": body.max_tokens}),
+            **({} if body.n == 1 else {"gen_ai.request.choice.count": body.n}),
+        })
+        try:
+            response = await _generate(body, trace)
+        except BaseException as exc:
+            trace.failed(type(exc).__qualname__)
+            trace.end()
+            raise
+        trace.answered(response.status_code)
+        if not isinstance(response, StreamingResponse):  # refused: the error answer is the whole response
+            trace.end()
+        return response
+
+    async def _generate(body: GenerateRequest, trace: RequestTrace | None) -> Response:
         pooling = None
         if body.pooling is not None:  # an embedding: no sampling, one final record with the vector
             spec, default = body.pooling, engine.pooling
@@ -229,6 +262,8 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
             except ValueError as exc:
                 return _error(400, str(exc), _param_of(str(exc)), request_id=body.request_id)
         cache_policy = DEFAULT_POLICY if body.cache is None else body.cache.policy()
+        if trace is not None:
+            trace.accepted()
         try:
             stream = await engine.add_request(body.request_id, body.prompt_token_ids, params,
                                               tenant=body.tenant, cache_salt=body.cache_salt,
@@ -239,7 +274,7 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
         except EngineError as exc:
             return _error(503, str(exc), type_="server_error", request_id=body.request_id)
         recent.track(stream)
-        return StreamingResponse(_ndjson(stream), media_type=NDJSON)
+        return StreamingResponse(_ndjson(stream, trace), media_type=NDJSON)
 
     @app.post("/abort")
     async def abort(body: AbortRequest) -> AbortResponse:
@@ -343,10 +378,13 @@ def serve(model: str | EngineConfig, host: str = "127.0.0.1", port: int = 8100, 
 
     token = internal_token if internal_token is not None else (os.environ.get(INTERNAL_TOKEN_ENV) or None)
     check_internal_token(token, host)
+    tracing = configure("tollgate-engine")  # before the model loads: a bad OTEL_* setting fails at once
     drain = Drain(drain_timeout_s)
     engine = build_engine(model, pool=pool, model_name=model_name, **engine_kwargs)
-    logger.info("engine %s (pool %s) listening on %s:%d (internal token %s, drain up to %.0f s)",
-                engine.model_name, pool, host, port, "required" if token else "off", drain_timeout_s)
-    config = uvicorn.Config(create_app(engine, internal_token=token, drain=drain), host=host, port=port,
-                            log_level="info", access_log=False, timeout_graceful_shutdown=CUT_GRACE_S)
+    logger.info("engine %s (pool %s) listening on %s:%d (internal token %s, drain up to %.0f s, traces %s)",
+                engine.model_name, pool, host, port, "required" if token else "off", drain_timeout_s,
+                "on" if tracing else "off")
+    app = create_app(engine, internal_token=token, drain=drain, tracing=tracing)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=CUT_GRACE_S)
     DrainingServer(config, drain).run()

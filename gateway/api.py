@@ -1,16 +1,19 @@
 """The public OpenAI-compatible API as a ``gateway.app`` extension module.
 
 - ``install(app)``: the request-context middleware (``x-request-id``, body size limit → 413, last-resort
-  500) and the exception handlers that render every error in OpenAI's body.
+  500) and the exception handlers that render every error in OpenAI's body. When the ``OTEL_*``
+  variables turn traces on (``engine.tracing``), the tracing middleware inside it: a server span per
+  ``/v1`` request (``gateway.tracing``), its provider on ``app.state.tracing`` (else None).
 - ``router``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/embeddings``,
   ``/v1/models``, ``/v1/models/{model}``.
 - ``lifespan(app)``: builds the process's ``GatewayRuntime`` on the app's shared Redis client and
-  database (price book, tokenizers, replica poller, key-invalidation listener, engine HTTP pool) and
-  stores it on ``app.state.gateway``; stops it on shutdown.
+  database (price book, tokenizers, replica poller, key-invalidation listener, engine HTTP pool, the
+  tracer) and stores it on ``app.state.gateway``; stops it on shutdown, then flushes the traces.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -19,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 
+from engine.tracing import configure as configure_tracing
 from gateway.chat.endpoints import router as chat_router
 from gateway.completions.endpoints import router as completions_router
 from gateway.deps import GatewayRuntime
@@ -28,6 +32,7 @@ from gateway.middleware import RequestContextMiddleware, RequestIdLogFilter
 from gateway.models.endpoints import router as models_router
 from gateway.openai.schemas import OPENAPI_SCHEMAS
 from gateway.responses.endpoints import router as responses_router
+from gateway.tracing import TracingMiddleware
 
 # Room for the multipart framing around an upload of ``settings.files_max_bytes`` (the files endpoint
 # enforces the exact file size); every other body is an API call.
@@ -44,6 +49,9 @@ router.include_router(responses_router)
 def install(app: FastAPI) -> None:
     _document_request_bodies(app)
     settings = app.state.settings
+    tracing = app.state.tracing = configure_tracing("tollgate-gateway")
+    if tracing is not None:  # inside the request context: its span knows the request id
+        app.add_middleware(TracingMiddleware, tracer=tracing.tracer)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_body_bytes,
                        path_limits={"/v1/files": settings.files_max_bytes + MULTIPART_OVERHEAD_BYTES})
     install_exception_handlers(app)
@@ -70,6 +78,8 @@ def _document_request_bodies(app: FastAPI) -> None:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     runtime = GatewayRuntime.create(app.state.settings, app.state.redis, app.state.db.sessionmaker,
                                     resolver=getattr(app.state, "replica_resolver", None))
+    tracing = app.state.tracing
+    runtime.tracer = None if tracing is None else tracing.tracer
     await runtime.start()
     app.state.gateway = runtime
     # Everything built so far (imports, tokenizers, pydantic schemas: ~150k objects) lives as long as
@@ -81,3 +91,5 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         await runtime.stop()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Generic, Self, TypeVar
 
 from fastapi import Depends, Request
+from opentelemetry.trace import Tracer
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -59,6 +60,8 @@ class GatewayRuntime:
     authenticates: bool = True
     # Usage records Redis refused, kept on local disk and replayed (``billing.usage_spool``).
     usage_spool: UsageSpool | None = None
+    # Generations' spans start from it (``gateway.tracing``); None: tracing is off.
+    tracer: Tracer | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _task_sender: TaskSender | None = None
     _commands: RedisCommands | None = None

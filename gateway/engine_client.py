@@ -18,6 +18,9 @@ justify keeping ~500 lines of protocol code, so it was deleted.
   (a ``/generate`` stream, and a ``/kv/purge``, which deletes files before it answers; the admin
   service that purges bounds the whole call itself). Probes and ``/kv/events`` use a short one.
 
+A ``/generate`` sent while a span is current (tracing on: ``gateway.tracing``) carries its W3C
+``traceparent``, so the engine's span of the request joins the gateway's trace.
+
 Every request carries the internal token (``settings.internal_token``) as ``Authorization: Bearer``: an
 engine started with one answers nothing else but ``/health`` and ``/metrics`` without it (``engine.gate``).
 
@@ -63,6 +66,7 @@ from engine.protocol import (
     Usage,
     parse_record,
 )
+from engine.tracing import inject
 from gateway.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError
 from tollgate.settings import Settings
 
@@ -222,6 +226,7 @@ class EngineClient:
         """Start a generation; returns once the engine accepted it (status 200 and headers)."""
         body = request.model_dump_json(exclude_none=True).encode()
         headers = {"Content-Type": "application/json", "Accept": "application/x-ndjson"}
+        inject(headers)  # the current span's traceparent (tracing on): the engine's span is its child
         response = await self._send("POST", f"{base_url}/generate", body, self._request_timeout_s, headers)
         if response.status == 200:
             return EngineStream(response, request.request_id)

@@ -57,6 +57,7 @@ from gateway.openai.answers import Answer
 from gateway.openai.encoding import chat_token_logprobs, completion_id, completion_usage, system_fingerprint
 from gateway.openai.schemas import ResponseFormatJsonObject, ResponseFormatJsonSchema
 from gateway.openai.streaming import DONE_FRAME, json_frame
+from gateway.tracing import set_response_id
 
 
 def _finish_reason(engine_reason: str | None, has_calls: bool, truncated: bool = False) -> str:
@@ -110,6 +111,7 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
         raise
     parsers = [tool_use.parser(parallel=body.parallel_tool_calls is not False) for _ in range(n)]
     response_id = completion_id("chatcmpl")
+    set_response_id(response_id)
     created = int(time.time())
     fingerprint = system_fingerprint(route)
     logprobs = bool(body.logprobs)

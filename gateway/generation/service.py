@@ -62,6 +62,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
 
 from billing.outbox import UsageRecord
 from billing.price_cache import PricesNotLoaded
@@ -79,6 +81,7 @@ from gateway.errors import GatewayError, ServiceUnavailableError
 from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
 from gateway.tenants.cache_salt import cache_salt
+from gateway.tracing import child_span, current, end, fail, request_attributes, result_attributes
 
 logger = logging.getLogger("tollgate.gateway.generation")
 
@@ -135,6 +138,10 @@ class Generation:
     _router_key: bytes | None = None
     # The price in effect when the request was admitted (``start``): what it is billed at, whenever it ends.
     _price: Price | None = None
+    # Tracing on (``gateway.tracing``): the request's span, which the result goes on, and each prompt's
+    # engine call span until its stream ended.
+    _span: Span | None = None
+    _calls: list[Span | None] = field(default_factory=list)
 
     @property
     def prompt_tokens(self) -> int:
@@ -158,6 +165,11 @@ class Generation:
     async def start(self) -> None:
         rt = self.runtime
         settings = rt.settings
+        if rt.tracer is not None and (span := trace.get_current_span()).is_recording():
+            self._span = span  # the request's (gateway.tracing.TracingMiddleware)
+            span.set_attributes(request_attributes(
+                model=self.route.name, tenant_id=self.principal.tenant_id, tier=self.tier,
+                max_tokens=self.max_tokens, n=self.n, sampling=self.sampling))
         try:
             # Priced by the row in effect when it arrived (as the ledger's rollups re-price it), not when
             # it ends: a stream running across a price change keeps the price its hold was made at.
@@ -195,21 +207,22 @@ class Generation:
         hashes = [prefix_block_hashes(p, block_size, salt)[:cacheable] for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
         # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).
-        async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class, tier=self.tier):
-            first = rt.router.pick(self.route.name, hashes[0], routing_key=self._router_key)
-            if first.load is not None:
-                cached = min(rt.router.cached_prefix_blocks(first, hashes[0]) * block_size,
-                             max(0, len(self.prompts[0]) - 1))
-                decision = should_shed(first.load, self.prompt_tokens, self.tier, settings.tiers, cached)
-                if decision is not None:
-                    raise decision.error()
-            self.admission = await rt.admission.admit(
-                self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
-                max_cost_pico_usd(price, self.prompt_tokens, 0 if self.embedding else cost_completion,
-                                  rt.request_class, embedding=self.embedding,
-                                  cache_pin=self.cache is not None and self.cache.ttl_s > 0,
-                                  cache_retention=self.cache is not None and self.cache.retention_s > 0),
-            )
+        with child_span(rt.tracer, "admission", attributes={"tollgate.tier": self.tier}):
+            async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class, tier=self.tier):
+                first = rt.router.pick(self.route.name, hashes[0], routing_key=self._router_key)
+                if first.load is not None:
+                    cached = min(rt.router.cached_prefix_blocks(first, hashes[0]) * block_size,
+                                 max(0, len(self.prompts[0]) - 1))
+                    decision = should_shed(first.load, self.prompt_tokens, self.tier, settings.tiers, cached)
+                    if decision is not None:
+                        raise decision.error()
+                self.admission = await rt.admission.admit(
+                    self.principal.tenant, self.request_id, self.prompt_tokens + completion_budget,
+                    max_cost_pico_usd(price, self.prompt_tokens, 0 if self.embedding else cost_completion,
+                                      rt.request_class, embedding=self.embedding,
+                                      cache_pin=self.cache is not None and self.cache.ttl_s > 0,
+                                      cache_retention=self.cache is not None and self.cache.retention_s > 0),
+                )
         try:
             priority = settings.tiers[self.tier].engine_priority
             for index, (prompt, prompt_hashes) in enumerate(zip(self.prompts, hashes, strict=True)):
@@ -219,7 +232,9 @@ class Generation:
                     tenant=str(self.principal.tenant_id), cache_salt=salt, priority=priority,
                     cache=self.cache, prediction_token_ids=self.prediction or None, **self.sampling,
                 )
-                self._streams.append(await self._open(request, prompt_hashes))
+                stream, replica, call = await self._open(request, prompt_hashes)
+                self._streams.append((stream, replica))
+                self._calls.append(call)
             self._renewal = asyncio.get_running_loop().create_task(
                 self._renew_lease(), name=f"tollgate-lease-{self.request_id}")
         except BaseException as exc:
@@ -234,25 +249,38 @@ class Generation:
             raise
 
     async def _open(self, request: GenerateRequest,
-                    block_hashes: Sequence[bytes]) -> tuple[EngineStream, Replica]:
+                    block_hashes: Sequence[bytes]) -> tuple[EngineStream, Replica, Span | None]:
+        """The engine stream of ``request``, the replica it runs on, and its call's span (tracing on)."""
         router = self.runtime.router
+        tracer = self.runtime.tracer
         tried: list[Replica] = []
         last_error: EngineUnavailable | None = None
         while True:
-            try:
-                replica = router.pick(self.route.name, block_hashes, exclude=tried,
-                                      routing_key=self._router_key)
-            except ServiceUnavailableError:
-                if last_error is not None:
-                    raise last_error from None
-                raise
+            with child_span(tracer, "routing") as routing:
+                try:
+                    replica = router.pick(self.route.name, block_hashes, exclude=tried,
+                                          routing_key=self._router_key)
+                except ServiceUnavailableError:
+                    if last_error is not None:
+                        raise last_error from None
+                    raise
+                if routing.is_recording():
+                    routing.set_attributes({"tollgate.replica.url": replica.url,
+                                            "tollgate.replica.pool": replica.pool,
+                                            "tollgate.routing.excluded": len(tried)})
             replica.inflight += 1
+            call = None if tracer is None else tracer.start_span(
+                "POST /generate", kind=SpanKind.CLIENT,
+                attributes={"http.request.method": "POST", "url.full": f"{replica.url}/generate",
+                            "tollgate.replica.pool": replica.pool, "tollgate.request.id": request.request_id})
             try:
-                stream = await self.runtime.engine.generate(replica.url, request)
+                with current(call):  # the engine continues the trace under the call (its traceparent)
+                    stream = await self.runtime.engine.generate(replica.url, request)
             except EngineUnavailable as exc:
                 # Nothing started there: try another replica. Only a refused connection means the
                 # replica is gone, and a draining one takes nothing new; a busy one (503, pool
                 # timeout) stays in.
+                end(call, exc)
                 replica.inflight -= 1
                 if exc.refused:
                     router.mark_failed(replica, exc.message)
@@ -261,11 +289,12 @@ class Generation:
                 tried.append(replica)
                 last_error = exc
                 continue
-            except BaseException:
+            except BaseException as exc:
+                end(call, exc)
                 replica.inflight -= 1
                 raise
             router.remember(replica, block_hashes)
-            return stream, replica
+            return stream, replica, call
 
     @property
     def reports_lifetimes(self) -> bool:
@@ -317,6 +346,8 @@ class Generation:
                 if isinstance(record, DeltaRecord):
                     if self._first_token_at is None and record.token_ids:
                         self._first_token_at = time.monotonic()
+                        if self._span is not None:
+                            self._span.add_event("first_token")
                     self._generated += len(record.token_ids)
                     if offset:
                         record.index += offset
@@ -329,6 +360,14 @@ class Generation:
                     return
         except EngineStreamError as exc:
             self._fail(exc)
+        finally:
+            self._end_call(prompt_index)
+
+    def _end_call(self, prompt_index: int) -> None:
+        """End the engine call's span of a prompt (once: its stream ended, or ``finish`` closed it)."""
+        if self._calls and self._calls[prompt_index] is not None:
+            end(self._calls[prompt_index], self.error if prompt_index not in self._final_streams else None)
+            self._calls[prompt_index] = None
 
     def _final(self, offset: int, record: FinalRecord) -> None:
         self._finals += 1
@@ -387,6 +426,15 @@ class Generation:
         if self._finished:
             return
         self._finished = True
+        await self._settle()
+        if self._span is not None and self._span.is_recording():
+            self._span.set_attributes(result_attributes(
+                model=self.route.name, usage=self.usage, finish_reasons=self.finish_reasons,
+                cost_pico_usd=self.cost_pico_usd, status=self.status))
+            if self.error is not None:
+                fail(self._span, self.error)
+
+    async def _settle(self) -> None:
         if self._renewal is not None:
             # Not awaited (finish never waits on it): a renewal already sent after the settle below finds
             # the lease gone and revives nothing (renew.lua).
@@ -397,6 +445,7 @@ class Generation:
             replica.inflight -= 1
             if not stream.closed:
                 await stream.aclose()
+            self._end_call(index)
             if index not in self._final_streams:
                 # Ended before its final record: the engine's own count, once the abort took effect.
                 engine_usage = await self.runtime.engine.abort(replica.url, stream.request_id)

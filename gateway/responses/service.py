@@ -72,6 +72,7 @@ from gateway.responses.schemas import (
 )
 from gateway.responses.store import ResponseStore, database
 from gateway.routing import ModelRoute
+from gateway.tracing import set_response_id
 from tollgate.models import StoredResponse
 
 logger = logging.getLogger("tollgate.gateway.responses")
@@ -274,6 +275,7 @@ async def start_response(runtime: GatewayRuntime, principal: Principal, request_
         raise
     builder = ResponseBuilder(response_id or new_id("resp"), _echo(body, plan.route.name, plan.tier),
                               created_at)
+    set_response_id(builder.id)
     save = None
     if body.store is not False:
         save = _saver(runtime, principal, body.previous_response_id, plan.items, builder, generation,
