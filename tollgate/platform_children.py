@@ -19,6 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from tollgate.settings import Settings
 
+# How a child runs a module: this interpreter, without the current directory on ``sys.path`` (``-P``), so a
+# folder named ``tollgate`` (or ``celery``) where ``tollgate up`` was started cannot shadow the package.
+PYTHON_M = (sys.executable, "-P", "-m")
+
 if TYPE_CHECKING:
     from redis import Redis
 
@@ -61,7 +65,7 @@ def engine_specs(layout: ChildLayout, model_dir: Path, env: dict[str, str]) -> l
         ProcessSpec(
             name,
             [
-                sys.executable, "-m", "tollgate", "engine",
+                *PYTHON_M, "tollgate", "engine",
                 "--model", str(model_dir),
                 "--host", "127.0.0.1",
                 "--port", str(port),
@@ -89,7 +93,6 @@ def service_specs(layout: ChildLayout, env: dict[str, str], heartbeat_client: Re
     from tollgate.worker import beat_name, read_heartbeat, worker_name
 
     s = layout.settings
-    py = sys.executable
 
     def heartbeat(role: str, name: str) -> Any:
         def probe(proc: Any) -> bool:
@@ -103,7 +106,7 @@ def service_specs(layout: ChildLayout, env: dict[str, str], heartbeat_client: Re
     return [
         ProcessSpec(
             "gateway",
-            [py, "-m", "tollgate", "gateway", "--host", s.host, "--port", str(layout.port),
+            [*PYTHON_M, "tollgate", "gateway", "--host", s.host, "--port", str(layout.port),
              "--workers", str(layout.gateway_workers)],
             layout.logs / "gateway.log",
             http_probe(f"http://127.0.0.1:{layout.port}/health", s.health_check_timeout_s),
@@ -113,7 +116,7 @@ def service_specs(layout: ChildLayout, env: dict[str, str], heartbeat_client: Re
         ),
         ProcessSpec(
             "worker",
-            [py, "-m", "celery", "-A", "tollgate.worker", "worker", "-n", worker_name(),
+            [*PYTHON_M, "celery", "-A", "tollgate.worker", "worker", "-n", worker_name(),
              "-c", str(s.worker_concurrency), "-l", "info"],
             layout.logs / "worker.log",
             heartbeat("worker", worker_name()),
@@ -123,7 +126,7 @@ def service_specs(layout: ChildLayout, env: dict[str, str], heartbeat_client: Re
         ),
         ProcessSpec(
             "beat",
-            [py, "-m", "celery", "-A", "tollgate.worker", "beat", "-l", "info",
+            [*PYTHON_M, "celery", "-A", "tollgate.worker", "beat", "-l", "info",
              "-s", str(layout.run_dir / "celerybeat-schedule")],
             layout.logs / "beat.log",
             heartbeat("beat", beat_name()),

@@ -30,7 +30,7 @@ from tests.e2e.platform_harness import read_env_file
 from tests.polling import wait_until
 from tollgate.commands.up import Endpoints, LocalPlatform
 from tollgate.local_services import free_port
-from tollgate.platform_children import engine_specs
+from tollgate.platform_children import PYTHON_M, engine_specs, service_specs
 from tollgate.processes import pid_alive
 from tollgate.settings import Settings
 from tollgate.worker import beat_name, read_heartbeat, worker_name
@@ -385,3 +385,26 @@ def test_engine_replicas_split_the_model_over_the_configured_ranks(tmp_path):
         argv = spec.argv
         assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
         assert argv[argv.index("--model") + 1] == str(model.resolve())
+
+
+def test_children_ignore_a_folder_named_like_their_package_where_up_started(tmp_path):
+    """``tollgate up`` started beside a folder named ``tollgate`` (the parent of a clone, a data directory)
+    must not run its children from it: ``python -m`` would put the current directory first on ``sys.path``
+    and import the folder as the package. Every child runs its module with ``-P``."""
+    for name in ("tollgate", "celery"):  # e.g. another checkout, or a data directory
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('not the installed package')\n")
+    shadowed = subprocess.run([sys.executable, "-m", "tollgate", "--help"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+    assert shadowed.returncode != 0  # what a child without -P met
+    platform = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=tmp_path,
+                             with_engine=True, gateway_workers=1)
+    layout = platform._layout()
+    children = [*engine_specs(layout, tmp_path, {}), *service_specs(layout, {}, heartbeat_client=None)]
+    assert {spec.name for spec in children} >= {"engine", "gateway", "worker", "beat"}
+    for spec in children:
+        assert spec.argv[:3] == [*PYTHON_M] == [sys.executable, "-P", "-m"], spec.argv
+        assert spec.name not in ("worker", "beat") or spec.cwd == layout.run_dir
+    ran = subprocess.run([*PYTHON_M, "tollgate", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert ran.returncode == 0, ran.stderr

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
-from tollgate.platform_children import ChildLayout, engine_specs, service_specs
+from tollgate.platform_children import PYTHON_M, ChildLayout, engine_specs, service_specs
 from tollgate.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ class LocalPlatform:
         log = self.logs / "model.log"
         with log.open("ab") as f:
             result = subprocess.run(
-                [sys.executable, "-m", "tollgate", "model", "create-tiny", str(model_dir)],
+                [*PYTHON_M, "tollgate", "model", "create-tiny", str(model_dir)],
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 env=env,
