@@ -12,7 +12,7 @@
   (what the request was billed) and ``tollgate.status``; and its children: ``admission`` (shed check and
   admission), ``routing`` (each replica choice) and ``POST /generate`` (a client span per engine call,
   from sending it until its stream ended), under which the engine records its own span. The endpoint
-  service that makes the answer's id puts it there (``set_response_id``: chat, responses).
+  service that makes the answer's id puts it there (``set_response_id``: chat, completions, responses).
 - Never recorded: an API key or any header but the trace context, a prompt, a completion, a cache salt.
 - Off (``engine.tracing.configure`` returned None): the middleware is not installed, the runtime's
   tracer is None, and every helper here returns at once; no span, not even a no-op one, is started.

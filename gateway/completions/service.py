@@ -34,6 +34,7 @@ from gateway.openai.encoding import (
     system_fingerprint,
 )
 from gateway.openai.streaming import DONE_FRAME, json_frame
+from gateway.tracing import set_response_id
 
 
 def _finish_reason(engine_reason: str | None) -> str:
@@ -99,6 +100,7 @@ async def start_completion(runtime: GatewayRuntime, principal: Principal, reques
                                       max_tokens=max_tokens, tier=tier, routing_key=body.prompt_cache_key,
                                       cache=body.cache_spec())
     response_id = completion_id("cmpl")
+    set_response_id(response_id)
     created = int(time.time())
     fingerprint = system_fingerprint(route)
     logprob_builders = ([CompletionLogprobs(tokenizer, len(echo_texts[i // n]) if echo_texts else 0)
