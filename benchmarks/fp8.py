@@ -251,8 +251,8 @@ def train_tiny(out: Path, seconds: float, seed: int = 0) -> tuple[Path, list[int
     return model_dir, held, {"steps": steps, "train_tokens": len(train), "final_loss": loss}
 
 
-def trained_kv_rows(seconds: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The FP8 KV cache on a trained tiny model (``train_tiny``), teacher-forced over eight 96-token
+def trained_kv_rows(seconds: float, windows: int = 8) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The FP8 KV cache on a trained tiny model (``train_tiny``), teacher-forced over ``windows`` 96-token
     held-out windows: top-1 agreement overall and where the float32 cache's top two probabilities differ
     by more than each of ``MARGINS`` (the flips sit at near-ties)."""
     from engine.quantize import CALIBRATION_TEXT, calibrate_kv_scales
@@ -260,7 +260,7 @@ def trained_kv_rows(seconds: float) -> tuple[list[dict[str, Any]], dict[str, Any
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, held, training = train_tiny(Path(tmp) / "trained", seconds)
-        prompts = [held[i * 100:i * 100 + 96] for i in range(8)]
+        prompts = [held[i * 100:i * 100 + 96] for i in range(windows)]
         full = [teacher_forced_logits(model_dir, p, torch.float32) for p in prompts]
         top_prob = torch.cat([torch.softmax(a, -1).max(-1).values for a in full])
         training["mean_top1_probability"] = float(top_prob.mean())

@@ -23,6 +23,11 @@ and the engine it was measuring (the JSON's ``generator_cpu_ms_per_request`` say
 Both for chat completions non-streamed and streamed, and for ``/v1/responses`` streamed (typed events,
 stored at its end as by default, and with ``store: false``), against the same engine-direct baseline.
 
+3. ``--tracing``: instead, the gateway's CPU per request and latency with OpenTelemetry tracing off and
+   on, side by side in one run (chat non-streamed and streamed at ``--rate``): two platforms, the second
+   with ``OTEL_EXPORTER_OTLP_ENDPOINT`` on the gateway and the engine pointing at an OTLP/HTTP sink in this
+   process (every span batch really sent and answered 200).
+
 ``python benchmarks/gateway_overhead.py --out benchmarks/out/gateway_overhead.json`` prints a table and
 writes JSON. ``--profile`` runs py-spy on the gateway worker during the 100 RPS step and prints where
 the time goes. ``Platform`` is reused by ``benchmarks/noisy_neighbor.py``.
@@ -415,6 +420,63 @@ def sustained(result: dict[str, Any]) -> bool:
 # ----------------------------------------------------------------------------- main
 
 
+@contextlib.contextmanager
+def otlp_sink() -> Iterator[tuple[str, list[int]]]:
+    """An OTLP/HTTP endpoint that accepts every export (200, an empty protobuf answer) and counts the bytes
+    of each; yields its base URL and that list."""
+    import http.server
+    import threading
+
+    received: list[int] = []
+
+    class Sink(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            received.append(len(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
+    finally:
+        server.shutdown()
+
+
+def tracing_comparison(args: argparse.Namespace) -> None:
+    """The gateway with tracing off and on, side by side (see the module docstring, 3)."""
+    rows, results = [], {}
+    with otlp_sink() as (endpoint, received):
+        traced = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
+        for label, env in (("off", None), ("on", traced)):
+            with platform(gateway_env=env, engine_env=env) as p:
+                key = p.create_tenant_key(rpm_limit=10**9, tpm_limit=10**12)
+                headers = {"Authorization": f"Bearer {key}"}
+                chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS}
+                run_load(LoadSpec(f"{p.gateway_url}/v1/chat/completions", chat, headers, 50, 2, False))
+                modes = (("non-stream", chat, False), ("stream", {**chat, "stream": True}, True))
+                for mode, body, stream in modes:
+                    step = run_load(LoadSpec(f"{p.gateway_url}/v1/chat/completions", body, headers, args.rate,
+                                             args.duration, stream), measured_pid=p.gateway_pid)
+                    results[f"{mode}, tracing {label}"] = step
+                    rows.append([mode, label, f"{step['p50_ms']:.2f} / {step['p99_ms']:.2f}",
+                                 f"{step['error_rate']:.1%}", f"{step['cpu_ms_per_request']:.3f}"])
+        results["exported_batches"], results["exported_bytes"] = len(received), sum(received)
+    print(format_table(["mode", "tracing", f"p50/p99 ms @{args.rate:.0f} RPS", "errors",
+                        "gateway CPU ms/req"], rows))
+    print(f"exported: {results['exported_batches']} OTLP batches, {results['exported_bytes']} bytes")
+    if args.out:
+        results.update(rate=args.rate, duration_s=args.duration, machine=f"{os.cpu_count()}-core CPU",
+                       load_average=os.getloadavg(), date=datetime.now(UTC).isoformat(timespec="seconds"))
+        write_json(args.out, results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=100.0, help="RPS of the added-latency comparison")
@@ -422,8 +484,13 @@ def main() -> None:
     parser.add_argument("--rates", default="100,200,300,400,500,600,800,1000",
                         help="RPS steps of the sustained-throughput search")
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway during the --rate step")
+    parser.add_argument("--tracing", action="store_true",
+                        help="compare the gateway with OpenTelemetry tracing off and on instead")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.tracing:
+        tracing_comparison(args)
+        return
     rates = [float(r) for r in args.rates.split(",")]
 
     with platform() as p:

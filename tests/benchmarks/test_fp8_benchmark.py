@@ -16,3 +16,13 @@ def test_the_accuracy_table_covers_every_model_and_variant(tmp_path: Path) -> No
     for r in rows:
         assert 0 < r["mean_abs_logit_error"] <= r["max_abs_logit_error"] < r["logit_spread"] * 5
         assert 0.5 <= r["top1_agreement"] <= 1 and 0 <= r["identical_greedy_tokens"] <= 1
+
+
+def test_the_trained_model_kv_table_trains_then_measures() -> None:
+    rows, training = fp8.trained_kv_rows(seconds=1.0, windows=1)
+    assert training["steps"] >= 1 and training["train_tokens"] > 10_000
+    assert [r["scales"] for r in rows] == ["1.0", "calibrated"]
+    for r in rows:
+        assert r["positions"] == 96 and 0.5 <= r["top1_agreement"] <= 1
+        for margin in fp8.MARGINS:
+            assert 0 <= r[f"share_margin_{margin}"] <= 1
