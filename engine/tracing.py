@@ -1,7 +1,8 @@
 """OpenTelemetry traces for Tollgate's processes, set up from the standard ``OTEL_*`` variables and off
 unless they ask for it. Torch-free: the gateway sets its tracing up here too (the engine imports nothing
 of the gateway's). What each side records: ``RequestTrace`` below for an engine replica,
-``gateway.tracing`` for the gateway.
+``gateway.tracing`` for the gateway. The metrics beside the traces, turned on and off by the same rules
+(``requested_exporters`` for either signal), are ``engine.otel_metrics``'.
 
 Invariants:
 - ``configure(service_name)`` sets the SDK up only when the environment asks for traces:
@@ -38,6 +39,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -65,30 +67,47 @@ def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() == "true"
 
 
-def requested_exporters(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The span exporters the environment asks for (empty: tracing is off); ``ValueError`` for an
-    exporter or an OTLP protocol this process cannot provide."""
+def requested_exporters(environ: Mapping[str, str] = os.environ, signal: str = "traces") -> list[str]:
+    """The exporters the environment asks for one signal, ``traces`` or ``metrics`` (empty: it is off);
+    ``ValueError`` for an exporter or an OTLP protocol this process cannot provide. The rules are the same
+    for both (``OTEL_{SIGNAL}_EXPORTER``, the OTLP endpoints), each signal reading its own variables."""
     if _flag(environ.get("OTEL_SDK_DISABLED")):
         return []
-    names = [n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    variable = f"OTEL_{signal.upper()}_EXPORTER"
+    names = [n.strip().lower() for n in environ.get(variable, "").split(",") if n.strip()]
     if not names:
-        endpoints = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoints = (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
         names = ["otlp"] if any(environ.get(name) for name in endpoints) else []
     if names == ["none"]:
         return []
     unknown = [n for n in names if n not in EXPORTERS]
     if unknown:
-        raise ValueError(f"OTEL_TRACES_EXPORTER={','.join(names)}: {', '.join(unknown)} is not supported "
+        raise ValueError(f"{variable}={','.join(names)}: {', '.join(unknown)} is not supported "
                          f"(one or more of {', '.join(EXPORTERS)}, or none)")
-    if "otlp" in names and otlp_protocol(environ) not in PROTOCOLS:
-        raise ValueError(f"OTLP protocol {otlp_protocol(environ)!r} is not supported for traces "
+    protocol = otlp_protocol(environ, signal)
+    if "otlp" in names and protocol not in PROTOCOLS:
+        raise ValueError(f"OTLP protocol {protocol!r} is not supported for {signal} "
                          f"({' or '.join(PROTOCOLS)})")
     return names
 
 
-def otlp_protocol(environ: Mapping[str, str] = os.environ) -> str:
-    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+def otlp_protocol(environ: Mapping[str, str] = os.environ, signal: str = "traces") -> str:
+    protocol = (environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+                or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"))
     return (protocol or "http/protobuf").strip().lower()
+
+
+def process_resource(service_name: str) -> Resource:
+    """The resource of this process's telemetry: the environment's (``OTEL_SERVICE_NAME``,
+    ``OTEL_RESOURCE_ATTRIBUTES``), ``service.name`` defaulting to ``service_name``. The SDK adds a
+    ``service.instance.id`` of the process's own unless the environment gives one: the workers of one
+    gateway share a name, and each exports cumulative metrics that a backend must not take for one series."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
+    return resource
 
 
 def _exporter(name: str) -> SpanExporter:
@@ -111,14 +130,10 @@ def configure(service_name: str) -> Tracing | None:
     exporters = requested_exporters()
     if not exporters:
         return None
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create()
-    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=process_resource(service_name))
     for name in exporters:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
     return Tracing(provider, provider.get_tracer("tollgate"))

@@ -3,12 +3,15 @@
 - ``install(app)``: the request-context middleware (``x-request-id``, body size limit → 413, last-resort
   500) and the exception handlers that render every error in OpenAI's body. When the ``OTEL_*``
   variables turn traces on (``engine.tracing``), the tracing middleware inside it: a server span per
-  ``/v1`` request (``gateway.tracing``), its provider on ``app.state.tracing`` (else None).
+  ``/v1`` request (``gateway.tracing``), its provider on ``app.state.tracing`` (else None). When they
+  turn metrics on (``engine.otel_metrics``), the GenAI server metrics' provider on
+  ``app.state.genai_metrics`` (else None). A setting neither can honour stops the app here, at start-up.
 - ``router``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/embeddings``,
   ``/v1/models``, ``/v1/models/{model}``.
 - ``lifespan(app)``: builds the process's ``GatewayRuntime`` on the app's shared Redis client and
   database (price book, tokenizers, replica poller, key-invalidation listener, engine HTTP pool, the
-  tracer) and stores it on ``app.state.gateway``; stops it on shutdown, then flushes the traces.
+  tracer, the GenAI metrics) and stores it on ``app.state.gateway``; stops it on shutdown, then flushes
+  the traces and exports the metrics recorded since the last export.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 
+from engine.otel_metrics import configure as configure_metrics
 from engine.tracing import configure as configure_tracing
 from gateway.chat.endpoints import router as chat_router
 from gateway.completions.endpoints import router as completions_router
@@ -50,6 +54,7 @@ def install(app: FastAPI) -> None:
     _document_request_bodies(app)
     settings = app.state.settings
     tracing = app.state.tracing = configure_tracing("tollgate-gateway")
+    app.state.genai_metrics = configure_metrics("tollgate-gateway")
     if tracing is not None:  # inside the request context: its span knows the request id
         app.add_middleware(TracingMiddleware, tracer=tracing.tracer)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_request_body_bytes,
@@ -80,6 +85,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                     resolver=getattr(app.state, "replica_resolver", None))
     tracing = app.state.tracing
     runtime.tracer = None if tracing is None else tracing.tracer
+    metrics = runtime.genai_metrics = app.state.genai_metrics
     await runtime.start()
     app.state.gateway = runtime
     # Everything built so far (imports, tokenizers, pydantic schemas: ~150k objects) lives as long as
@@ -93,3 +99,5 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await runtime.stop()
         if tracing is not None:
             await asyncio.to_thread(tracing.shutdown)
+        if metrics is not None:
+            await asyncio.to_thread(metrics.shutdown)

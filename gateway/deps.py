@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.price_cache import PriceBookCache
 from billing.usage_spool import UsageSpool
+from engine.otel_metrics import GenAIMetrics
 from engine.tokenizer import Tokenizer
 from gateway.admission import AdmissionController, AdmissionPolicy
 from gateway.admission.resp import RedisCommands
@@ -62,6 +63,8 @@ class GatewayRuntime:
     usage_spool: UsageSpool | None = None
     # Generations' spans start from it (``gateway.tracing``); None: tracing is off.
     tracer: Tracer | None = None
+    # Generations record the GenAI server metrics in it (``engine.otel_metrics``); None: they are off.
+    genai_metrics: GenAIMetrics | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _task_sender: TaskSender | None = None
     _commands: RedisCommands | None = None

@@ -5,6 +5,8 @@ One pure-ASGI layer (no ``BaseHTTPMiddleware``: it would buffer streams and cost
 - Every HTTP response carries ``x-request-id`` (``req_<32 hex>``). The id is stored in
   ``scope["state"]["request_id"]`` (``request.state.request_id``) and in a context variable that the
   ``RequestIdLogFilter`` adds to every log record, so a client's report can be found in the logs.
+  ``request_path_var`` holds the request's path while it is served (what the GenAI metrics name a
+  generation's operation from: ``gateway.tracing.current_operation``).
 - Request bodies larger than ``max_body_bytes`` are refused with 413 in OpenAI's error body. The limit
   is enforced on the bytes actually received (chunked uploads and lying ``content-length`` included);
   a declared ``content-length`` over the limit is refused before reading anything. ``path_limits``
@@ -28,6 +30,7 @@ from gateway.errors import error_body
 logger = logging.getLogger("tollgate.gateway")
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("tollgate_request_id", default="-")
+request_path_var: contextvars.ContextVar[str] = contextvars.ContextVar("tollgate_request_path", default="")
 
 
 class RequestIdLogFilter(logging.Filter):
@@ -75,6 +78,7 @@ class RequestContextMiddleware:
         rid_header = (b"x-request-id", request_id.encode())
         limit = self.max_body_bytes
         path = scope.get("path", "")
+        path_token = request_path_var.set(path)
         for prefix, prefix_limit in self.path_limits:
             if path.startswith(prefix):
                 limit = prefix_limit
@@ -126,6 +130,7 @@ class RequestContextMiddleware:
                 await send_json(500, _SERVER_ERROR_BODY)
         finally:
             request_id_var.reset(token)
+            request_path_var.reset(path_token)
 
 
 def _content_length(scope: Scope) -> int | None:

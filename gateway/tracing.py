@@ -1,4 +1,5 @@
-"""What the gateway records in a trace (``engine.tracing`` sets the SDK up from the ``OTEL_*`` variables).
+"""What the gateway records in a trace (``engine.tracing`` sets the SDK up from the ``OTEL_*`` variables),
+and the GenAI attributes its metrics share with it (``engine.otel_metrics``).
 
 - ``TracingMiddleware``: one server span per OpenAI API request (``/v1/...``), named as OpenTelemetry's
   HTTP conventions name them (``POST /v1/chat/completions``), continuing the client's W3C
@@ -13,6 +14,12 @@
   admission), ``routing`` (each replica choice) and ``POST /generate`` (a client span per engine call,
   from sending it until its stream ended), under which the engine records its own span. The endpoint
   service that makes the answer's id puts it there (``set_response_id``: chat, completions, responses).
+- The GenAI server metrics of a generation (recorded once by ``gateway.generation.service``) carry
+  ``metric_attributes``: the span's ``gen_ai.provider.name``, ``gen_ai.request.model`` and
+  ``tollgate.tier`` (``generation_attributes``, built once for both), ``gen_ai.response.model``, and
+  ``gen_ai.operation.name``, which ``current_operation`` reads off the API path being served (the
+  request context's), as the middleware names the span's; ``error.type`` is ``error_type``'s, on the
+  metrics as on the span. No tenant id on a metric: series must not grow with the number of customers.
 - Never recorded: an API key or any header but the trace context, a prompt, a completion, a cache salt.
 - Off (``engine.tracing.configure`` returned None): the middleware is not installed, the runtime's
   tracer is None, and every helper here returns at once; no span, not even a no-op one, is started.
@@ -32,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.tracing import extract, mark_error
 from engine.usage import Usage
 from gateway.errors import GatewayError
+from gateway.middleware import request_path_var
 
 # gen_ai.operation.name of each generating path (the Responses API is a chat).
 OPERATIONS = {
@@ -40,6 +48,8 @@ OPERATIONS = {
     "/v1/embeddings": "embeddings",
     "/v1/responses": "chat",
 }
+# gen_ai.provider.name: what serves the request, as the conventions' server instrumentation names it.
+PROVIDER = "tollgate"
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 _PARAM = re.compile(r"\{(\w+)\}")
 _OFF: contextlib.nullcontext[Span] = contextlib.nullcontext(trace.INVALID_SPAN)
@@ -150,11 +160,24 @@ def fail(span: Span | None, exc: BaseException) -> None:
     if span is None or not span.is_recording():
         return
     if isinstance(exc, GatewayError):
-        span.set_attribute("error.type", exc.code or exc.type)
+        span.set_attribute("error.type", error_type(exc))
         if exc.status >= 500:
             span.set_status(StatusCode.ERROR)
     else:
-        mark_error(span, type(exc).__qualname__)
+        mark_error(span, error_type(exc))
+
+
+def error_type(exc: BaseException) -> str:
+    """``error.type`` of a failure: a ``GatewayError``'s OpenAI code (or type), else the exception's
+    class, never its message (a 400's may quote the request)."""
+    if isinstance(exc, GatewayError):
+        return exc.code or exc.type
+    return type(exc).__qualname__
+
+
+def current_operation() -> str | None:
+    """``gen_ai.operation.name`` of the API request being served (None outside one, or on another path)."""
+    return OPERATIONS.get(request_path_var.get())
 
 
 def set_response_id(response_id: str) -> None:
@@ -167,8 +190,8 @@ def set_response_id(response_id: str) -> None:
 def request_attributes(*, model: str, tenant_id: int, tier: str, max_tokens: int | None, n: int,
                        sampling: Mapping[str, Any]) -> dict[str, Any]:
     """What a generation asked for (no prompt, no stop sequences: they are the tenant's text)."""
-    attributes: dict[str, Any] = {"gen_ai.provider.name": "tollgate", "gen_ai.request.model": model,
-                                  "tollgate.tenant.id": tenant_id, "tollgate.tier": tier}
+    attributes = generation_attributes(model=model, tier=tier)
+    attributes["tollgate.tenant.id"] = tenant_id
     if max_tokens is not None:
         attributes["gen_ai.request.max_tokens"] = max_tokens
     if n != 1:
@@ -176,6 +199,22 @@ def request_attributes(*, model: str, tenant_id: int, tier: str, max_tokens: int
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):
         if sampling.get(name) is not None:
             attributes[f"gen_ai.request.{name}"] = sampling[name]
+    return attributes
+
+
+def generation_attributes(*, model: str, tier: str) -> dict[str, Any]:
+    """What a generation's span and its metrics both say of it: who serves it, the model, the tier."""
+    return {"gen_ai.provider.name": PROVIDER, "gen_ai.request.model": model, "tollgate.tier": tier}
+
+
+def metric_attributes(*, operation: str | None, model: str, tier: str) -> dict[str, Any]:
+    """A generation's GenAI metric attributes but ``error.type`` (``GenAIMetrics.record`` adds it where the
+    conventions have it); ``operation`` None (no API request: a batch line, a background response) leaves
+    ``gen_ai.operation.name`` out rather than guess it."""
+    attributes = generation_attributes(model=model, tier=tier)
+    attributes["gen_ai.response.model"] = model
+    if operation is not None:
+        attributes["gen_ai.operation.name"] = operation
     return attributes
 
 

@@ -38,6 +38,9 @@ Invariants:
   ``completion_tokens`` (billed as output, as OpenAI bills them), and the usage record carries the
   accepted and rejected counts to the ledger, for chat completions and batch lines alike; its admission
   reserves the prediction's length on top of ``max_tokens``.
+- The GenAI server metrics (``engine.otel_metrics``, when the ``OTEL_*`` variables turn them on) count
+  every request once, here and nowhere else: ``finish()`` records it, or ``start()`` does for one refused
+  before admission (``_observe``); attributes shared with the request's span (``gateway.tracing``).
 - After ``finish()``, ``cost_pico_usd`` is what the request was billed and ``served_pool`` the pool of
   the replica that ran it (what a batch line records); wire formats live with the endpoints.
 - The engine request id is the gateway request id (suffixed ``-<prompt index>`` for several prompts),
@@ -81,7 +84,17 @@ from gateway.errors import GatewayError, ServiceUnavailableError
 from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
 from gateway.tenants.cache_salt import cache_salt
-from gateway.tracing import child_span, current, end, fail, request_attributes, result_attributes
+from gateway.tracing import (
+    child_span,
+    current,
+    current_operation,
+    end,
+    error_type,
+    fail,
+    metric_attributes,
+    request_attributes,
+    result_attributes,
+)
 
 logger = logging.getLogger("tollgate.gateway.generation")
 
@@ -132,6 +145,7 @@ class Generation:
     _started_at: float = field(default_factory=time.monotonic)
     _created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     _first_token_at: float | None = None
+    _last_final_at: float | None = None  # when the last stream's final record came: its last token
     _ttft_ms: float | None = None
     _tpot_ms: float | None = None
     _renewal: asyncio.Task[None] | None = None  # renews the admission lease until finish()
@@ -142,6 +156,8 @@ class Generation:
     # engine call span until its stream ended.
     _span: Span | None = None
     _calls: list[Span | None] = field(default_factory=list)
+    # GenAI metrics on (``engine.otel_metrics``): the API operation being served, taken when it started.
+    _operation: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -163,6 +179,16 @@ class Generation:
 
     # -- before the response starts ---------------------------------------------------------------
     async def start(self) -> None:
+        if self.runtime.genai_metrics is not None:
+            self._operation = current_operation()
+        try:
+            await self._start()
+        except BaseException as exc:
+            if not self._finished:  # refused before admission: no finish() records it
+                self._observe(time.monotonic(), exc)
+            raise
+
+    async def _start(self) -> None:
         rt = self.runtime
         settings = rt.settings
         if rt.tracer is not None and (span := trace.get_current_span()).is_recording():
@@ -371,6 +397,8 @@ class Generation:
 
     def _final(self, offset: int, record: FinalRecord) -> None:
         self._finals += 1
+        if self._finals == len(self._streams):
+            self._last_final_at = time.monotonic()
         self._add_usage(record.usage)
         for i, reason in enumerate(record.finish_reasons):
             self.finish_reasons[offset + i] = reason
@@ -426,13 +454,43 @@ class Generation:
         if self._finished:
             return
         self._finished = True
+        ended_at = self._last_final_at or time.monotonic()
         await self._settle()
+        self._observe(ended_at)
         if self._span is not None and self._span.is_recording():
             self._span.set_attributes(result_attributes(
                 model=self.route.name, usage=self.usage, finish_reasons=self.finish_reasons,
                 cost_pico_usd=self.cost_pico_usd, status=self.status))
             if self.error is not None:
                 fail(self._span, self.error)
+
+    def _observe(self, ended_at: float, refusal: BaseException | None = None) -> None:
+        """The request in the GenAI server metrics, when they are on: once, from ``finish`` (or from
+        ``start``, for a request refused before admission: ``refusal``). Its duration from its start until
+        ``ended_at`` (its last token: the last final record, else its end), with ``error.type`` when it
+        failed (not when its client went away); for a completed one, the time to its first token as the
+        gateway saw it (like ``tollgate_gateway_ttft_seconds``) and the engine's time per output token after
+        it; the input and output tokens its client was told of (what it is billed), unless the engine ran
+        none of it or it bills nothing (``void``). Never raises."""
+        metrics = self.runtime.genai_metrics
+        if metrics is None:
+            return
+        try:
+            error = refusal or self.error
+            failed = error is not None or self.status == STATUS_FAILED
+            completed = self.status == STATUS_COMPLETED and not failed
+            counted = bool(self._streams) and not self._void
+            metrics.record(
+                metric_attributes(operation=self._operation, model=self.route.name, tier=self.tier),
+                duration_s=ended_at - self._started_at,
+                error_type=error_type(error) if error is not None else "_OTHER" if failed else None,
+                ttft_s=(self._first_token_at - self._started_at
+                        if completed and self._first_token_at is not None else None),
+                tpot_s=self._tpot_ms / 1000 if completed and self._tpot_ms else None,
+                input_tokens=self.usage.prompt_tokens if counted else None,
+                output_tokens=self.usage.completion_tokens if counted and not self.embedding else None)
+        except Exception:  # observability must never break a request or its metering
+            logger.exception("recording the GenAI metrics of request %s failed", self.request_id)
 
     async def _settle(self) -> None:
         if self._renewal is not None:

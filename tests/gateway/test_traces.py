@@ -1,33 +1,23 @@
 """Traces as an operator's collector receives them (``gateway/tracing.py``, ``engine/tracing.py``).
 
-A real OTLP/HTTP receiver (``POST /v1/traces``, protobuf bodies decoded as the OpenTelemetry Collector
-does) on a free port; an engine subprocess and a gateway exporting to it through the standard
-``OTEL_*`` variables, as an operator sets them. One trace runs from the client's ``traceparent``
+A real OTLP/HTTP receiver (``tests/gateway/otlp_receiver.py``: protobuf bodies decoded as the
+OpenTelemetry Collector does) on a free port; an engine subprocess and a gateway exporting to it through
+the standard ``OTEL_*`` variables, as an operator sets them. One trace runs from the client's ``traceparent``
 through the gateway's request span, its engine call, and the engine's span of the request; the GenAI
 attributes are the usage the client was answered and the cost that was metered; no key, no prompt text.
 """
 
 from __future__ import annotations
 
-import gzip
 import os
 import secrets
-import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
 import pytest
 from opentelemetry import trace
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 
 from gateway.tracing import TracingMiddleware, route_template
@@ -40,90 +30,10 @@ from tests.gateway.conftest import (
     run_gateway,
     wait_for_usage,
 )
+from tests.gateway.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.polling import eventually
-from tollgate.local_services import free_port
 
 PROMPT = "Tell me about the lighthouse keeper's secret garden"
-
-
-@dataclass
-class ReceivedSpan:
-    service: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    name: str
-    kind: int
-    attributes: dict[str, Any]
-    events: list[str]
-    error: bool
-
-
-def _value(value: AnyValue) -> Any:
-    which = value.WhichOneof("value")
-    if which == "array_value":
-        return [_value(v) for v in value.array_value.values]
-    return getattr(value, which) if which else None
-
-
-class OtlpReceiver:
-    """An OTLP/HTTP trace receiver: every span exported to ``url`` + ``/v1/traces``, decoded."""
-
-    def __init__(self) -> None:
-        self.spans: list[ReceivedSpan] = []
-        received = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                if self.headers.get("content-encoding") == "gzip":
-                    body = gzip.decompress(body)
-                if self.path != "/v1/traces":
-                    self.send_error(404)
-                    return
-                received.add(ExportTraceServiceRequest.FromString(body))
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
-        self._thread.start()
-
-    def add(self, request: ExportTraceServiceRequest) -> None:
-        spans = []
-        for resource_spans in request.resource_spans:
-            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    spans.append(ReceivedSpan(
-                        service=resource.get("service.name", ""), trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(), name=span.name,
-                        kind=span.kind, attributes={a.key: _value(a.value) for a in span.attributes},
-                        events=[e.name for e in span.events], error=span.status.code == 2,
-                    ))
-        self.spans.extend(spans)
-
-    def trace(self, trace_id: str) -> list[ReceivedSpan]:
-        return [s for s in self.spans if s.trace_id == trace_id]
-
-    def of_request(self, request_id: str, service: str) -> ReceivedSpan | None:
-        """The span ``service`` made of the request ``request_id`` (the gateway's request span, or the
-        engine's), once it arrived."""
-        kind = SpanProto.SPAN_KIND_SERVER
-        return next((s for s in self.spans if s.service == service and s.kind == kind
-                     and s.attributes.get("tollgate.request.id") == request_id), None)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 @pytest.fixture(scope="module")
