@@ -23,8 +23,8 @@ and the engine it was measuring (the JSON's ``generator_cpu_ms_per_request`` say
 Both for chat completions non-streamed and streamed, and for ``/v1/responses`` streamed (typed events,
 stored at its end as by default, and with ``store: false``), against the same engine-direct baseline.
 
-3. ``--tracing``: instead, the gateway's CPU per request and latency with OpenTelemetry tracing off and
-   on, side by side in one run (chat non-streamed and streamed at ``--rate``): two platforms, the second
+3. ``--tracing``: instead, the gateway's CPU per request and latency with OpenTelemetry off and on (traces
+   and the GenAI metrics, which the same OTLP endpoint turns on), side by side in one run (chat non-streamed and streamed at ``--rate``): two platforms, the second
    with ``OTEL_EXPORTER_OTLP_ENDPOINT`` on the gateway and the engine pointing at an OTLP/HTTP sink in this
    process (every span batch really sent and answered 200).
 
