@@ -224,6 +224,23 @@ async def test_responses_lines_run_through_the_same_generation_service(
     assert batch["usage"]["output_tokens"] == sum(u["output_tokens"] for u in bodies) > 0
 
 
+async def test_completions_lines_score_an_echoed_prompt(runner: BatchRunner,
+                                                       files_gateway: GatewayUnderTest) -> None:
+    """An evaluation run as a batch: completions lines with token-id prompts, ``echo`` and ``logprobs``
+    get every prompt token's logprob (the first null), as the interactive endpoint answers."""
+    prompts = [[301, 17, 5, 88, 912], [40, 77, 3]]
+    lines = [json.dumps({"custom_id": f"s{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "tiny", "prompt": p, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}})
+        for i, p in enumerate(prompts)]
+    batch, output, _ = await run_whole_batch(runner, files_gateway, "/v1/completions", lines)
+    assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    for record, prompt in zip(sorted(output, key=lambda o: o["custom_id"]), prompts, strict=True):
+        assert record["response"]["status_code"] == 200
+        logprobs = record["response"]["body"]["choices"][0]["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(prompt) + 1 and logprobs["token_logprobs"][0] is None
+        assert all(lp < 0 for lp in logprobs["token_logprobs"][1:])
+
+
 async def test_a_nul_character_in_a_line_is_stored_and_the_line_runs(
         runner: BatchRunner, files_gateway: GatewayUnderTest) -> None:
     """Postgres' jsonb refuses U+0000 (JSON allows it, and a model may write one): the line's body used to
