@@ -23,10 +23,11 @@ and the engine it was measuring (the JSON's ``generator_cpu_ms_per_request`` say
 Both for chat completions non-streamed and streamed, and for ``/v1/responses`` streamed (typed events,
 stored at its end as by default, and with ``store: false``), against the same engine-direct baseline.
 
-3. ``--tracing``: instead, the gateway's CPU per request and latency with OpenTelemetry off and on (traces
-   and the GenAI metrics, which the same OTLP endpoint turns on), side by side in one run (chat non-streamed and streamed at ``--rate``): two platforms, the second
-   with ``OTEL_EXPORTER_OTLP_ENDPOINT`` on the gateway and the engine pointing at an OTLP/HTTP sink in this
-   process (every span batch really sent and answered 200).
+3. ``--tracing``: instead, the gateway's CPU per request and latency with OpenTelemetry off and on
+   (traces and the GenAI metrics, which the same OTLP endpoint turns on), side by side in one run (chat
+   non-streamed and streamed at ``--rate``): two platforms, the second with ``OTEL_EXPORTER_OTLP_ENDPOINT``
+   on the gateway and the engine pointing at an OTLP/HTTP sink in this process (every batch really sent
+   and answered 200).
 
 ``python benchmarks/gateway_overhead.py --out benchmarks/out/gateway_overhead.json`` prints a table and
 writes JSON. ``--profile`` runs py-spy on the gateway worker during the 100 RPS step and prints where
