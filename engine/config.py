@@ -42,6 +42,11 @@ class EngineConfig:
     # else 1.0): about twice the blocks in the same memory. "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # LoRA adapters (``engine.lora``): device slots (0: none, the projections stay unwrapped), the highest
+    # rank a slot takes, and the adapters kept read in host memory.
+    max_loras: int = 0
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
     # Lower tiers of the prefix cache (``engine.kv.tiers``): host memory for evicted blocks (0: none)
     # and, below it, block files in ``kv_disk_dir`` (0: none; they survive a restart).
     host_kv_gb: float = 0.0

@@ -37,6 +37,7 @@ Pure numpy (the runner turns the arrays into tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,8 @@ class StepInputs:
     # holds position ``chunk.start + j``'s logits, scored against ``prompt_targets`` (the next prompt token).
     prompt_rows: list[tuple[ScheduledSeq, int, int]] = field(default_factory=list)
     prompt_targets: np.ndarray | None = None
+    # LoRA: (the adapter, first token row, rows) of each chunk whose sequence uses one (``seq.lora``).
+    lora_rows: list[tuple[Any, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +177,7 @@ class InputBatch:
         prompt_rows: list[tuple[ScheduledSeq, int, int]] = []
         prompt_indices: list[int] = []
         prompt_targets: list[int] = []
+        lora_rows: list[tuple[Any, int, int]] = []
         init: list[tuple[int, list[int], list[int]]] = []
         slot_of, table_in, table_len = self._slot_of, self._table_in, self._table_len
         bs, max_len = self.block_size, self.max_model_len
@@ -212,6 +216,8 @@ class InputBatch:
                 pending_rows.append(row + n - 1)
                 pending_sources.append(source)
             row += n
+            if seq.lora is not None:
+                lora_rows.append((seq.lora, row - n, n))
             if item.samples and seq.pooling is None:
                 if k:
                     drafts[len(sampled)] = seq.draft_token_ids[:k]
@@ -273,6 +279,7 @@ class InputBatch:
             pooled=pooled,
             drafts=drafts,
             prompt_rows=prompt_rows,
+            lora_rows=lora_rows,
             prompt_targets=np.asarray(prompt_targets, dtype=np.int64) if prompt_rows else None,
         )
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from engine.config import EngineConfig
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.llm_engine import LLMEngine, RequestValidationError
+from engine.lora.registry import LoRARequest
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.pooling import PoolingParams, checkpoint_pooling
 from engine.sampling_params import SamplingParams
@@ -96,10 +97,12 @@ class LLM:
         tenant: str | SequenceLike[str] | None = None,
         pooling: PoolingParams | None = None,
         cache_policy: CachePolicy = DEFAULT_POLICY,
+        lora_request: LoRARequest | None | SequenceLike[LoRARequest | None] = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` (strings or token-id lists) to completion; outputs in input order. With
         ``pooling``, each is an embedding request (``RequestOutput.embedding``; see ``embed``);
-        ``cache_policy``: every prompt's prefix-cache lifetimes (``engine.kv.pins``)."""
+        ``cache_policy``: every prompt's prefix-cache lifetimes (``engine.kv.pins``); ``lora_request``:
+        the LoRA adapter of every prompt, or of each (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         n = len(prompt_list)
         params_list = _per_prompt(params if params is not None else SamplingParams(), n, "params",
@@ -107,6 +110,8 @@ class LLM:
         salts: list[str | None] = _per_prompt(cache_salt, n, "cache_salt", (str, type(None)))
         priorities: list[int] = _per_prompt(priority if priority is not None else 0, n, "priority", int)
         tenants: list[str] = _per_prompt(tenant if tenant is not None else "", n, "tenant", str)
+        loras: list[LoRARequest | None] = _per_prompt(lora_request, n, "lora_request",
+                                                      (LoRARequest, type(None)))
         token_lists = [
             self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompt_list
         ]
@@ -121,7 +126,7 @@ class LLM:
             for i, (rid, prompt) in enumerate(zip(request_ids, prompt_list, strict=True)):
                 self.engine.add_request(rid, token_lists[i], params_list[i], tenant=tenants[i],
                                         cache_salt=salts[i], priority=priorities[i], pooling=pooling,
-                                        cache_policy=cache_policy)
+                                        cache_policy=cache_policy, lora=loras[i])
                 outputs[rid] = RequestOutput(
                     request_id=rid,
                     prompt_token_ids=token_lists[i],

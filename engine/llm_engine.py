@@ -63,6 +63,7 @@ from engine.grammar import GrammarBackend
 from engine.kv.cache import KVCache
 from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
+from engine.lora.registry import HostAdapters, LoRARequest
 from engine.model_runner import ModelRunner, Step
 from engine.output_processor import OutputProcessor, ewma
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError
@@ -85,6 +86,8 @@ class LLMEngine:
         self.kv_events = KVEventLog()  # what every tier of the prefix cache holds, in order
         self.kv = KVCache.create(config, self.runner.num_kv_blocks, self.runner.kv_transfer, self.kv_events)
         self.scheduler = Scheduler(config, self.kv)
+        self.adapters = HostAdapters(self.runner.args, slots=config.max_loras, max_rank=config.max_lora_rank,
+                                     capacity=config.max_cpu_loras)
         self.vocab_size: int = self.runner.vocab_size
         self.eos_token_ids: frozenset[int] = frozenset(self.runner.eos_token_ids)
         self.sampler = Sampler(self.vocab_size, self._grammar_backend(), seed=config.seed,
@@ -180,15 +183,21 @@ class LLMEngine:
         pooling: PoolingParams | None = None,
         cache_policy: CachePolicy = DEFAULT_POLICY,
         prediction: SequenceLike[int] | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         """Queue a request (``params.n`` streams; with ``pooling``, one embedding and no tokens; its
         prompt-cache lifetimes in ``cache_policy``; ``prediction``: the output it is expected to be,
-        mostly, as token ids: drafts for speculative decoding). Raises ``RequestValidationError``,
-        changing nothing."""
+        mostly, as token ids: drafts for speculative decoding; ``lora``: the adapter its tokens run
+        through). Raises ``RequestValidationError``, changing nothing."""
         if request_id in self.outputs.requests:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
         self.validate_request(request_id, prompt_token_ids, params)
         predicted = self.validate_prediction(prediction)
+        adapter = self.adapters.get(lora) if lora is not None else None
+        if adapter is not None:
+            # The prefix cache never shares blocks across adapters: their K/V differ. Keyed by the
+            # adapter's contents, so a bundle replaced under the same name never meets the old blocks.
+            cache_salt = f"{cache_salt or ''}|lora:{adapter.digest}"
         if pooling is not None:
             if params.n != 1:
                 raise RequestValidationError("an embedding request has exactly one completion (n = 1)", "n")
@@ -205,7 +214,7 @@ class LLMEngine:
         seqs = [
             Sequence(request_id=request_id, token_ids=list(prompt), params=params, priority=priority,
                      tenant=tenant, cache_salt=cache_salt, arrival_time=now, index=index, pooling=pooling,
-                     cache_policy=cache_policy)
+                     cache_policy=cache_policy, lora=adapter)
             for index in range(params.n)
         ]
         if self.speculation is not None and pooling is None and speculates(params):

@@ -57,6 +57,7 @@ from engine.input_batch import InputBatch, StepInputs
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model, quantized_args, read_kv_scales
+from engine.lora.layers import LoRASlots, install
 from engine.models.config import ModelArgs
 from engine.rank_workers import RankWorkers, serve, start_rank
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
@@ -203,6 +204,11 @@ class ModelRunner:
             peers = [cache_fingerprint(model_dir, layout, block_shape, r, size) for r in range(1, size)]
             self.kv_transfer = KVTransfer(self.kv_caches, max(1, slots), disk_dir, fingerprint,
                                           peers if rank == 0 else None)
+        self.lora: LoRASlots | None = None
+        if config.max_loras:
+            if size > 1:
+                raise ValueError("LoRA adapters need tensor_parallel_size 1 for now")
+            self.lora = install(self.model, args, config.max_loras, config.max_lora_rank)
         self._graphs: DecodeGraphs | None = None
         use_graphs = self.device.type == "cuda" and self.attention_backend.name == "triton"
         if use_graphs and not config.enforce_eager:
@@ -375,10 +381,21 @@ class ModelRunner:
             input_ids[rows] = previous.result().token_ids[sources]
         if self.tp.enabled:  # rank 0's ids (pending ones resolved on its device) to every rank
             self.tp.broadcast(input_ids)
-        if self._graphs is not None and self._graphs.covers(meta):
-            hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        lora = self.lora if inputs.lora_rows else None
+        if lora is not None:  # the step's adapters in slots; each token row bound to its sequence's
+            slot_of = lora.assign(adapter for adapter, _, _ in inputs.lora_rows)
+            slots = torch.zeros(inputs.num_tokens, dtype=torch.int64)
+            for adapter, first, n in inputs.lora_rows:
+                slots[first:first + n] = slot_of[adapter.digest]
+            lora.bind(slots.to(self.device))
+        try:
+            if self._graphs is not None and lora is None and self._graphs.covers(meta):
+                hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        finally:
+            if lora is not None:
+                lora.unbind()
         embeddings = self._pool(inputs, hidden) if inputs.pooled else {}
         finished = HostCopy(list(embeddings.values())) if embeddings else None
         if logits_indices.numel() == 0:

@@ -52,6 +52,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCache) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_loras = config.max_loras
         self.kv = kv
         self.block_manager = kv.blocks
         # priority -> tenant -> waiting sequences in arrival order.
@@ -137,7 +138,7 @@ class Scheduler:
         KV tiers it needs first (``batch.transfers``)."""
         self.kv.begin_step()
         self.fairness.advance_vtime()
-        step = _Step(self.max_num_batched_tokens)
+        step = _Step(self.max_num_batched_tokens, self.max_loras)
         block_size = self.block_manager.block_size
         running_by_level: dict[int, dict[str, list[Sequence]]] = {}
         for seq in self.running:
@@ -152,6 +153,8 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled:
                     continue
+                if seq.lora is not None and not step.takes_adapter(seq.lora.digest):
+                    continue  # the step's adapter slots are taken: it runs in a later step
                 pending = seq.num_pending_tokens
                 if pending and len(seq.token_ids) + pending - seq.num_prompt_tokens >= seq.params.max_tokens:
                     continue  # its pending token is its last (max_tokens): nothing more to compute
@@ -254,6 +257,8 @@ class Scheduler:
                     return True
                 if seq.status is not SequenceStatus.WAITING or seq in step.preempted:
                     continue
+                if seq.lora is not None and not step.takes_adapter(seq.lora.digest):
+                    continue  # no adapter slot left in this step: admitted in a later one
                 if (
                     getattr(seq.params, "n", 1) > 1
                     and seq.request_id in prefilling
@@ -413,10 +418,14 @@ class Scheduler:
 class _Step:
     """What one ``schedule()`` call has granted so far."""
 
-    __slots__ = ("budget", "scheduled", "preempted", "fair_level", "fair_admitted")
+    __slots__ = ("budget", "scheduled", "preempted", "fair_level", "fair_admitted", "adapters", "max_loras")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, max_loras: int = 0) -> None:
         self.budget = budget
+        # The LoRA adapters (by digest) of the sequences granted so far: at most ``max_loras`` per step,
+        # one device slot each (``engine.lora.layers``).
+        self.adapters: set[str] = set()
+        self.max_loras = max_loras
         self.scheduled: dict[int, ScheduledSeq] = {}
         self.preempted: list[Sequence] = []
         # The priority at which a fairness preemption happened this step (None: none happened), and
@@ -424,3 +433,12 @@ class _Step:
         # or lower that the step keeps.
         self.fair_level: int | None = None
         self.fair_admitted: list[Sequence] = []
+
+    def takes_adapter(self, digest: str) -> bool:
+        """Whether a sequence of adapter ``digest`` fits this step's slots (taking one if needed)."""
+        if digest in self.adapters:
+            return True
+        if len(self.adapters) >= self.max_loras:
+            return False
+        self.adapters.add(digest)
+        return True

@@ -102,6 +102,8 @@ class Sequence:
     # logits scoring token ``p + 1``), until all ``num_prompt_tokens - 1`` are in and delivered (``None``).
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_done: bool = False
+    # The LoRA adapter its tokens run through (``engine.lora.adapter.LoRAAdapter``); None: the base model.
+    lora: Any = None
     # Timing marks (monotonic seconds), filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -1,0 +1,61 @@
+"""The adapters an engine has read, in host memory: a request names a bundle (``LoRARequest``), the engine
+serves the ``LoRAAdapter`` read from it.
+
+Invariants:
+- ``HostAdapters.get`` reads a bundle once and keeps at most ``capacity`` read adapters, least recently
+  used out first; a bundle whose files changed since (size or modification time) is read again, so a
+  request never runs on an adapter its bundle no longer holds.
+- A bundle that does not fit the base, or a LoRA request to an engine with no adapter slots, is a
+  ``RequestValidationError`` (param ``lora``): a 400, nothing queued.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, LoRAAdapter, load_adapter
+from engine.models.config import ModelArgs
+from engine.outputs import RequestValidationError
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A request's adapter: its name (for logs and metrics) and the PEFT bundle's directory."""
+
+    name: str
+    path: str
+
+
+class HostAdapters:
+    def __init__(self, base: ModelArgs, *, slots: int, max_rank: int, capacity: int) -> None:
+        self.base, self.slots, self.max_rank, self.capacity = base, slots, max_rank, max(1, capacity)
+        self._read: OrderedDict[str, tuple[tuple[float, ...], LoRAAdapter]] = OrderedDict()
+        self.reads = 0
+
+    def get(self, request: LoRARequest) -> LoRAAdapter:
+        if not self.slots:
+            raise RequestValidationError("this engine serves no LoRA adapters (its max_loras is 0)", "lora")
+        bundle = Path(request.path)
+        try:
+            stats = [(bundle / name).stat() for name in (CONFIG_FILE, WEIGHTS_FILE)]
+        except OSError:
+            raise RequestValidationError(f"adapter {request.name!r}: no bundle at {request.path}",
+                                         "lora") from None
+        stamp = tuple(float(v) for st in stats for v in (st.st_size, st.st_mtime_ns))
+        key = str(bundle.resolve())
+        held = self._read.get(key)
+        if held is not None and held[0] == stamp:
+            self._read.move_to_end(key)
+            return held[1]
+        try:
+            adapter = load_adapter(bundle, self.base, max_rank=self.max_rank)
+        except AdapterError as exc:
+            raise RequestValidationError(f"adapter {request.name!r}: {exc}", "lora") from exc
+        self.reads += 1
+        self._read[key] = (stamp, adapter)
+        self._read.move_to_end(key)
+        while len(self._read) > self.capacity:
+            self._read.popitem(last=False)
+        return adapter
