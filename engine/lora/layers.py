@@ -44,6 +44,9 @@ class LoRASlots:
         self.wrapped: dict[tuple[int, str], LoRALinear] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # digest -> slot, least recently used first
         self.groups: list[tuple[int, torch.Tensor]] = []  # (slot, token rows) for the bound pass
+        # Several slots bound: (their slots [S], each slot's token rows padded to the longest [S * M],
+        # which of those are real [N], the real ones' token rows [N]) for one batched product per part.
+        self.batched: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.loads = 0
 
     # ---- slots -------------------------------------------------------------------------------------
@@ -96,9 +99,21 @@ class LoRASlots:
     def bind(self, slots: torch.Tensor) -> None:
         """The slot of each token row of the next pass (``[T]``, 0: the base model)."""
         self.groups = [(int(s), (slots == s).nonzero().squeeze(1)) for s in torch.unique(slots).tolist() if s]
+        self.batched = None
+        if len(self.groups) > 1:
+            longest = max(rows.numel() for _, rows in self.groups)
+            padded = torch.zeros(len(self.groups), longest, dtype=torch.int64, device=slots.device)
+            valid = torch.zeros(len(self.groups), longest, dtype=torch.bool, device=slots.device)
+            for i, (_, rows) in enumerate(self.groups):
+                padded[i, :rows.numel()] = rows
+                valid[i, :rows.numel()] = True
+            flat_valid = valid.view(-1).nonzero().squeeze(1)
+            which = torch.tensor([s for s, _ in self.groups], dtype=torch.int64, device=slots.device)
+            self.batched = (which, padded.view(-1), flat_valid, padded.view(-1).index_select(0, flat_valid))
 
     def unbind(self) -> None:
         self.groups = []
+        self.batched = None
 
 
 class LoRALinear(nn.Module):
@@ -120,12 +135,17 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        groups = self._slots[0].groups
-        if not groups:
+        slots = self._slots[0]
+        if slots.batched is not None:  # several adapters: one batched product over every slot's rows
+            which, padded, valid, rows = slots.batched
+            xs = x.index_select(0, padded).view(which.numel(), -1, x.shape[-1])  # [S, M, in]
+            h = torch.bmm(xs, self.a.index_select(0, which).transpose(1, 2))  # [S, M, R]
+            delta = torch.bmm(h, self.b.index_select(0, which).transpose(1, 2))  # [S, M, out]
+            y.index_add_(0, rows, delta.view(-1, y.shape[-1]).index_select(0, valid))
             return y
-        for slot, rows in groups:
-            xs = x.index_select(0, rows)
-            y.index_add_(0, rows, (xs @ self.a[slot].T) @ self.b[slot].T)
+        for slot, token_rows in slots.groups:
+            xs = x.index_select(0, token_rows)
+            y.index_add_(0, token_rows, (xs @ self.a[slot].T) @ self.b[slot].T)
         return y
 
 
