@@ -43,7 +43,7 @@ from tollgate.settings import PoolConfig, Settings
 SCHEMAS = ROOT / "tests" / "deploy" / "schemas"
 CRD_SCHEMAS = {"ScaledObject": "keda-scaledobject.json",
                "TriggerAuthentication": "keda-triggerauthentication.json",
-               "ServiceMonitor": "servicemonitor.json"}
+               "ServiceMonitor": "servicemonitor.json", "PrometheusRule": "prometheusrule.json"}
 DOC = ROOT / "docs" / "deploy-kubernetes.md"
 APP = ("gateway", "worker", "beat")
 # Names this deployment uses that issue #24's other parts add beside it: the engines' internal token
@@ -86,6 +86,15 @@ def test_the_crd_schemas_refuse_what_the_api_server_would_silently_drop():
                "spec": {"selector": {"matchLabels": {"a": "b"}},
                         "endpoints": [{"port": "http", "bearer": "t"}]}}
     assert not crd_validator("ServiceMonitor").is_valid(monitor)
+    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "x"},
+            "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "up == 0", "for": "5m"}]}]}}
+    assert crd_validator("PrometheusRule").is_valid(rule)
+    for wrong in ({"alert": "A", "expr": "up == 0", "for": "five minutes"},  # not a duration
+                  {"alert": "A", "expr": "up == 0", "severity": "critical"},  # a label outside `labels`
+                  {"alert": "A", "record": "b", "expr": "up"},  # both
+                  {"record": "b", "expr": "up", "for": "5m"}):  # `for` on a recording rule
+        rule["spec"]["groups"][0]["rules"] = [wrong]
+        assert not crd_validator("PrometheusRule").is_valid(rule), wrong
 
 
 def test_selectors_pick_the_pods_they_mean(manifests):
