@@ -22,6 +22,7 @@ import pytest
 import yaml
 from pydantic import SecretStr
 
+from engine.gate import CUT_GRACE_S
 from tests.deploy.manifests import (
     KUBERNETES_VERSION,
     ROOT,
@@ -35,7 +36,6 @@ from tests.deploy.manifests import (
     port_number,
     quantity_gib,
     selects,
-    tensor_parallel_size,
 )
 from tollgate.commands.model import engine as engine_command
 from tollgate.settings import PoolConfig, Settings
@@ -54,6 +54,9 @@ SECRET_SETTINGS = {f"TOLLGATE_{name.upper()}" for name, field in Settings.model_
                    if SecretStr in (getattr(field.annotation, "__args__", None) or (field.annotation,))}
 SECRET_SETTINGS |= {"TOLLGATE_DATABASE_URL", "TOLLGATE_REDIS_URL"}
 ENGINE_OPTIONS = {opt for param in engine_command.params for opt in param.opts}
+(ENGINE_DRAIN_S,) = [param.default for param in engine_command.params if param.name == "drain_timeout_s"]
+# The engine's exit after its drain: the step loop stopped, tensor-parallel ranks joined.
+ENGINE_SHUTDOWN_S = 10
 
 
 def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
@@ -169,8 +172,14 @@ def test_grace_periods_cover_the_drain(manifests):
     assert pause + 2 * drain < gateway["terminationGracePeriodSeconds"]
     for engine in manifests.component("engine"):
         spec = pod_spec(engine)
-        pause = int(spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
-        assert spec["terminationGracePeriodSeconds"] - pause >= 120  # two minutes for open streams
+        main = spec["containers"][0]
+        pause = int(main["lifecycle"]["preStop"]["exec"]["command"][1])
+        words = argv(main)
+        # The engine's drain on SIGTERM (engine.gate): open streams get --drain-timeout-s, then uvicorn
+        # lets the cut connections close (CUT_GRACE_S), then the engine and its ranks shut down.
+        drain = float(option(words, "--drain-timeout-s")) if "--drain-timeout-s" in words else ENGINE_DRAIN_S
+        assert spec["terminationGracePeriodSeconds"] - pause >= drain + CUT_GRACE_S + ENGINE_SHUTDOWN_S, (
+            engine["metadata"]["name"])
 
 
 def test_pools_are_found_through_their_headless_services(manifests):
@@ -184,25 +193,11 @@ def test_pools_are_found_through_their_headless_services(manifests):
         assert service["spec"]["clusterIP"] == "None" and not service["spec"].get("publishNotReadyAddresses")
         assert int(port) in [p["port"] for p in service["spec"]["ports"]]
         (engine,) = manifests.selected_workloads(service["spec"]["selector"])
-        statefulset = manifests.get("StatefulSet", engine)
-        assert statefulset["spec"]["serviceName"] == service_name
-        words = argv(pod_spec(statefulset)["containers"][0])
+        words = argv(pod_spec(manifests.workload(engine))["containers"][0])
         assert option(words, "--pool") == pool
         models = [m for m in config["models"] if pool in m["pools"]]
         assert [(m["name"], m["path"]) for m in models] == [(option(words, "--model-name"),
                                                              option(words, "--model"))]
-
-
-def test_engines_keep_their_disk_tier_on_their_own_volume(manifests):
-    for engine in manifests.component("engine"):
-        main = pod_spec(engine)["containers"][0]
-        words = argv(main)
-        (claim,) = [t for t in engine["spec"]["volumeClaimTemplates"] if t["metadata"]["name"] == "kv"]
-        mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
-        assert mounts["kv"] == option(words, "--kv-disk-dir")
-        # The engine's "GB" are GiB, and every rank of a tensor-parallel replica writes that much.
-        on_disk_gib = tensor_parallel_size(words) * float(option(words, "--disk-kv-gb"))
-        assert 0 < on_disk_gib < quantity_gib(claim["spec"]["resources"]["requests"]["storage"])
 
 
 def test_only_the_gateway_and_worker_reach_the_engines(manifests):
@@ -334,6 +329,34 @@ def test_the_guide_installs_every_overlay(rendered):
     assert "docs/deploy-kubernetes.md" in (ROOT / "README.md").read_text()
 
 
+GUIDE_KINDS = {"deploy": "Deployment", "statefulset": "StatefulSet", "svc": "Service",
+               "hpa": "HorizontalPodAutoscaler", "pvc": "PersistentVolumeClaim",
+               "scaledobject": "ScaledObject"}
+
+
+def test_the_guides_commands_name_objects_the_overlays_render(rendered):
+    """Every ``kind/name`` (and ``-c`` container of it) and every ``-l`` label selector in the guide's
+    commands is rendered by an overlay: a renamed or re-kinded object breaks a test, not an operator's
+    upgrade."""
+    text = DOC.read_text()
+    kinds = "|".join(GUIDE_KINDS)
+    reference = re.compile(rf"(?<![\w/-])({kinds})/([a-z0-9][a-z0-9-]*)(?![\w/-])(?: -c ([a-z0-9-]+))?")
+    references = reference.findall(text)
+    assert references
+    for short, name, container_name in references:
+        found = [o for m in rendered.values() for o in m.of_kind(GUIDE_KINDS[short])
+                 if o["metadata"]["name"] == name]
+        assert found, f"{short}/{name} is rendered by no overlay"
+        if container_name:
+            assert all(container_name in [c["name"] for c in containers(o)] for o in found), (
+                name, container_name)
+    selectors = re.findall(r" -l ([\w./-]+=[\w.-]+(?:,[\w./-]+=[\w.-]+)*)", text)
+    assert selectors
+    for selector in selectors:
+        wanted = dict(term.split("=", 1) for term in selector.split(","))
+        assert any(m.selected_workloads({"matchLabels": wanted}) for m in rendered.values()), selector
+
+
 def test_pods_run_unprivileged(manifests):
     for workload in manifests.workloads():
         spec = pod_spec(workload)
@@ -353,7 +376,7 @@ CLUSTER_SCOPED = {"Namespace", "StorageClass", "PriorityClass", "ClusterRole", "
 def test_every_namespaced_object_lands_in_the_namespace(manifests):
     """``kubectl apply -k`` of an overlay puts every object in the one namespace, the components' too:
     a component's object without one would land in ``default``, where its Secrets, Services and targets
-    are not (the bundled Postgres could not read its password; KEDA would find no StatefulSet)."""
+    are not (the bundled Postgres could not read its password; KEDA would find no engine to scale)."""
     strays = [(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))
               for o in manifests.objects
               if o["kind"] not in CLUSTER_SCOPED and o["metadata"].get("namespace") != manifests.namespace]

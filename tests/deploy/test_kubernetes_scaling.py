@@ -115,8 +115,8 @@ def test_keda_scales_each_engine_pool_on_its_queue(manifests):
     assert set(scaled) == set(ENGINE_POOLS)
     for name, pool in ENGINE_POOLS.items():
         spec = scaled[name]["spec"]
-        target = manifests.get("StatefulSet", name)
-        assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": name}
+        target = manifests.get("Deployment", name)
+        assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
         assert "replicas" not in target["spec"]  # re-applying must not undo KEDA
         assert spec["minReplicaCount"] < spec["maxReplicaCount"]
         behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
@@ -132,7 +132,8 @@ def test_keda_scales_each_engine_pool_on_its_queue(manifests):
         assert manifests.selected_workloads(manifests.get("Service", service)["spec"]["selector"]) == [name]
         assert float(queue["metadata"]["threshold"]) > 0
         assert pool in service
-    assert scaled["engine-interactive"]["spec"]["minReplicaCount"] >= 1
+    # Two at least: a rollout or a node's loss never leaves the interactive pool without a ready replica.
+    assert scaled["engine-interactive"]["spec"]["minReplicaCount"] >= 2
 
 
 def test_the_batch_pool_scales_to_zero_and_wakes_on_its_backlog(manifests):
