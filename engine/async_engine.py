@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
+from engine.lora.registry import LoRARequest, by_id
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams, checkpoint_pooling
@@ -143,6 +144,7 @@ class _Add:
     pooling: PoolingParams | None = None
     cache_policy: CachePolicy = DEFAULT_POLICY
     prediction: list[int] | None = None
+    lora: LoRARequest | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -253,17 +255,24 @@ class AsyncEngine:
         pooling: PoolingParams | None = None,
         cache_policy: CachePolicy = DEFAULT_POLICY,
         prediction: list[int] | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; iterate the returned stream for its deltas (with ``pooling``:
-        one final delta carrying the embedding).
+        one final delta carrying the embedding; ``lora``: the id of the adapter its tokens run through,
+        in the replica's adapter store).
 
         A request with a response format returns once its grammar is compiled (off the engine thread);
-        ``RequestValidationError`` (param ``response_format``) if it cannot be compiled.
+        ``RequestValidationError`` (param ``response_format``) if it cannot be compiled; param ``lora`` if
+        its adapter cannot be served here.
         """
         received = time.monotonic()
         prompt = list(prompt_token_ids)
         self.engine.validate_request(request_id, prompt, params)
         prediction = self.engine.validate_prediction(prediction)
+        adapter = None
+        if lora is not None:
+            adapter = by_id(lora, self.config.lora_dir)
+            self.engine.adapters.get(adapter)  # read and checked now: a 400 before anything is queued
         grammar = self._grammar if params.structured else None
         if params.structured and grammar is None:
             raise RequestValidationError(
@@ -271,7 +280,7 @@ class AsyncEngine:
             )
         stream = RequestStream(request_id, self.abort)
         add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received, pooling,
-                   cache_policy, prediction)
+                   cache_policy, prediction, adapter)
         with self._cond:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
@@ -424,7 +433,8 @@ class AsyncEngine:
                     engine.add_request(add.request_id, add.prompt_token_ids, add.params, tenant=add.tenant,
                                        cache_salt=add.cache_salt, priority=add.priority,
                                        arrival_time=add.arrival_time, pooling=add.pooling,
-                                       cache_policy=add.cache_policy, prediction=add.prediction)
+                                       cache_policy=add.cache_policy, prediction=add.prediction,
+                                       lora=add.lora)
                 except Exception as exc:  # validated already; a late failure ends that request only
                     self._fail(add.request_id, exc)
             try:

@@ -47,6 +47,8 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
+    # Where the replica finds adapters a request names by id (``<lora_dir>/<id>/``, PEFT bundles).
+    lora_dir: str | None = None
     # Lower tiers of the prefix cache (``engine.kv.tiers``): host memory for evicted blocks (0: none)
     # and, below it, block files in ``kv_disk_dir`` (0: none; they survive a restart).
     host_kv_gb: float = 0.0

@@ -144,6 +144,8 @@ class GenerateRequest(_Strict):
     # Predicted Outputs: the output expected, mostly (an edited file), as token ids: drafts for
     # speculative decoding; the final usage says how many were accepted and rejected.
     prediction_token_ids: list[int] | None = None
+    # The LoRA adapter its tokens run through, by id in the replica's adapter store (``--lora-dir``).
+    lora: str | None = Field(default=None, min_length=1, max_length=128)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -113,7 +113,7 @@ class ServingEngine(Protocol):
                           tenant: str = "", cache_salt: str | None = None, priority: int = 0,
                           pooling: PoolingParams | None = None,
                           cache_policy: CachePolicy = DEFAULT_POLICY,
-                          prediction: list[int] | None = None) -> RequestStream: ...
+                          prediction: list[int] | None = None, lora: str | None = None) -> RequestStream: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -268,7 +268,8 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
             stream = await engine.add_request(body.request_id, body.prompt_token_ids, params,
                                               tenant=body.tenant, cache_salt=body.cache_salt,
                                               priority=body.priority, pooling=pooling,
-                                              cache_policy=cache_policy, prediction=body.prediction_token_ids)
+                                              cache_policy=cache_policy, prediction=body.prediction_token_ids,
+                                              lora=body.lora)
         except RequestValidationError as exc:
             return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:

@@ -113,9 +113,11 @@ class SyntheticEngine:
                           tenant: str = "", cache_salt: str | None = None,
                           priority: int = 0, pooling: PoolingParams | None = None,
                           cache_policy: CachePolicy = DEFAULT_POLICY,
-                          prediction: list[int] | None = None) -> RequestStream:
+                          prediction: list[int] | None = None, lora: str | None = None) -> RequestStream:
         # ``cache_policy``: the stand-in has no tiers to pin in; it reports no pinned or retained tokens.
         # ``prediction``: it does not speculate; it reports no accepted or rejected prediction tokens.
+        if lora is not None:
+            raise RequestValidationError("the synthetic engine serves no LoRA adapters", "lora")
         prompt = list(prompt_token_ids)
         if not prompt:
             raise RequestValidationError("the prompt is empty: at least one token is required", "prompt")

@@ -7,10 +7,16 @@ Invariants:
   request never runs on an adapter its bundle no longer holds.
 - A bundle that does not fit the base, or a LoRA request to an engine with no adapter slots, is a
   ``RequestValidationError`` (param ``lora``): a 400, nothing queued.
+- Over HTTP a request names an adapter by id (``ADAPTER_ID``: letters, digits and ``_.:-``, never a path),
+  found at ``<lora_dir>/<id>`` (``by_id``); the id never reaches the filesystem unchecked.
+- Thread-safe: the server's thread checks a request's adapter before queuing it, the engine's thread
+  reads it again when it adds the request (a hit).
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +34,30 @@ class LoRARequest:
     path: str
 
 
+ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+
+
+def by_id(adapter_id: str, lora_dir: str | None) -> LoRARequest:
+    """The request for adapter ``adapter_id`` of the store at ``lora_dir``."""
+    if lora_dir is None:
+        raise RequestValidationError("this replica has no adapter store (start it with --lora-dir)", "lora")
+    if not ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
+        raise RequestValidationError(f"lora {adapter_id!r} is not an adapter id", "lora")
+    return LoRARequest(adapter_id, str(Path(lora_dir) / adapter_id))
+
+
 class HostAdapters:
     def __init__(self, base: ModelArgs, *, slots: int, max_rank: int, capacity: int) -> None:
         self.base, self.slots, self.max_rank, self.capacity = base, slots, max_rank, max(1, capacity)
         self._read: OrderedDict[str, tuple[tuple[float, ...], LoRAAdapter]] = OrderedDict()
+        self._lock = threading.Lock()
         self.reads = 0
 
     def get(self, request: LoRARequest) -> LoRAAdapter:
+        with self._lock:
+            return self._get(request)
+
+    def _get(self, request: LoRARequest) -> LoRAAdapter:
         if not self.slots:
             raise RequestValidationError("this engine serves no LoRA adapters (its max_loras is 0)", "lora")
         bundle = Path(request.path)

@@ -109,3 +109,36 @@ def test_a_lora_request_the_engine_cannot_serve_is_refused(tiny_llama_dir: Path,
         with pytest.raises(RequestValidationError, match="no bundle"):
             small.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("gone", str(tmp_path / "gone")))
         assert small.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids  # and the engine serves on
+
+
+def test_a_replica_serves_an_adapter_of_its_store_by_id(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Over HTTP a request names its adapter by id, found in the replica's store (``--lora-dir``): the
+    tokens equal the offline API's with that bundle; an id that is not in the store, or not an id, is a
+    400 naming ``lora``, and the replica serves on."""
+    import httpx
+
+    from engine.config import EngineConfig
+    from engine.protocol import FinalRecord, parse_record
+    from engine.server import build_engine, create_app
+    from tests.engine.test_server import _Server
+
+    store = tmp_path / "store"
+    bundle = strong_bundle(tiny_llama_dir, store / "ft:tiny:acme:support:1", 1, ALL, 4)
+    prompt = list(range(40, 60))
+    with LLM(str(tiny_llama_dir), num_kv_blocks=64, max_loras=1) as llm:  # type: ignore[arg-type]
+        expected = llm.generate([prompt], GREEDY, lora_request=LoRARequest("x", str(bundle)))[0]
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_loras=2, lora_dir=str(store))
+    body = {"prompt_token_ids": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with _Server(create_app(build_engine(config))) as server, httpx.Client(base_url=server.url,
+                                                                            timeout=60) as client:
+        with client.stream("POST", "/generate", json={**body, "request_id": "a",
+                                                      "lora": "ft:tiny:acme:support:1"}) as r:
+            assert r.status_code == 200
+            records = [parse_record(line) for line in r.iter_lines() if line]
+        assert isinstance(records[-1], FinalRecord)
+        assert [t for rec in records[:-1] for t in rec.token_ids] == expected.outputs[0].token_ids
+        for i, bad in enumerate(["missing", "../store/ft:tiny:acme:support:1", "/etc"]):
+            r = client.post("/generate", json={**body, "request_id": f"bad{i}", "lora": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora", r.text
+        r = client.post("/generate", json={**body, "request_id": "base", "max_tokens": 2})
+        assert r.status_code == 200

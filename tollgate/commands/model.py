@@ -139,6 +139,14 @@ def create_copying(directory: Path, seed: int) -> None:
                    "of every expert (the default). Measure both: either can be faster.")
 @click.option("--overlap/--no-overlap", default=None,
               help="Schedule step N+1 while the device runs step N (default: on for CUDA, off on the CPU).")
+@click.option("--max-loras", type=click.IntRange(min=0), default=0, show_default=True,
+              help="LoRA adapters one step may run (device slots); 0: the replica serves no adapters.")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=64, show_default=True,
+              help="The highest adapter rank a slot takes.")
+@click.option("--max-cpu-loras", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Adapters kept read in host memory.")
+@click.option("--lora-dir", type=click.Path(file_okay=False), default=None,
+              help="The adapter store: a request's adapter id is the PEFT bundle at DIR/<id>.")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="On SIGTERM: how long running streams may take to finish before the replica exits "
                    "(it refuses new requests and reports draining meanwhile).")
@@ -172,6 +180,10 @@ def engine(
     kv_cache_dtype: str,
     enable_expert_parallel: bool,
     overlap: bool | None,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int,
+    lora_dir: str | None,
     drain_timeout_s: float,
 ) -> None:
     """Run one engine replica: the internal HTTP server over the paged-KV engine.
@@ -224,6 +236,10 @@ def engine(
             enable_expert_parallel=enable_expert_parallel,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
+            lora_dir=lora_dir,
         )
         if tensor_parallel_size > 1 or enable_expert_parallel:
             from engine.distributed import check_divisible
