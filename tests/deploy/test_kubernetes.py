@@ -306,8 +306,10 @@ def test_the_configuration_loads_into_the_settings(manifests, tmp_path, monkeypa
 
 
 def test_one_image_for_every_tollgate_process(manifests):
+    """One image build, under two names: the engines' (``tollgate-engine``) and every other process's
+    (``tollgate``), each with its own tag (``test_kubernetes_cluster_values.py``), from one repository."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    images = set()
+    images: dict[bool, set[str]] = {True: set(), False: set()}
     for workload in manifests.workloads():
         for c in containers(workload):
             assert c["imagePullPolicy"] == "IfNotPresent"
@@ -317,9 +319,10 @@ def test_one_image_for_every_tollgate_process(manifests):
                 if component == "redis":
                     assert c["command"] == compose["redis"]["command"]  # durable, never evicting
             else:
-                images.add(c["image"])
-    assert len(images) == 1, images
-    assert manifests.overlay != "minimal" or images == {"tollgate:latest"}
+                images[component == "engine"].add(c["image"])
+    assert len(images[True]) == 1 and len(images[False]) == 1, images
+    assert len({image.rsplit(":", 1)[0] for image in images[True] | images[False]}) == 1, images
+    assert manifests.overlay != "minimal" or images[True] | images[False] == {"tollgate:latest"}
 
 
 def test_the_guide_installs_every_overlay(rendered):
