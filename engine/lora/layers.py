@@ -1,7 +1,8 @@
 """LoRA adapters applied to the base model's projections, several adapters in one batch (the torch path).
 
 ``install(model, args, max_loras, max_rank)`` wraps each decoder layer's ``qkv_proj``, ``o_proj`` and, on a
-dense MLP, ``gate_up_proj`` and ``down_proj`` in a ``LoRALinear``; every wrapper shares one ``LoRASlots``.
+dense base, ``gate_up_proj`` and ``down_proj`` in a ``LoRALinear`` (the projections ``module_shapes`` lets an
+adapter target, with its widths); every wrapper shares one ``LoRASlots``.
 
 Invariants:
 - Slots ``1..max_loras`` hold adapters (slot 0 is the base model: nothing added). Per wrapped projection
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.lora.adapter import LoRAAdapter
+from engine.lora.adapter import LoRAAdapter, module_shapes
 from engine.models.config import ModelArgs
 
 # The projections wrapped, and the adapter modules that are the parts of each (in output-column order).
@@ -150,21 +151,19 @@ class LoRALinear(nn.Module):
 
 
 def install(model: nn.Module, args: ModelArgs, max_loras: int, max_rank: int) -> LoRASlots:
-    """Wrap ``model``'s projections (see the module docstring) and return their shared slots."""
+    """Wrap ``model``'s projections that an adapter may target on this base (``module_shapes``: a
+    mixture of experts keeps its MLPs unwrapped) and return their shared slots."""
     slots = LoRASlots(max_loras, max_rank)
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    widths = {"qkv_proj": ((args.hidden_size,), (q, kv, kv)), "o_proj": ((q,), (args.hidden_size,)),
-              "gate_up_proj": ((args.hidden_size,), (args.intermediate_size, args.intermediate_size)),
-              "down_proj": ((args.intermediate_size,), (args.hidden_size,))}
+    shapes = module_shapes(args)
+    wrapped = [name for name, parts in PARTS.items() if all(p in shapes for p in parts)]
     for layer, block in enumerate(model.model.layers):  # type: ignore[union-attr, arg-type]
-        owners = {"qkv_proj": block.self_attn, "o_proj": block.self_attn}
-        if hasattr(block.mlp, "gate_up_proj"):  # a dense MLP (a mixture of experts keeps its experts)
-            owners |= {"gate_up_proj": block.mlp, "down_proj": block.mlp}
-        for name, owner in owners.items():
-            (fan_in,), parts = widths[name]
-            wrapper = LoRALinear(getattr(owner, name), slots, fan_in, parts, device, dtype)
+        for name in wrapped:
+            owner = block.self_attn if name in ("qkv_proj", "o_proj") else block.mlp
+            parts = PARTS[name]
+            widths = tuple(shapes[p][1] for p in parts)
+            wrapper = LoRALinear(getattr(owner, name), slots, shapes[parts[0]][0], widths, device, dtype)
             setattr(owner, name, wrapper)
             slots.wrapped[(layer, name)] = wrapper
     return slots

@@ -142,3 +142,18 @@ def test_a_replica_serves_an_adapter_of_its_store_by_id(tiny_llama_dir: Path, tm
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora", r.text
         r = client.post("/generate", json={**body, "request_id": "base", "max_tokens": 2})
         assert r.status_code == 200
+
+
+def test_attention_adapters_on_a_mixture_of_experts_equal_peft(tiny_glm4_moe_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """GLM-4.5's tiny base (a dense first layer, then experts): an attention adapter beside the base model,
+    both equal to PEFT; only the attention projections are wrapped."""
+    bundle = strong_bundle(tiny_glm4_moe_dir, tmp_path / "a", 1, ["q_proj", "o_proj"], 4)
+    prompt = list(range(40, 60))
+    with LLM(str(tiny_glm4_moe_dir), num_kv_blocks=64, max_loras=2) as llm:  # type: ignore[arg-type]
+        adapted, plain = llm.generate([prompt, prompt], GREEDY,
+                                      lora_request=[LoRARequest("a", str(bundle)), None])
+        wrapped = {name for _, name in llm.engine.runner.lora.wrapped}  # type: ignore[union-attr]
+    assert wrapped == {"qkv_proj", "o_proj"}
+    assert adapted.outputs[0].token_ids == peft_greedy(tiny_glm4_moe_dir, bundle, prompt)
+    assert plain.outputs[0].token_ids == peft_greedy(tiny_glm4_moe_dir, None, prompt)
