@@ -35,10 +35,11 @@ from typing import Any
 from sqlalchemy import Numeric, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.outbox import PREDICTION_TOKEN_FIELDS
 from billing.prices import Charge
 from billing.rollups import SUMMED
 from billing.spend import month_bounds
-from engine.usage import KINDS, PRICED_KINDS, TokenKind, Usage, parts_of
+from engine.usage import PRICED_KINDS, TokenKind, Usage
 from tollgate.models import BIGINT_MAX, Tenant, UsageHourly
 
 PICO_PER_CENT = 10**10
@@ -46,7 +47,7 @@ PICO_PER_USD = 10**12
 TOKEN_KINDS = tuple(k.value for k in PRICED_KINDS)
 OUTPUT_KIND = TokenKind.OUTPUT  # the kind whose lines carry its parts' counts
 # The output's parts (``engine.usage``): today the Predicted Outputs counts, accepted and rejected.
-DETAIL_FIELDS = tuple(KINDS[k].field for k in parts_of(OUTPUT_KIND))
+DETAIL_FIELDS = PREDICTION_TOKEN_FIELDS
 _CLASS_ORDER = {"interactive": 0, "batch": 1}
 _MONTH = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
 
