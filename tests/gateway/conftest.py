@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,30 +132,38 @@ def gateway_settings(replicas: list[str], model_dir: Path, database_url: str, re
 
 
 @contextlib.asynccontextmanager
-async def run_gateway(settings: Settings, resolver: Any = None) -> AsyncIterator[GatewayUnderTest]:
+async def run_gateway(settings: Settings, resolver: Any = None,
+                      environ: Mapping[str, str] | None = None) -> AsyncIterator[GatewayUnderTest]:
     """The gateway app under uvicorn on a free port, in the running event loop; ``resolver`` resolves
-    the pools' DNS names (``gateway.replicas.Resolver``) instead of the system's."""
+    the pools' DNS names (``gateway.replicas.Resolver``) instead of the system's; ``environ``: variables
+    set while the app is made and starts (the ``OTEL_*`` ones are read then), and unset once it serves."""
     from tollgate.gateway_app import create_app
 
     db = Database(settings.database_url or "", pool_size=2)
-    app = create_app(settings)
-    if resolver is not None:
-        app.state.replica_resolver = resolver
-    port = free_port()
-    # Drained as `tollgate gateway` drains (settings.drain_timeout_s): a request still running at the
-    # end of the tests is cut, not waited for forever.
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on",
-                                           timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s))))
-    task = asyncio.create_task(server.serve())
+    env = pytest.MonkeyPatch()
+    try:
+        for name, value in (environ or {}).items():
+            env.setenv(name, value)
+        app = create_app(settings)
+        if resolver is not None:
+            app.state.replica_resolver = resolver
+        port = free_port()
+        # Drained as `tollgate gateway` drains (settings.drain_timeout_s): a request still running at the
+        # end of the tests is cut, not waited for forever.
+        grace = max(1, round(settings.drain_timeout_s))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               lifespan="on", timeout_graceful_shutdown=grace))
+        task = asyncio.create_task(server.serve())
 
-    def started() -> bool:
-        if task.done():
-            task.result()  # serve() failed (e.g. the lifespan raised): its error, not a timeout
-            raise RuntimeError("uvicorn stopped before it started serving")
-        return server.started
+        def started() -> bool:
+            if task.done():
+                task.result()  # serve() failed (e.g. the lifespan raised): its error, not a timeout
+                raise RuntimeError("uvicorn stopped before it started serving")
+            return server.started
 
-    await eventually(started, "the gateway's uvicorn to start")
+        await eventually(started, "the gateway's uvicorn to start")
+    finally:
+        env.undo()
     try:
         yield GatewayUnderTest(f"http://127.0.0.1:{port}", app, settings, db)
     finally:

@@ -59,14 +59,10 @@ def receiver() -> Iterator[OtlpReceiver]:
 async def metered_gateway(engine_url: str, tiny_model_dir: Path, api_database_url: str, redis_url: str,
                           model_price: None, receiver: OtlpReceiver) -> AsyncIterator[GatewayUnderTest]:
     settings = gateway_settings([engine_url], tiny_model_dir, api_database_url, redis_url)
-    with pytest.MonkeyPatch.context() as env:
-        # The metrics endpoint alone: metrics on, traces off (they have no endpoint of their own).
-        env.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", f"{receiver.url}/v1/metrics")
-        for name, value in EXPORT.items():
-            env.setenv(name, value)
-        async with run_gateway(settings) as running:
-            env.undo()  # read once, when the app was made; the rest of the session sees none of it
-            yield running
+    # The metrics endpoint alone: metrics on, traces off (they have no endpoint of their own).
+    environ = {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"{receiver.url}/v1/metrics", **EXPORT}
+    async with run_gateway(settings, environ=environ) as running:
+        yield running
 
 
 def api(gateway: GatewayUnderTest, headers: dict[str, str]) -> httpx.AsyncClient:
@@ -246,20 +242,16 @@ async def test_metrics_exporter_none_keeps_metrics_off_while_traces_stay_on(
 async def _serve_one_request(receiver: OtlpReceiver, settings: Settings, environ: dict[str, str]) -> None:
     """A gateway made under ``environ`` (traces on, metrics not) serves a request and stops: its request
     span reaches the receiver, and no metrics request ever does, not even the flush at shutdown."""
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in environ.items():
-            env.setenv(name, value)
-        async with run_gateway(settings) as gateway:
-            env.undo()
-            assert gateway.app.state.genai_metrics is None and gateway.runtime.genai_metrics is None
-            assert gateway.app.state.tracing is not None
-            key = await make_tenant_key(gateway)
-            async with api(gateway, key.headers) as client:
-                r = await client.post("/chat/completions", json={
-                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-            assert r.status_code == 200, r.text
-            await eventually(lambda: receiver.of_request(r.headers["x-request-id"], GATEWAY),
-                             "the gateway's request span")
+    async with run_gateway(settings, environ=environ) as gateway:
+        assert gateway.app.state.genai_metrics is None and gateway.runtime.genai_metrics is None
+        assert gateway.app.state.tracing is not None
+        key = await make_tenant_key(gateway)
+        async with api(gateway, key.headers) as client:
+            r = await client.post("/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        await eventually(lambda: receiver.of_request(r.headers["x-request-id"], GATEWAY),
+                         "the gateway's request span")
     assert receiver.metric_exports == 0 and receiver.histograms == []
     # No SDK meter provider anywhere in this process (a metered gateway's is its own, never the global one).
     assert type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider"

@@ -61,17 +61,10 @@ def traced_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 async def traced_gateway(traced_engine: str, tiny_model_dir: Path, api_database_url: str, redis_url: str,
                          model_price: None, receiver: OtlpReceiver) -> AsyncIterator[GatewayUnderTest]:
     settings = gateway_settings([traced_engine], tiny_model_dir, api_database_url, redis_url)
-    env = pytest.MonkeyPatch()
-    try:
-        env.setenv("OTEL_TRACES_EXPORTER", "otlp")
-        env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{receiver.url}/v1/traces")
-        for name, value in BATCH.items():
-            env.setenv(name, value)
-        async with run_gateway(settings) as running:
-            env.undo()  # read once, when the app was made; the rest of the session sees none of it
-            yield running
-    finally:
-        env.undo()
+    environ = {"OTEL_TRACES_EXPORTER": "otlp",
+               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{receiver.url}/v1/traces", **BATCH}
+    async with run_gateway(settings, environ=environ) as running:
+        yield running
 
 
 def api(gateway: GatewayUnderTest, headers: dict[str, str]) -> httpx.AsyncClient:
@@ -188,20 +181,18 @@ async def test_tracing_off_sets_up_nothing_and_exports_nothing(traced_engine: st
                                                                receiver: OtlpReceiver) -> None:
     # An endpoint is set, but the exporter is "none": the gateway traces nothing.
     settings = gateway_settings([traced_engine], tiny_model_dir, api_database_url, redis_url)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OTEL_TRACES_EXPORTER", "none")
-        env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{receiver.url}/v1/traces")
-        async with run_gateway(settings) as untraced:
-            env.undo()
-            assert untraced.app.state.tracing is None and untraced.runtime.tracer is None
-            assert not any(m.cls is TracingMiddleware for m in untraced.app.user_middleware)
-            key = await make_tenant_key(untraced)
-            client_trace = secrets.token_hex(16)
-            headers = {**key.headers, "traceparent": f"00-{client_trace}-{'2' * 16}-01"}
-            async with api(untraced, headers) as client:
-                r = await client.post("/chat/completions", json={
-                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-            assert r.status_code == 200
+    environ = {"OTEL_TRACES_EXPORTER": "none",
+               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{receiver.url}/v1/traces"}
+    async with run_gateway(settings, environ=environ) as untraced:
+        assert untraced.app.state.tracing is None and untraced.runtime.tracer is None
+        assert not any(m.cls is TracingMiddleware for m in untraced.app.user_middleware)
+        key = await make_tenant_key(untraced)
+        client_trace = secrets.token_hex(16)
+        headers = {**key.headers, "traceparent": f"00-{client_trace}-{'2' * 16}-01"}
+        async with api(untraced, headers) as client:
+            r = await client.post("/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200
     # No SDK provider anywhere in this process (the traced gateway's is its own, never the global one).
     assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"
     # The (traced) engine's span of the request is a trace of its own: no traceparent reached it.
