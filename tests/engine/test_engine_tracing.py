@@ -73,8 +73,13 @@ print("untraced")
 """
 
 
-def test_unconfigured_processes_load_no_sdk() -> None:
+def run_without_otel(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter whose environment has no ``OTEL_*`` variable."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    done = subprocess.run([sys.executable, "-c", UNCONFIGURED], env=environ, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True,
                           timeout=120)
+
+
+def test_unconfigured_processes_load_no_sdk() -> None:
+    done = run_without_otel(UNCONFIGURED)
     assert done.returncode == 0 and done.stdout.strip() == "untraced", done.stderr[-3000:]

@@ -7,14 +7,11 @@ The metrics themselves, exported by a gateway to a real OTLP receiver, are
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from engine.otel_metrics import configure
 from engine.tracing import requested_exporters
+from tests.engine.test_engine_tracing import run_without_otel
 
 ENDPOINT = "http://collector.example:4318"
 
@@ -75,9 +72,7 @@ print("unmetered")
 
 
 def test_unconfigured_processes_load_no_metrics_sdk() -> None:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    done = subprocess.run([sys.executable, "-c", UNCONFIGURED], env=environ, capture_output=True, text=True,
-                          timeout=120)
+    done = run_without_otel(UNCONFIGURED)
     assert done.returncode == 0 and done.stdout.strip() == "unmetered", done.stderr[-3000:]
 
 
