@@ -60,6 +60,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
+from engine.kv.block_hash import adapter_cache_salt
 from engine.kv.cache import KVCache
 from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
@@ -197,7 +198,7 @@ class LLMEngine:
         if adapter is not None:
             # The prefix cache never shares blocks across adapters: their K/V differ. Keyed by the
             # adapter's contents, so a bundle replaced under the same name never meets the old blocks.
-            cache_salt = f"{cache_salt or ''}|lora:{adapter.digest}"
+            cache_salt = adapter_cache_salt(cache_salt, adapter.digest)
         if pooling is not None:
             if params.n != 1:
                 raise RequestValidationError("an embedding request has exactly one completion (n = 1)", "n")

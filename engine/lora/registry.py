@@ -50,6 +50,7 @@ class HostAdapters:
     def __init__(self, base: ModelArgs, *, slots: int, max_rank: int, capacity: int) -> None:
         self.base, self.slots, self.max_rank, self.capacity = base, slots, max_rank, max(1, capacity)
         self._read: OrderedDict[str, tuple[tuple[float, ...], LoRAAdapter]] = OrderedDict()
+        self._names: dict[str, str] = {}  # a read bundle's resolved path -> the name it was asked by
         self._lock = threading.Lock()
         self.reads = 0
 
@@ -78,7 +79,14 @@ class HostAdapters:
             raise RequestValidationError(f"adapter {request.name!r}: {exc}", "lora") from exc
         self.reads += 1
         self._read[key] = (stamp, adapter)
+        self._names[key] = request.name
         self._read.move_to_end(key)
         while len(self._read) > self.capacity:
-            self._read.popitem(last=False)
+            gone, _ = self._read.popitem(last=False)
+            self._names.pop(gone, None)
         return adapter
+
+    def resident(self) -> list[str]:
+        """The names of the adapters held read, least recently used first."""
+        with self._lock:
+            return [self._names[key] for key in self._read]
