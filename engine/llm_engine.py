@@ -228,6 +228,8 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         self._stats.prompt_tokens += len(prompt)
+        if lora is not None:
+            self.adapters.count_request(lora.name)
 
     def validate_prediction(self, prediction: SequenceLike[int] | None) -> list[int] | None:
         """The prediction as token ids; ``RequestValidationError`` (param ``prediction``) if it cannot be
@@ -536,6 +538,7 @@ class LLMEngine:
             generation_tokens=s.generation_tokens,
             num_requests_finished=dict(s.num_requests_finished),
             speculation=dict(s.speculation),
+            lora=self.adapters.stats(self.runner.lora) if self.config.max_loras else None,
             step_time_s=s.step_time_s,
             tokens_per_s=s.tokens_per_s,
             ttft_s=s.ttft_s,

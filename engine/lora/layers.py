@@ -43,6 +43,7 @@ from torch import nn
 from engine.device import upload
 from engine.distributed import ShardSizes, TensorParallel
 from engine.lora.adapter import LoRAAdapter, module_shapes
+from engine.lora.stats import LoadTimes
 from engine.models.config import ModelArgs
 
 # The projections wrapped, and the adapter modules that are the parts of each (in output-column order).
@@ -107,11 +108,11 @@ class LoRASlots:
         self.wrapped: dict[tuple[int, str], LoRALinear] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # digest -> slot, least recently used first
         self.bound: SlotGroups | None = None
-        # Counters since start (rank 0's plan; every rank's copies): adapters copied into a slot, resident
-        # adapters evicted from their slot for another, and the seconds each copy took.
+        # Counters since start (``engine.lora.stats``): adapters copied into a slot, resident adapters
+        # evicted from their slot for another (rank 0's plan), and how long each copy took.
         self.loads = 0
         self.evictions = 0
-        self.load_seconds: list[float] = []
+        self.load_times = LoadTimes()
 
     # ---- slots -------------------------------------------------------------------------------------
     def plan(self, adapters: Iterable[LoRAAdapter]) -> tuple[dict[str, int], list[tuple[int, LoRAAdapter]]]:
@@ -175,7 +176,7 @@ class LoRASlots:
                     start += width
             if self.wrapped and next(iter(self.wrapped.values())).a.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the load time includes the copies
-        self.load_seconds.append(time.perf_counter() - start_time)
+        self.load_times.observe(time.perf_counter() - start_time)
         self.loads += 1
 
     # ---- a pass ------------------------------------------------------------------------------------
