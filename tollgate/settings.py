@@ -180,6 +180,13 @@ class Settings(BaseSettings):
     # ``files_retention_s`` and are deleted by beat.
     file_storage_dir: Path | None = None
     files_max_bytes: int = 200 * 1024 * 1024
+    # Tenants' LoRA adapters (issue #39, ``gateway.adapters``): the adapter store is a directory every
+    # gateway writes and every engine replica reads as its ``--lora-dir`` (default
+    # ``data_dir/adapters``); a bundle (an uploaded archive, purpose ``fine-tune``) is at most
+    # ``adapter_max_bytes``, and a tenant owns at most ``max_adapters_per_tenant`` adapters at once.
+    adapter_dir: Path | None = None
+    adapter_max_bytes: int = 1024 * 1024 * 1024
+    max_adapters_per_tenant: int = 100
     files_retention_s: float = 30 * 24 * 3600.0
     batch_max_requests: int = 50_000
     batch_completion_window_s: float = 24 * 3600.0

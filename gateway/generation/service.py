@@ -71,7 +71,7 @@ from opentelemetry.trace import Span, SpanKind
 from billing.outbox import UsageRecord
 from billing.price_cache import PricesNotLoaded
 from billing.prices import Charge, Price, PriceNotFound, charge, max_cost_pico_usd
-from engine.kv.block_hash import prefix_block_hashes
+from engine.kv.block_hash import adapter_cache_salt, prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
 from engine.usage import SURCHARGE_KINDS, TokenKind, Usage
 from gateway.admission import Admission
@@ -169,6 +169,22 @@ class Generation:
         return "pooling" in self.sampling
 
     @property
+    def _adapter_id(self) -> str | None:
+        """The adapter store id of the LoRA adapter the request runs through (None: the base model)."""
+        return None if self.route.adapter is None else self.route.adapter.store_id
+
+    def _price_at(self, at: datetime) -> Price:
+        """The model's price in effect at ``at``; an adapter model without a price row of its own is
+        priced as its base model (``PriceNotFound`` when neither has one)."""
+        prices = self.runtime.prices
+        try:
+            return prices.price_for(self.route.name, at)
+        except PriceNotFound:
+            if self.route.adapter is None:
+                raise
+            return prices.price_for(self.route.served, at)
+
+    @property
     def served_pool(self) -> str | None:
         """The pool of the replica that ran the (first) prompt; None if none did."""
         return self._streams[0][1].pool if self._streams else None
@@ -199,7 +215,7 @@ class Generation:
         try:
             # Priced by the row in effect when it arrived (as the ledger's rollups re-price it), not when
             # it ends: a stream running across a price change keeps the price its hold was made at.
-            price = self._price = rt.prices.price_for(self.route.name, self._created_at)
+            price = self._price = self._price_at(self._created_at)
         except PriceNotFound:
             raise ServiceUnavailableError(
                 f"The model `{self.route.name}` has no price configured and cannot be served.",
@@ -230,12 +246,16 @@ class Generation:
         # checks and the routing index's expectations look at.
         cacheable = None if self.cache is None or self.cache.prefix_tokens is None else (
             self.cache.prefix_tokens // block_size)
-        hashes = [prefix_block_hashes(p, block_size, salt)[:cacheable] for p in self.prompts]
+        adapter = self.route.adapter
+        # An adapter's blocks are keyed by its contents too, as its replicas key them (their K/V differ).
+        block_salt = salt if adapter is None else adapter_cache_salt(salt, adapter.digest)
+        hashes = [prefix_block_hashes(p, block_size, block_salt)[:cacheable] for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
         # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).
         with child_span(rt.tracer, "admission", attributes={"tollgate.tier": self.tier}):
             async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class, tier=self.tier):
-                first = rt.router.pick(self.route.name, hashes[0], routing_key=self._router_key)
+                first = rt.router.pick(self.route.served, hashes[0], routing_key=self._router_key,
+                                       adapter=self._adapter_id)
                 if first.load is not None:
                     cached = min(rt.router.cached_prefix_blocks(first, hashes[0]) * block_size,
                                  max(0, len(self.prompts[0]) - 1))
@@ -256,7 +276,8 @@ class Generation:
                 request = GenerateRequest(
                     request_id=engine_id, prompt_token_ids=prompt, n=self.n, max_tokens=self.max_tokens,
                     tenant=str(self.principal.tenant_id), cache_salt=salt, priority=priority,
-                    cache=self.cache, prediction_token_ids=self.prediction or None, **self.sampling,
+                    cache=self.cache, prediction_token_ids=self.prediction or None, lora=self._adapter_id,
+                    **self.sampling,
                 )
                 stream, replica, call = await self._open(request, prompt_hashes)
                 self._streams.append((stream, replica))
@@ -284,8 +305,8 @@ class Generation:
         while True:
             with child_span(tracer, "routing") as routing:
                 try:
-                    replica = router.pick(self.route.name, block_hashes, exclude=tried,
-                                          routing_key=self._router_key)
+                    replica = router.pick(self.route.served, block_hashes, exclude=tried,
+                                          routing_key=self._router_key, adapter=self._adapter_id)
                 except ServiceUnavailableError:
                     if last_error is not None:
                         raise last_error from None
@@ -320,6 +341,8 @@ class Generation:
                 replica.inflight -= 1
                 raise
             router.remember(replica, block_hashes)
+            if self._adapter_id is not None:
+                router.remember_adapter(replica, self._adapter_id)
             return stream, replica, call
 
     @property
@@ -569,7 +592,7 @@ class Generation:
     def _charge(self) -> Charge:
         """The request's cost per kind, priced once (nothing, if pricing fails: logged)."""
         try:
-            price = self._price or self.runtime.prices.price_for(self.route.name, self._created_at)
+            price = self._price or self._price_at(self._created_at)
             return charge(self._billed_usage(), price, self.runtime.request_class, embedding=self.embedding)
         except Exception:
             logger.exception("pricing request %s failed", self.request_id)
