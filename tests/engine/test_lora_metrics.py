@@ -20,8 +20,11 @@ GREEDY = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
 def _samples(stats: EngineStats) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = EngineMetrics(lambda: stats, "tiny", "interactive").render().decode()
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "pool")))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    def extra(labels: dict[str, str]) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((k, v) for k, v in labels.items() if k not in ("model", "pool")))
+
+    return {(s.name, extra(s.labels)): s.value for s in samples}
 
 
 def test_loads_evictions_load_times_and_requests_by_adapter(tiny_llama_dir: Path, tmp_path: Path) -> None:
