@@ -22,6 +22,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "billing": ("tollgate.commands.billing", "billing"),
     "statements": ("tollgate.commands.statements", "statements"),
     "admins": ("tollgate.commands.admins", "admins"),
+    "adapters": ("tollgate.commands.adapters", "adapters"),
 }
 
 

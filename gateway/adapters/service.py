@@ -144,29 +144,30 @@ class AdapterModels:
             f"No replica of the model `{base}` can check the adapter right now. Please retry shortly.",
             headers={"retry-after": "5"})
 
-    async def list(self, session: AsyncSession, tenant_id: int) -> list[Adapter]:
-        rows = await session.execute(
-            select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.deleted_at.is_(None))
-            .order_by(Adapter.created_at, Adapter.id))
-        return list(rows.scalars())
 
-    async def get(self, session: AsyncSession, tenant_id: int, model: str) -> Adapter:
-        row = (await session.execute(select(Adapter).where(
-            Adapter.model == model, Adapter.tenant_id == tenant_id, Adapter.deleted_at.is_(None)))).scalar()
-        if row is None:
-            raise ModelNotFoundError(model)
-        return row
+async def list_adapters(session: AsyncSession, tenant_id: int) -> list[Adapter]:
+    """The tenant's live adapters, oldest first."""
+    rows = await session.execute(
+        select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.deleted_at.is_(None))
+        .order_by(Adapter.created_at, Adapter.id))
+    return list(rows.scalars())
 
-    async def delete(self, session: AsyncSession, tenant_id: int, model: str) -> Adapter:
-        """Mark the adapter deleted (the caller commits, then calls ``forget``)."""
-        row = (await session.execute(
-            update(Adapter).where(Adapter.model == model, Adapter.tenant_id == tenant_id,
-                                  Adapter.deleted_at.is_(None))
-            .values(deleted_at=datetime.now(UTC)).returning(Adapter))).scalar()
-        if row is None:
-            raise ModelNotFoundError(model)
-        return row
 
-    async def forget(self, row: Adapter) -> None:
-        """After a deletion's commit: the bundle goes from the store."""
-        await anyio.to_thread.run_sync(self.store.remove, row.id)
+async def get_adapter(session: AsyncSession, tenant_id: int, model: str) -> Adapter:
+    row = (await session.execute(select(Adapter).where(
+        Adapter.model == model, Adapter.tenant_id == tenant_id, Adapter.deleted_at.is_(None)))).scalar()
+    if row is None:
+        raise ModelNotFoundError(model)
+    return row
+
+
+async def delete_adapter(session: AsyncSession, tenant_id: int, model: str) -> Adapter:
+    """Mark the tenant's adapter deleted; the caller commits, then removes its bundle
+    (``AdapterStore.remove``, in a thread) and tells the gateways (``{"adapter_model": ...}``)."""
+    row = (await session.execute(
+        update(Adapter).where(Adapter.model == model, Adapter.tenant_id == tenant_id,
+                              Adapter.deleted_at.is_(None))
+        .values(deleted_at=datetime.now(UTC)).returning(Adapter))).scalar()
+    if row is None:
+        raise ModelNotFoundError(model)
+    return row

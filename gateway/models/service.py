@@ -16,10 +16,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import anyio
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.adapters.bundle import unpack
-from gateway.adapters.service import AdapterModels, is_adapter_model, tenant_slug
+from gateway.adapters.service import (
+    AdapterModels,
+    delete_adapter,
+    get_adapter,
+    is_adapter_model,
+    list_adapters,
+    tenant_slug,
+)
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError, ModelNotFoundError, PermissionDeniedError
@@ -62,7 +70,7 @@ async def list_models(runtime: GatewayRuntime, principal: Principal, session: As
     data = [model_object(r) for name, r in runtime.router.models.items() if principal.may_use(name)]
     tenant = await session.get(Tenant, principal.tenant_id)
     owner = tenant_slug(tenant) if tenant is not None else OWNED_BY
-    for row in await _models(runtime).list(session, principal.tenant_id):
+    for row in await list_adapters(session, principal.tenant_id):
         if principal.may_use(row.model) or principal.may_use(row.base_model):
             data.append(adapter_object(row, owner))
     return {"object": "list", "data": data}
@@ -74,7 +82,7 @@ async def get_model(runtime: GatewayRuntime, principal: Principal, session: Asyn
     if route.adapter is None:
         return model_object(route)
     tenant = await session.get(Tenant, principal.tenant_id)
-    row = await _models(runtime).get(session, principal.tenant_id, model)
+    row = await get_adapter(session, principal.tenant_id, model)
     return adapter_object(row, tenant_slug(tenant) if tenant is not None else OWNED_BY)
 
 
@@ -131,8 +139,7 @@ async def delete_adapter_model(runtime: GatewayRuntime, principal: Principal, se
     _may_write(principal)
     if not is_adapter_model(model):
         raise ModelNotFoundError(model)
-    adapters = _models(runtime)
-    row = await adapters.delete(session, principal.tenant_id, model)
+    row = await delete_adapter(session, principal.tenant_id, model)
     await session.commit()
     await forget_adapter(runtime, row)
     return {"id": model, "object": "model", "deleted": True}
@@ -140,7 +147,7 @@ async def delete_adapter_model(runtime: GatewayRuntime, principal: Principal, se
 
 async def forget_adapter(runtime: GatewayRuntime, row: Adapter) -> None:
     """After a deletion's commit: the bundle leaves the store, and every gateway forgets the model."""
-    await _models(runtime).forget(row)
+    await anyio.to_thread.run_sync(_models(runtime).store.remove, row.id)
     if runtime.adapters is not None:
         runtime.adapters.forget(row.model)
     try:
