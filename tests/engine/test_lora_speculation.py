@@ -5,11 +5,14 @@ whole, an edited one partly, prompt lookup drafts too, in one batch with a base-
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from engine.device import ThreadExecutor, Work
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.lora.registry import LoRARequest
@@ -64,3 +67,53 @@ def test_drafts_change_no_output_of_adapter_requests(tiny_llama_dir: Path, tmp_p
         assert usage["r2"].accepted_prediction_tokens >= 24  # the same prediction, right for the base
         assert stats[name].speculation["drafted_tokens"] > 0
     assert runs["off"]["r0"]["usage"].accepted_prediction_tokens == 0
+
+
+class _LateDevice(ThreadExecutor):
+    """A device thread that starts each forward pass only once the host has submitted the next one (or
+    after 0.2 s, when no next one comes): everything the host does for step N+1, its adapter slots
+    included, happens before step N computes anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._submitted = 0
+        self._changed = threading.Condition()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, step: bool = False) -> Work[Any]:
+        if not step:
+            return super().submit(fn, *args, step=step)
+        with self._changed:
+            self._submitted += 1
+            number = self._submitted
+            self._changed.notify_all()
+
+        def late(*inner: Any) -> Any:
+            with self._changed:
+                self._changed.wait_for(lambda: self._submitted > number, timeout=0.2)
+            return fn(*inner)
+
+        return super().submit(late, *args, step=step)
+
+
+def test_the_overlapped_loop_swaps_slots_under_a_step_in_flight(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """One device slot, two adapters and the base model, on a device that starts each step only once the
+    host has planned the next (slots included): the adapters take turns in the slot and the tokens equal
+    the synchronous loop's. (The copy into a slot is device work, after every step submitted before it.)"""
+    adapters = [LoRARequest(f"a{i}", str(strong_bundle(tiny_llama_dir, tmp_path / f"a{i}", i + 1, ALL, 4)))
+                for i in range(2)]
+    prompts = [[(5 * i + 3 * j) % 250 + 3 for j in range(12 + i)] for i in range(6)]
+    loras = [adapters[0], adapters[1], None, adapters[1], adapters[0], None]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for overlap in (False, True):
+        with LLM(str(tiny_llama_dir), num_kv_blocks=64, max_loras=1, speculation="off",  # type: ignore[arg-type]
+                 overlap=overlap) as llm:
+            if overlap:
+                llm.engine.runner.executor.close()
+                llm.engine.runner.executor = _LateDevice()
+            outputs = llm.generate(prompts, params, lora_request=loras)
+            runs[overlap] = [o.outputs[0].token_ids for o in outputs]
+            lora = llm.engine.runner.lora
+            assert lora is not None and lora.evictions >= 1
+    assert runs[True] == runs[False]
+    assert runs[False][0] != runs[False][1]
