@@ -136,6 +136,10 @@ class Settings(BaseSettings):
     # ``--disk-kv-gb``; the block files under ``data_dir/kv``): what cache lifetimes are held in.
     engine_host_kv_gb: float = Field(default=0.25, ge=0)
     engine_disk_kv_gb: float = Field(default=1.0, ge=0)
+    # Tenants' LoRA adapters on the engines ``tollgate up`` starts: device slots (``--max-loras``; 0 serves
+    # none) and the highest rank they take; they read the adapter store (``adapter_dir``).
+    engine_max_loras: int = Field(default=4, ge=0)
+    engine_max_lora_rank: int = Field(default=64, ge=1)
     # Bearer token a Prometheus scrape presents at the gateway's ``GET /metrics`` (the scrape config's
     # ``authorization: {credentials: ...}``); an admin API token is accepted too. None: admin tokens only.
     metrics_token: SecretStr | None = None
