@@ -174,6 +174,38 @@ def test_bf16_on_a_gpu(rng):
                                rtol=2e-2)
 
 
+@pytest.mark.slow  # a tiny engine's steps through the interpreter
+@pytest.mark.skipif(not kernels_are_interpreted(), reason="the CPU engine runs the kernels interpreted")
+def test_the_engine_on_the_kernels_gives_the_torch_paths_tokens(tmp_path):
+    """The runner's whole LoRA path with ``use_kernels`` (as on CUDA: slots planned, groups bound and
+    uploaded, both kernels in every wrapped projection), on the CPU through the interpreter: a batch of
+    three adapters and the base model generates the PyTorch path's greedy tokens."""
+    from engine.llm import LLM
+    from engine.lora.registry import LoRARequest
+    from engine.sampling_params import SamplingParams
+    from engine.tiny import create_tiny_checkpoint
+    from tests.engine.test_lora_serving import PROMPTS, TARGETS, strong_bundle
+
+    base = create_tiny_checkpoint(tmp_path / "tiny", arch="llama", seed=0)
+    adapters = [LoRARequest(f"a{i}", str(strong_bundle(base, tmp_path / f"a{i}", i + 1, targets, 4 + 4 * i)))
+                for i, targets in enumerate(TARGETS)]
+    cases = [(prompt, adapter) for prompt in PROMPTS[:2] for adapter in (None, *adapters)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(str(base), num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_loras=2,
+             enable_prefix_caching=False) as llm:
+        lora = llm.engine.runner.lora
+        assert lora is not None and not lora.use_kernels  # the CPU's default: the PyTorch path
+        runs = []
+        for use_kernels in (False, True):
+            lora.use_kernels = use_kernels
+            before = K.launch_counts["lora_expand"]
+            outputs = llm.generate([p for p, _ in cases], params, lora_request=[a for _, a in cases])
+            runs.append([o.outputs[0].token_ids for o in outputs])
+            assert (K.launch_counts["lora_expand"] > before) is use_kernels
+    assert runs[1] == runs[0]
+    assert runs[0][1] != runs[0][0]  # the adapters change the tokens
+
+
 _COMPILE = textwrap.dedent("""
     import json, sys
     import torch
