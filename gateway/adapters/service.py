@@ -39,6 +39,7 @@ from gateway.adapters.store import AdapterStore
 from gateway.engine_client import EngineClient, EngineUnavailable
 from gateway.errors import GatewayError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from gateway.routing import Router
+from gateway.tenants.repository import AuditLogRepository
 from tollgate.models import Adapter, Tenant
 from tollgate.settings import Settings
 
@@ -80,9 +81,11 @@ class AdapterModels:
     store: AdapterStore
 
     async def register(self, session: AsyncSession, tenant: Tenant, name: str, base: str,
-                       fill: Callable[[Path], None], file_id: str | None = None) -> Adapter:
+                       fill: Callable[[Path], None], file_id: str | None = None,
+                       actor: str | None = None) -> Adapter:
         """Register the bundle ``fill(directory)`` writes as adapter ``name`` of ``tenant`` on ``base``;
-        commits. Raises the error to answer with, leaving nothing behind (see the module invariants)."""
+        commits (with an ``adapter.create`` audit row when an admin, ``actor``, registers it). Raises the
+        error to answer with, leaving nothing behind (see the module invariants)."""
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InvalidRequestError(
                 "Invalid 'name': 1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit.",
@@ -108,6 +111,8 @@ class AdapterModels:
                           digest=checked.digest, rank=checked.rank, target_modules=checked.target_modules,
                           bytes=checked.num_bytes, file_id=file_id, created_at=datetime.now(UTC))
             session.add(row)
+            if actor is not None:
+                await _audit(session, actor, "adapter.create", row)
             try:
                 await session.commit()
             except IntegrityError:
@@ -161,13 +166,22 @@ async def get_adapter(session: AsyncSession, tenant_id: int, model: str) -> Adap
     return row
 
 
-async def delete_adapter(session: AsyncSession, tenant_id: int, model: str) -> Adapter:
-    """Mark the tenant's adapter deleted; the caller commits, then removes its bundle
-    (``AdapterStore.remove``, in a thread) and tells the gateways (``{"adapter_model": ...}``)."""
+async def _audit(session: AsyncSession, actor: str, action: str, row: Adapter) -> None:
+    await AuditLogRepository(session).record(actor, action, tenant_id=row.tenant_id, details={
+        "model": row.model, "base_model": row.base_model, "digest": row.digest, "rank": row.rank})
+
+
+async def delete_adapter(session: AsyncSession, tenant_id: int, model: str,
+                         actor: str | None = None) -> Adapter:
+    """Mark the tenant's adapter deleted (with an ``adapter.delete`` audit row when an admin, ``actor``,
+    deletes it); the caller commits, then removes its bundle (``AdapterStore.remove``, in a thread) and
+    tells the gateways (``{"adapter_model": ...}``)."""
     row = (await session.execute(
         update(Adapter).where(Adapter.model == model, Adapter.tenant_id == tenant_id,
                               Adapter.deleted_at.is_(None))
         .values(deleted_at=datetime.now(UTC)).returning(Adapter))).scalar()
     if row is None:
         raise ModelNotFoundError(model)
+    if actor is not None:
+        await _audit(session, actor, "adapter.delete", row)
     return row

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tollgate.commands._async import run_in_session
+from tollgate.commands._async import cli_actor, run_in_session
 from tollgate.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ def create(tenant: str, name: str, bundle: Path, base: str) -> None:
         owner = await _tenant(session, tenant)
         async with _Platform(settings) as models:
             return await models.register(session, owner, name, base,
-                                         lambda dest: copy_dir(bundle, dest, settings.adapter_max_bytes))
+                                         lambda dest: copy_dir(bundle, dest, settings.adapter_max_bytes),
+                                         actor=cli_actor())
 
     row = run_in_session(settings, work)
     _echo(row)
@@ -116,7 +117,7 @@ def delete(tenant: str, model: str) -> None:
     settings = get_settings()
 
     async def work(session: AsyncSession) -> Adapter:
-        row = await delete_adapter(session, (await _tenant(session, tenant)).id, model)
+        row = await delete_adapter(session, (await _tenant(session, tenant)).id, model, actor=cli_actor())
         await session.commit()
         return row
 
