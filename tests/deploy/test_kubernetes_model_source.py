@@ -2,7 +2,7 @@
 engine pod's init container fetches the checkpoint with ``tollgate fetch-model`` into its node's model
 cache (a host directory reached through a PersistentVolume, so the namespace's pods stay "restricted"),
 the engine loads it from there read-only, and Triton's compiled kernels persist beside it; the gateway and
-worker fetch only the tokenizer and configuration, into a volume of their own.
+worker fetch only the tokenizer and configuration, into the files volume they share.
 
 The command lines are parsed by the real ``fetch-model`` command, so a renamed option fails here, not in
 a cluster.
@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 import pytest
 import yaml
 
-from tests.deploy.manifests import KUSTOMIZE, argv, container, literal_env, option, pod_spec
+from tests.deploy.manifests import KUSTOMIZE, argv, container, containers, literal_env, option, pod_spec
 from tollgate.commands.model_fetch import DEFAULT_INCLUDE, fetch_model
 
 GPU_OVERLAYS = {"gpu", "gpu-tp", "external"}
@@ -125,5 +125,12 @@ def test_the_gateway_and_worker_fetch_the_tokenizer_not_the_weights(gpu_manifest
         assert source == values["modelSource"] and dest == model["path"], name
         assert include and not any("safetensors" in pattern for pattern in include), name
         assert _mount(fetch, dest)["name"] == _mount(main, dest)["name"], name
+        # The volume all gateways and workers share: fetched once for the cluster, and found there by a
+        # pod that restarts while the source is unreachable.
         (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == _mount(main, dest)["name"]]
-        assert set(volume) == {"name", "emptyDir"}, name  # the pod's own: no shared volume needed
+        assert volume["persistentVolumeClaim"]["claimName"] == "tollgate-files", name
+        assert gpu_manifests.get("PersistentVolumeClaim", "tollgate-files")["spec"]["accessModes"] == [
+            "ReadWriteMany"], name
+        # No checkpoint volume left to mount.
+        mounted = [m["mountPath"] for c in containers(workload) for m in c.get("volumeMounts", [])]
+        assert "/models" not in mounted, name

@@ -189,7 +189,9 @@ def _s3_listing(spec: str, env: Mapping[str, str], client: httpx.Client) -> List
     token: str | None = None
     while True:
         query = {"list-type": "2", "prefix": prefix, **({"continuation-token": token} if token else {})}
-        url = f"{base}/?" + "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
+        # Path-style lists at /BUCKET, virtual-hosted style at the host's root.
+        url = f"{base}{'' if endpoint else '/'}?" + "&".join(
+            f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
         response = client.get(url, headers=headers(url))
         _raise_for(response, f"s3://{bucket}/{prefix}")
         root = ET.fromstring(response.content)
