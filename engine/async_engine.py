@@ -283,7 +283,9 @@ class AsyncEngine:
         adapter = None
         if lora is not None:
             adapter = by_id(lora, self.config.lora_dir)
-            self.engine.adapters.get(adapter)  # read and checked now: a 400 before anything is queued
+            # Read and checked now: a 400 before anything is queued. Off the event loop (a cold bundle
+            # is read from disk), so other requests' streams keep flowing meanwhile.
+            await asyncio.to_thread(self.engine.adapters.get, adapter)
         grammar = self._grammar if params.structured else None
         if params.structured and grammar is None:
             raise RequestValidationError(

@@ -13,7 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 
+from engine.kv.block_hash import adapter_cache_salt, prefix_block_hashes
+from gateway.tenants.cache_salt import cache_salt
 from tests.engine.test_lora_serving import strong_bundle
 from tests.factories import create_price
 from tests.gateway.conftest import (
@@ -25,6 +28,8 @@ from tests.gateway.conftest import (
     run_gateway,
     wait_for_usage,
 )
+from tests.polling import eventually
+from tollgate.models import Adapter
 
 pytestmark = pytest.mark.xdist_group("adapter_models")
 
@@ -104,6 +109,7 @@ async def test_an_adapter_is_registered_served_priced_and_deleted(lora_gateway: 
 
         # Served: the adapter changes the base model's greedy answer.
         tuned, base = await complete(api, model), await complete(api, "tiny")
+        await the_gateway_keys_its_blocks_as_the_replica_does(lora_gateway, owner, model)
         assert tuned.status_code == 200, tuned.text
         assert tuned.json()["model"] == model
         assert tuned.json()["choices"][0]["text"] != base.json()["choices"][0]["text"]
@@ -174,6 +180,28 @@ async def test_a_new_registration_under_a_deleted_name_never_meets_the_old_kv(
         assert (await complete(api, "tiny", other)).status_code == 200
         crossed = await complete(api, new, other)
         assert crossed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def the_gateway_keys_its_blocks_as_the_replica_does(gateway: GatewayUnderTest, key: TenantKey,
+                                                         model: str) -> None:
+    """The prompt's blocks, hashed by the gateway with the tenant's salt and the adapter's digest, are
+    blocks the replica says it holds (its ``/kv/events``), and the routing index sees them there."""
+
+    runtime = gateway.runtime
+    async with gateway.db.session() as session:
+        digest = (await session.execute(select(Adapter.digest).where(Adapter.model == model))).scalar_one()
+    salt = adapter_cache_salt(cache_salt(gateway.settings.key_hash_secret.get_secret_value(), key.tenant_id),
+                              digest)
+    prompt = runtime.tokenizer("tiny").encode(PROMPT)  # as the completions endpoint encodes it
+    hashes = prefix_block_hashes(prompt, 16, salt)
+    assert len(hashes) >= 2
+    replica = runtime.router.models["tiny"].replicas[0]
+    async with httpx.AsyncClient(base_url=replica.url) as engine:
+        held = (await engine.get("/kv/events", params={"after": 0, "epoch": "none"})).json()
+    stored = set(held["snapshot"] or {}) | {h for _, kind, _, h in held["events"] if kind == "stored"}
+    assert {h.hex() for h in hashes} <= stored
+    await eventually(lambda: runtime.router.cached_prefix_blocks(replica, hashes) == len(hashes),
+                     "the routing index to hold the adapter's blocks")
 
 
 @pytest.mark.parametrize(("case", "says"), [
