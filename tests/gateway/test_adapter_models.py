@@ -28,6 +28,7 @@ from tests.gateway.conftest import (
     run_gateway,
     wait_for_usage,
 )
+from tests.openai_schema import assert_conforms
 from tests.polling import eventually
 from tollgate.models import Adapter
 
@@ -104,6 +105,8 @@ async def test_an_adapter_is_registered_served_priced_and_deleted(lora_gateway: 
         model = created.json()["id"]
         assert model.startswith("ft:tiny:acme-support-co:support:") and created.json()["base_model"] == "tiny"
         assert created.json()["adapter"]["rank"] == 4
+        assert_conforms(created.json(), "Model")
+        assert_conforms((await api.get("/models")).json(), "ListModelsResponse")
         assert model in [m["id"] for m in (await api.get("/models")).json()["data"]]
         assert (await api.get(f"/models/{model}")).json()["owned_by"] == "acme-support-co"
 
@@ -152,6 +155,7 @@ async def test_an_adapter_is_registered_served_priced_and_deleted(lora_gateway: 
         # Deleted: gone from the list, the store and every endpoint; the name is free again.
         deleted = await api.delete(f"/models/{model}")
         assert deleted.json() == {"id": model, "object": "model", "deleted": True}
+        assert_conforms(deleted.json(), "DeleteModelResponse")
         assert not_found(await complete(api, model)) and not_found(await api.get(f"/models/{model}"))
         assert not (adapter_store / model.rsplit(":", 1)[1]).exists()
         assert not_found(await api.delete(f"/models/{model}"))
@@ -239,6 +243,7 @@ async def test_a_bundle_that_does_not_fit_is_a_400_and_leaves_nothing(
         refused = await register(api, archive, "bad")
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["param"] == "file_id" and says in refused.json()["error"]["message"]
+        assert_conforms(refused.json(), "ErrorResponse")
         assert not [m for m in (await api.get("/models")).json()["data"] if m["id"].startswith("ft:")]
     assert sorted(p.name for p in adapter_store.iterdir()) == before
 
