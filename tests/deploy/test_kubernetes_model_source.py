@@ -10,6 +10,9 @@ a cluster.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import PurePosixPath
 
 import pytest
@@ -111,6 +114,20 @@ def test_triton_compiles_into_the_node_cache(gpu_manifests):
         # mounts it (a subPath it had to create would be root's).
         subdir = str(PurePosixPath(_mount(fetch, "/models")["mountPath"]) / mount["subPath"])
         assert f"mkdir -p {subdir}" in " ".join(argv(fetch)), name
+
+
+def test_the_installed_triton_compiles_into_the_directory_the_engines_are_given(rendered, tmp_path):
+    """TRITON_CACHE_DIR is the variable the Triton in the image reads (checked with the installed one)."""
+    pytest.importorskip("triton")
+    (engine, *_) = rendered["gpu"].component("engine")
+    name = "TRITON_CACHE_DIR"
+    assert name in literal_env(pod_spec(engine)["containers"][0])
+    probe = ("from triton.runtime.cache import get_cache_manager\n"
+             "print(get_cache_manager('0' * 64).cache_dir)")
+    result = subprocess.run([sys.executable, "-c", probe], env={**os.environ, name: str(tmp_path)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(str(tmp_path))
 
 
 def test_the_gateway_and_worker_fetch_the_tokenizer_not_the_weights(gpu_manifests):

@@ -392,3 +392,15 @@ def test_a_directory_is_copied_into_the_cache(tmp_path):
     third = CliRunner().invoke(main, ["fetch-model", volume.as_uri(), str(tmp_path / "cache" / "m")])
     assert ": fetched 6 files" in third.output
     assert third.exit_code == 0 and (tmp_path / "cache" / "m" / "config.json").read_bytes() == b'{"seed": 0}'
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: nothing to refuse")
+def test_a_cache_directory_the_user_cannot_write_is_named_with_the_uid(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o555)
+    try:
+        with pytest.raises(FetchError, match=f"not writable by uid {os.getuid()}"):
+            fetch(str(tmp_path), cache / "m")
+    finally:
+        cache.chmod(0o755)

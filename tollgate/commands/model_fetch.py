@@ -233,7 +233,12 @@ def list_source(source: str, env: Mapping[str, str], client: httpx.Client) -> Li
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
-    with lock_path.open("a") as lock:
+    try:
+        lock_file = lock_path.open("a")
+    except PermissionError as exc:
+        raise FetchError(f"{lock_path.parent} is not writable by uid {os.getuid()}: the cache directory "
+                         "must belong to the user the fetch runs as") from exc
+    with lock_file as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
