@@ -71,7 +71,8 @@ async def list_models(runtime: GatewayRuntime, principal: Principal, session: As
     tenant = await session.get(Tenant, principal.tenant_id)
     owner = tenant_slug(tenant) if tenant is not None else OWNED_BY
     for row in await list_adapters(session, principal.tenant_id):
-        if principal.may_use(row.model) or principal.may_use(row.base_model):
+        served = row.base_model in runtime.router.models  # a base no longer served: not callable, not listed
+        if served and (principal.may_use(row.model) or principal.may_use(row.base_model)):
             data.append(adapter_object(row, owner))
     return {"object": "list", "data": data}
 
