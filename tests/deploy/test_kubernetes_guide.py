@@ -231,3 +231,11 @@ def test_the_guides_patches_apply_to_an_overlay_and_validate(index, rendered, tm
         for name in ("engine-interactive", "engine-batch"):
             strategy = workloads[name]["spec"]["strategy"]["rollingUpdate"]
             assert strategy == {"maxSurge": 0, "maxUnavailable": 1}, name
+
+
+def test_the_requests_the_guide_sends_name_a_model_an_overlay_serves(rendered):
+    served = {m["name"] for manifests in rendered.values() for m in manifests.tollgate_toml()["models"]}
+    blocks = "\n".join(re.findall(r"```sh\n(.*?)```", DOC.read_text(), re.S))
+    named = re.findall(r'"model":\s*"([^"]+)"', blocks)
+    assert named
+    assert set(named) <= served, (named, served)
