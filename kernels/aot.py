@@ -294,18 +294,24 @@ def lora_launches(shape: ServedShape, dtype: torch.dtype, tokens: int = 5) -> No
     import kernels
 
     h, kvh, d, hidden = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
-    projections = [(h * d + 2 * kvh * d, hidden, 3), (hidden, h * d, 1)]
+    inter = shape.intermediate_size
+    projections = [((h * d, kvh * d, kvh * d), hidden), ((hidden,), h * d)]  # (parts' widths, in)
     if not shape.num_experts:
-        projections += [(2 * shape.intermediate_size, hidden, 2), (hidden, shape.intermediate_size, 1)]
+        projections += [((inter, inter), hidden), ((hidden,), inter)]
     rows = torch.arange(tokens, dtype=torch.int64)
     starts = torch.tensor([0, 2, tokens], dtype=torch.int64)
     slots = torch.tensor([1, 3], dtype=torch.int64)
+    ranks = torch.tensor([0, 8, 0, 16, 0], dtype=torch.int32)
     for max_rank in (16, 64):
-        for n_out, k_in, parts in projections:
+        for widths, k_in in projections:
+            parts, n_out = len(widths), sum(widths)
+            bounds = tuple(sum(widths[:i]) for i in range(1, parts))
             a = torch.empty((5, parts * max_rank, k_in), dtype=dtype)
             b = torch.empty((5, n_out, parts * max_rank), dtype=dtype)
-            shrunk = kernels.lora_shrink(torch.empty((tokens, k_in), dtype=dtype), a, rows, starts, slots, 3)
-            kernels.lora_expand(shrunk, b, rows, starts, slots, 3, torch.empty((tokens, n_out), dtype=dtype))
+            shrunk = kernels.lora_shrink(torch.empty((tokens, k_in), dtype=dtype), a, rows, starts, slots, 3,
+                                         ranks=ranks, rank_stride=max_rank)
+            kernels.lora_expand(shrunk, b, rows, starts, slots, 3, torch.empty((tokens, n_out), dtype=dtype),
+                                ranks=ranks, rank_stride=max_rank, part_bounds=bounds)
 
 
 def _bind(launch: Any, backend: Any) -> tuple[Any, dict, dict, dict]:

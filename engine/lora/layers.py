@@ -108,6 +108,7 @@ class LoRASlots:
         self.wrapped: dict[tuple[int, str], LoRALinear] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # digest -> slot, least recently used first
         self.bound: SlotGroups | None = None
+        self.ranks: torch.Tensor | None = None  # each slot's adapter rank, on the device (``install``)
         # Counters since start (``engine.lora.stats``): adapters copied into a slot, resident adapters
         # evicted from their slot for another (rank 0's plan), and how long each copy took.
         self.loads = 0
@@ -176,6 +177,8 @@ class LoRASlots:
                     start += width
             if self.wrapped and next(iter(self.wrapped.values())).a.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the load time includes the copies
+            if self.ranks is not None:
+                self.ranks[slot] = adapter.rank
         self.load_times.observe(time.perf_counter() - start_time)
         self.loads += 1
 
@@ -219,6 +222,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.part_widths = part_widths
+        self.part_bounds = tuple(sum(part_widths[:i]) for i in range(1, len(part_widths)))
         self.row_parallel = row_parallel
         self._slots = (slots,)  # shared, not a submodule
         count, rank = slots.max_loras + 1, slots.max_rank * len(part_widths)
@@ -249,8 +253,12 @@ class LoRALinear(nn.Module):
         if use_kernels:
             from kernels.lora import lora_expand, lora_shrink
 
-            h = lora_shrink(x, self.a, groups.rows, groups.starts, groups.slots, groups.max_rows)
-            lora_expand(h, self.b, groups.rows, groups.starts, groups.slots, groups.max_rows, y)
+            # Only each slot's rank rows of its part's block (the rest of A and B is zero).
+            ranks, stride = self._slots[0].ranks, self._slots[0].max_rank
+            h = lora_shrink(x, self.a, groups.rows, groups.starts, groups.slots, groups.max_rows, ranks=ranks,
+                            rank_stride=stride)
+            lora_expand(h, self.b, groups.rows, groups.starts, groups.slots, groups.max_rows, y, ranks=ranks,
+                        rank_stride=stride, part_bounds=self.part_bounds)
             return
         if groups.padded is not None and groups.valid is not None:  # several adapters: one batched product
             which = groups.slots
@@ -284,6 +292,7 @@ def install(model: nn.Module, args: ModelArgs, max_loras: int, max_rank: int,
     slots = LoRASlots(max_loras, max_rank, use_kernels=use_kernels, tp=tp)
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
+    slots.ranks = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
     shapes = local_shapes(args, shard or ShardSizes.of(args))
     wrapped = [name for name, parts in PARTS.items() if all(p in shapes for p in parts)]
     for layer, block in enumerate(model.model.layers):  # type: ignore[union-attr, arg-type]

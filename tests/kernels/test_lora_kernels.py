@@ -66,6 +66,34 @@ def test_shrink_then_expand_match_the_references(tokens, hidden, rank, width, sl
     assert K.launch_counts["lora_expand"] == before.get("lora_expand", 0) + 1
 
 
+@pytest.mark.parametrize(("tokens", "stride", "widths"),
+                         [(9, 8, (40, 16, 16)), (23, 16, (24, 40)), (5, 12, (30,))])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_a_fused_projections_layout_reads_only_its_blocks(tokens, stride, widths, dtype, device, rng):
+    """Rank rows in blocks of ``stride`` (one per part), each slot reading only its rank's first rows of a
+    block, and each part's output columns only its own block of B: what lies outside (random here, zero
+    in the engine) is never read."""
+    slots = 3
+    token_slots = _token_slots(tokens, slots, rng)
+    rows, starts, ids = _groups(token_slots, device)
+    max_rows = int((starts[1:] - starts[:-1]).max())
+    hidden, total, width = 33, stride * len(widths), sum(widths)
+    bounds = tuple(int(c) for c in np.cumsum(widths)[:-1])
+    ranks = torch.randint(1, stride + 1, (slots + 1,), generator=rng).to(device)
+    x = torch.randn((tokens, hidden), generator=rng).to(dtype).to(device)
+    a = (torch.randn((slots + 1, total, hidden), generator=rng) / hidden**0.5).to(dtype).to(device)
+    b = torch.randn((slots + 1, width, total), generator=rng).to(dtype).to(device)
+    layout = dict(ranks=ranks, rank_stride=stride)
+    h = K.lora_shrink(x, a, rows, starts, ids, max_rows, **layout)
+    torch.testing.assert_close(h, K.lora_shrink_reference(x, a, rows, starts, ids, **layout), **TOL[dtype])
+    y = torch.randn((tokens, width), generator=rng).to(dtype).to(device)
+    expected = K.lora_expand_reference(h, b, rows, starts, ids, y, part_bounds=bounds, **layout)
+    K.lora_expand(h, b, rows, starts, ids, max_rows, y, part_bounds=bounds, **layout)
+    torch.testing.assert_close(y, expected, **TOL[dtype])
+    whole = K.lora_expand_reference(h, b, rows, starts, ids, y.clone())  # every row of B: not the same
+    assert not torch.allclose(whole, expected, **TOL[dtype])
+
+
 def test_no_grouped_token_launches_nothing(device):
     x, a = torch.randn((3, 16), device=device), torch.randn((2, 8, 16), device=device)
     empty = torch.empty(0, dtype=torch.int64, device=device)
