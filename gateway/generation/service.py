@@ -70,10 +70,10 @@ from opentelemetry.trace import Span, SpanKind
 
 from billing.outbox import UsageRecord
 from billing.price_cache import PricesNotLoaded
-from billing.prices import Charge, Price, PriceNotFound, charge, max_cost_pico_usd
+from billing.prices import Charge, Price, PriceNotFound, max_cost_pico_usd
 from engine.kv.block_hash import adapter_cache_salt, prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
-from engine.usage import SURCHARGE_KINDS, TokenKind, Usage
+from engine.usage import TokenKind, Usage
 from gateway.admission import Admission
 from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
@@ -81,6 +81,7 @@ from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
 from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.generation.metering import billed_usage, charged, price_at
 from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
 from gateway.tenants.cache_salt import cache_salt
@@ -173,17 +174,6 @@ class Generation:
         """The adapter store id of the LoRA adapter the request runs through (None: the base model)."""
         return None if self.route.adapter is None else self.route.adapter.store_id
 
-    def _price_at(self, at: datetime) -> Price:
-        """The model's price in effect at ``at``; an adapter model without a price row of its own is
-        priced as its base model (``PriceNotFound`` when neither has one)."""
-        prices = self.runtime.prices
-        try:
-            return prices.price_for(self.route.name, at)
-        except PriceNotFound:
-            if self.route.adapter is None:
-                raise
-            return prices.price_for(self.route.served, at)
-
     @property
     def served_pool(self) -> str | None:
         """The pool of the replica that ran the (first) prompt; None if none did."""
@@ -215,7 +205,7 @@ class Generation:
         try:
             # Priced by the row in effect when it arrived (as the ledger's rollups re-price it), not when
             # it ends: a stream running across a price change keeps the price its hold was made at.
-            price = self._price = self._price_at(self._created_at)
+            price = self._price = price_at(rt.prices, self.route, self._created_at)
         except PriceNotFound:
             raise ServiceUnavailableError(
                 f"The model `{self.route.name}` has no price configured and cannot be served.",
@@ -583,20 +573,18 @@ class Generation:
         return self._record
 
     def _billed_usage(self) -> Usage:
-        """The usage to meter: within its bounds; an embedding request has no cache products."""
-        usage = self.usage.clamped()
-        if self.embedding:
-            usage = Usage({k: n for k, n in usage.counts.items() if k not in SURCHARGE_KINDS})
-        return usage
+        return billed_usage(self.usage, embedding=self.embedding)
 
     def _charge(self) -> Charge:
-        """The request's cost per kind, priced once (nothing, if pricing fails: logged)."""
-        try:
-            price = self._price or self._price_at(self._created_at)
-            return charge(self._billed_usage(), price, self.runtime.request_class, embedding=self.embedding)
-        except Exception:
-            logger.exception("pricing request %s failed", self.request_id)
-            return Charge({})
+        """The request's cost per kind, priced once, at the price it was admitted at."""
+        price = self._price
+        if price is None:
+            try:
+                price = price_at(self.runtime.prices, self.route, self._created_at)
+            except Exception:
+                logger.exception("pricing request %s failed", self.request_id)
+        return charged(self._billed_usage(), price, self.runtime.request_class, embedding=self.embedding,
+                       request_id=self.request_id)
 
     def _usage_record(self) -> UsageRecord:
         ttft = self._ttft_ms
