@@ -281,6 +281,32 @@ def test_a_cut_download_is_retried_and_a_failed_fetch_resumes_where_it_stopped(s
     assert _on_disk(dest) == _wanted(fake.repos["acme/big"].files)
 
 
+def test_shards_download_side_by_side(store, tmp_path):
+    """The second shard is requested while the first is still held by the server: one stream per file."""
+    fake, url = store
+    fake.repos["acme/wide"] = Repo(_tree())
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    gate = fake.hold[first] = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with _client() as client:
+                fetch("hf://acme/wide", tmp_path / "wide", env={"HF_ENDPOINT": url}, client=client,
+                      parallel=2)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    wait_until(lambda: fake.downloads(first) == 1 and fake.downloads(second) == 1,
+               "both shards requested while the first is held")
+    gate.set()
+    worker.join(60)
+    assert not worker.is_alive() and not errors, errors
+    assert _on_disk(tmp_path / "wide") == _wanted(fake.repos["acme/wide"].files)
+
+
 def test_concurrent_fetches_into_one_directory_download_each_file_once(store, tmp_path):
     """Two engine pods starting together on one node: the second waits for the first's fetch."""
     fake, url = store

@@ -14,7 +14,8 @@ SOURCE is one of:
   public bucket).
 - a directory (``/models/NAME`` or ``file:///models/NAME``): a pre-populated volume, copied.
 
-Only files matching ``--include`` (checkpoint, configuration, tokenizer) are fetched.
+Only files matching ``--include`` (checkpoint, configuration, tokenizer) are fetched, ``--parallel`` at a
+time.
 
 Invariants:
 
@@ -43,6 +44,7 @@ import shutil
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import quote, unquote, urlsplit
@@ -287,9 +289,29 @@ def _download(client: httpx.Client, listing: Listing, item: RemoteFile, target: 
             time.sleep(backoff_s * 2 ** (attempt - 1))
 
 
+def _download_all(client: httpx.Client, listing: Listing, todo: list[RemoteFile], staging: Path,
+                  parallel: int, attempts: int, backoff_s: float, log: Callable[[str], None]) -> None:
+    """``parallel`` files at a time, the largest first (a checkpoint's shards are of similar sizes: one
+    stream per shard fills a link that a single stream does not). The first failure stops what has not
+    started and is raised once the running downloads end."""
+    for item in todo:
+        (staging / item.path).parent.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {pool.submit(_download, client, listing, item, staging / item.path, attempts, backoff_s):
+                   item for item in sorted(todo, key=lambda f: -f.size)}
+        try:
+            for future in as_completed(futures):
+                future.result()
+                log(f"  {futures[future].path} ({futures[future].size} bytes)")
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
 def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
           env: Mapping[str, str] | None = None, client: httpx.Client | None = None,
-          attempts: int = 5, backoff_s: float = 2.0,
+          parallel: int = 4, attempts: int = 5, backoff_s: float = 2.0,
           log: Callable[[str], None] = lambda message: None) -> FetchResult:
     """Make ``dest`` hold the files of ``source`` matching ``include`` (module docstring)."""
     env = os.environ if env is None else env
@@ -317,11 +339,7 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
                 raise FetchError(f"{needed / 2**30:.1f} GiB to fetch into {dest.parent}, "
                                  f"{free / 2**30:.1f} GiB free")
             log(f"fetching {len(todo)} of {len(wanted)} files ({needed / 2**30:.2f} GiB) from {source}")
-            for item in todo:
-                target = staging / item.path
-                target.parent.mkdir(parents=True, exist_ok=True)
-                _download(http, listing, item, target, attempts, backoff_s)
-                log(f"  {item.path} ({item.size} bytes)")
+            _download_all(http, listing, todo, staging, parallel, attempts, backoff_s, log)
             files = {f.path: f.size for f in wanted}
             (staging / MARKER).write_text(json.dumps(
                 {"source": source, "revision": listing.revision, "files": files}, indent=1))
@@ -342,11 +360,13 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--include", multiple=True, default=DEFAULT_INCLUDE, show_default=True,
               help="Glob of the files to fetch (repeat it); matched against the path and the file name.")
-def fetch_model(source: str, dest: Path, include: tuple[str, ...]) -> None:
+@click.option("--parallel", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Files downloaded at the same time.")
+def fetch_model(source: str, dest: Path, include: tuple[str, ...], parallel: int) -> None:
     """Fetch a checkpoint from SOURCE (hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or a directory) into
     DEST, unless DEST already holds it; concurrent fetches into one DEST run once."""
     try:
-        result = fetch(source, dest, include=include, log=click.echo)
+        result = fetch(source, dest, include=include, parallel=parallel, log=click.echo)
     except (FetchError, httpx.HTTPError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     at = f" at {result.revision}" if result.revision else ""
