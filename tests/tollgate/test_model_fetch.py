@@ -132,11 +132,12 @@ def _serve(store: FakeStore):
                 return self._send(403, b"SignatureDoesNotMatch")
             objects = store.buckets[bucket]
             if len(segments) == 1 or segments[1:] == [""]:
-                return self._list(objects, dict(parse_qsl(query)))
+                # Some S3-compatible stores answer without AWS's XML namespace: the public bucket here.
+                return self._list(objects, dict(parse_qsl(query)), bucket not in store.public_buckets)
             key = "/".join(segments[1:])
             return self._file(key.rsplit("/", 1)[-1], objects[key])
 
-        def _list(self, objects: dict[str, bytes], q: dict[str, str]) -> None:
+        def _list(self, objects: dict[str, bytes], q: dict[str, str], namespace: bool) -> None:
             assert q["list-type"] == "2"
             keys = sorted(k for k in objects if k.startswith(q.get("prefix", "")))
             start = int(q.get("continuation-token", "0"))
@@ -146,8 +147,9 @@ def _serve(store: FakeStore):
                             for k in page)
             tail = f"<NextContinuationToken>{start + 2}</NextContinuationToken>" if more else ""
             truncated = "true" if more else "false"
+            xmlns = ' xmlns="http://s3.amazonaws.com/doc/2006-03-01/"' if namespace else ""
             body = ('<?xml version="1.0" encoding="UTF-8"?>'
-                    '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                    f"<ListBucketResult{xmlns}>"
                     f"{items}<IsTruncated>{truncated}</IsTruncated>{tail}</ListBucketResult>")
             return self._send(200, body.encode(), "application/xml")
 

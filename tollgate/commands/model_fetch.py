@@ -59,7 +59,8 @@ DEFAULT_INCLUDE = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken"
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _CHUNK = 1 << 20
-_S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+# ListObjectsV2's elements in whatever XML namespace the store uses (AWS's, another's, or none).
+_S3_NS = "{*}"
 
 
 class FetchError(Exception):
@@ -197,7 +198,7 @@ def _s3_listing(spec: str, env: Mapping[str, str], client: httpx.Client) -> List
         response = client.get(url, headers=headers(url))
         _raise_for(response, f"s3://{bucket}/{prefix}")
         root = ET.fromstring(response.content)
-        for item in root.iter(f"{_S3_NS}Contents"):
+        for item in root.findall(f"{_S3_NS}Contents"):
             key = item.findtext(f"{_S3_NS}Key", "")
             if key.endswith("/"):
                 continue  # a "directory" placeholder object
