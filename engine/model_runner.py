@@ -58,7 +58,7 @@ from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model, quantized_args, read_kv_scales
 from engine.lora.adapter import LoRAAdapter
-from engine.lora.layers import LoRASlots, install, shard_adapter
+from engine.lora.layers import HeldShards, LoRASlots, install, shard_adapter
 from engine.models.config import ModelArgs
 from engine.rank_workers import RankWorkers, serve, start_rank
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
@@ -209,6 +209,8 @@ class ModelRunner:
         if config.max_loras:
             self.lora = install(self.model, args, config.max_loras, config.max_lora_rank, shard, self.tp,
                                 use_kernels=self.device.type == "cuda")
+        # Tensor parallel: the adapter shards the worker ranks hold (rank 0: which ones, to send each once).
+        self._held_shards = HeldShards(max(config.max_cpu_loras, config.max_loras))
         self._graphs: DecodeGraphs | None = None
         use_graphs = self.device.type == "cuda" and self.attention_backend.name == "triton"
         if use_graphs and not config.enforce_eager:
@@ -302,11 +304,12 @@ class ModelRunner:
             worker_inputs = _worker_inputs(inputs)
             if lora is None or not lora.loads:
                 self.workers.send(("forward", (worker_inputs, lora)))
-            else:  # each rank loads its own shard of a new adapter
-                self.workers.send_each([("forward", (worker_inputs, self._lora_for_rank(lora, rank)))
+            else:  # each rank loads its own shard of an adapter, sent unless it holds it already
+                send = [not self._held_shards.held(digest) for _, digest, _ in lora.loads]
+                self.workers.send_each([("forward", (worker_inputs, self._lora_for_rank(lora, rank, send)))
                                         for rank in range(1, self.tp.size)])
         if lora is not None and lora.loads:
-            lora = self._lora_for_rank(lora, self.tp.rank)
+            lora = self._lora_for_rank(lora, self.tp.rank, [True] * len(lora.loads))
         previous = self._previous_sample if inputs.pending_rows.size else None
         work = self.executor.submit(self._forward, inputs, previous, lora, step=True)
         self._previous_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled)}
@@ -321,13 +324,16 @@ class ModelRunner:
         slots = np.zeros(inputs.num_tokens, dtype=np.int64)
         for adapter, first, n in inputs.lora_rows:
             slots[first:first + n] = slot_of[adapter.digest]
-        return LoRAStep(slots, loads)
+        return LoRAStep(slots, [(slot, adapter.digest, adapter) for slot, adapter in loads])
 
-    def _lora_for_rank(self, step: LoRAStep, rank: int) -> LoRAStep:
-        """``step`` with the adapters it loads cut to rank ``rank``'s shard (``shard_adapter``)."""
+    def _lora_for_rank(self, step: LoRAStep, rank: int, send: list[bool]) -> LoRAStep:
+        """``step`` with the adapters it loads cut to rank ``rank``'s shard (``shard_adapter``), or None
+        where ``send`` says the rank holds that shard already."""
         shard = self.shard if rank == self.tp.rank else ShardSizes.of(self.args, rank, self.tp.size,
                                                                       self.tp.expert_parallel)
-        return LoRAStep(step.slots, [(slot, shard_adapter(a, self.args, shard)) for slot, a in step.loads])
+        loads = [(slot, digest, shard_adapter(a, self.args, shard) if a is not None and sent else None)
+                 for (slot, digest, a), sent in zip(step.loads, send, strict=True)]
+        return LoRAStep(step.slots, loads)
 
     def sample(self, forward: Forward, sampler: Sampler) -> Step:
         """Submit the sampling of a submitted forward pass (its ``inputs.sampling`` complete: grammar
@@ -387,6 +393,9 @@ class ModelRunner:
             assert isinstance(payload, tuple)
             inputs, lora = payload
             assert isinstance(inputs, StepInputs)
+            if lora is not None:  # the shards sent now kept, those not sent taken from what is kept
+                lora.loads = [(slot, digest, self._held_shards.resolve(digest, shard))
+                              for slot, digest, shard in lora.loads]
             self.executor.submit(self._forward, inputs, None, lora).result()
         elif kind == "transfer":  # its reads are rank 0's to do (``engine.kv.transfer``)
             self.transfer(payload)  # type: ignore[arg-type]
@@ -410,7 +419,8 @@ class ModelRunner:
             self.tp.broadcast(input_ids)
         lora = self.lora if lora_step is not None else None
         if lora is not None and lora_step is not None:  # new adapters copied in; each token row bound
-            for slot, adapter in lora_step.loads:
+            for slot, _, adapter in lora_step.loads:
+                assert adapter is not None
                 lora.load(slot, adapter)
             lora.bind(lora_step.slots, self.device)
         try:
@@ -531,11 +541,12 @@ def _worker_inputs(inputs: StepInputs) -> StepInputs:
 
 @dataclass(slots=True)
 class LoRAStep:
-    """A step's LoRA work, decided on rank 0's host: the adapters to copy into slots first (each rank its
-    own shard) and each token row's slot (``[T]``, 0: the base model)."""
+    """A step's LoRA work, decided on rank 0's host: the adapters to copy into slots first, as ``(slot,
+    digest, this rank's shard)`` (the shard None in a message to a worker rank that holds it already:
+    ``HeldShards``), and each token row's slot (``[T]``, 0: the base model)."""
 
     slots: np.ndarray
-    loads: list[tuple[int, LoRAAdapter]]
+    loads: list[tuple[int, str, LoRAAdapter | None]]
 
 
 # Per prompt row: the logprob of the next prompt token, its rank, and the top values and ids (or None).

@@ -272,6 +272,40 @@ class LoRALinear(nn.Module):
         y.index_add_(0, groups.rows, (xs @ self.a[slot].T) @ self.b[slot].T)
 
 
+class HeldShards:
+    """The adapter shards a worker rank keeps in host memory (by digest, least recently used out first),
+    and rank 0's copy of that bookkeeping without the weights: both see the same loads in the same order,
+    so rank 0 sends a shard only to ranks that no longer hold it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._held: OrderedDict[str, LoRAAdapter | None] = OrderedDict()
+
+    def held(self, digest: str) -> bool:
+        """Rank 0: whether the workers hold ``digest`` (counted as a use); if not, they will after this
+        load (its shards are sent)."""
+        if digest in self._held:
+            self._held.move_to_end(digest)
+            return True
+        self._keep(digest, None)
+        return False
+
+    def resolve(self, digest: str, shard: LoRAAdapter | None) -> LoRAAdapter:
+        """A worker: the shard rank 0 sent, kept; or, when it sent none, the one kept earlier."""
+        if shard is None:
+            kept = self._held[digest]
+            assert kept is not None, "rank 0 sent no shard of an adapter this rank does not hold"
+            self._held.move_to_end(digest)
+            return kept
+        self._keep(digest, shard)
+        return shard
+
+    def _keep(self, digest: str, shard: LoRAAdapter | None) -> None:
+        self._held[digest] = shard
+        while len(self._held) > self.capacity:
+            self._held.popitem(last=False)
+
+
 def local_shapes(args: ModelArgs, shard: ShardSizes) -> dict[str, tuple[int, int]]:
     """``module_shapes`` on this rank: ``(in_features, out_features)`` of each projection's shard."""
     whole = module_shapes(args)
