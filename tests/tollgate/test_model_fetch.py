@@ -10,6 +10,8 @@ the credentials go where they belong.
 from __future__ import annotations
 
 import datetime as dt
+import errno
+import fcntl
 import hashlib
 import hmac
 import json
@@ -330,6 +332,22 @@ def test_concurrent_fetches_into_one_directory_download_each_file_once(store, tm
         assert fake.downloads(name.rsplit("/", 1)[-1]) == 1, name
     assert ": fetched 6 files" in logs[0].read_text() and ": already held 6 files" in logs[1].read_text()
     assert _on_disk(dest) == _wanted(fake.repos["acme/shared"].files)
+
+
+def test_a_share_without_file_locks_is_fetched_without_one(store, tmp_path, monkeypatch):
+    """An NFS share mounted `nolock` refuses flock: the fetch says so and goes on."""
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    fake, url = store
+    fake.repos["acme/share"] = Repo(_tree())
+    said: list[str] = []
+    with _client() as client:
+        result = fetch("hf://acme/share", tmp_path / "share", env={"HF_ENDPOINT": url}, client=client,
+                       log=said.append)
+    assert result.fetched and _on_disk(tmp_path / "share") == _wanted(fake.repos["acme/share"].files)
+    assert any("takes no file locks" in line for line in said)
 
 
 def test_a_listing_that_points_outside_the_destination_is_refused(store, tmp_path):

@@ -20,12 +20,14 @@ time.
 Invariants:
 
 - DEST is complete or as it was: files land in a staging directory beside DEST (``.DEST.partial``), each
-  written as ``<file>.part`` and renamed once its size is the listing's; DEST appears by one rename, with
-  a marker (``.tollgate-fetched.json``) naming SOURCE. A killed fetch leaves DEST untouched, and the next
-  one keeps the staged files already complete.
+  written as ``<file>.part.<pid>`` and renamed once its size is the listing's; DEST appears by one
+  rename, with a marker (``.tollgate-fetched.json``) naming SOURCE. A killed fetch leaves DEST untouched,
+  and the next one keeps the staged files already complete.
 - One fetch per DEST at a time: an exclusive ``flock`` on ``.DEST.lock``, held from the cache check to the
   rename. Processes sharing the directory (pods on one node, through one host directory) wait for the
-  holder, then find DEST done. The kernel drops the lock of a killed holder.
+  holder, then find DEST done. The kernel drops the lock of a killed holder. A directory that takes no
+  locks (a share mounted ``nolock``) is fetched without one: concurrent fetches may then each download,
+  and the first whole copy stays.
 - DEST is fetched again only when SOURCE changes (a new revision): the new copy replaces the old one by
   rename, so a process that opened the old files keeps reading them.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import fnmatch
 import hashlib
@@ -235,22 +238,32 @@ def list_source(source: str, env: Mapping[str, str], client: httpx.Client) -> Li
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+def _exclusive(lock_path: Path, log: Callable[[str], None]) -> Iterator[None]:
     try:
         lock_file = lock_path.open("a")
     except PermissionError as exc:
         raise FetchError(f"{lock_path.parent} is not writable by uid {os.getuid()}: the cache directory "
                          "must belong to the user the fetch runs as") from exc
     with lock_file as lock:
+        locked = True
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            on_wait()
+            log(f"another process is fetching into {lock_path.parent}: waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as exc:
+            # A file share mounted without locks (NFS `nolock`): fetch unlocked rather than not at all.
+            # Concurrent fetches then each download, each into part files of their own, and the first
+            # whole copy stays.
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            log(f"{lock_path.parent} takes no file locks ({exc.strerror}): fetching without one")
+            locked = False
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _cached(dest: Path, source: str) -> dict | None:
@@ -268,7 +281,7 @@ def _cached(dest: Path, source: str) -> dict | None:
 
 def _download(client: httpx.Client, listing: Listing, item: RemoteFile, target: Path, attempts: int,
               backoff_s: float) -> None:
-    partial = target.with_name(target.name + ".part")
+    partial = target.with_name(f"{target.name}.part.{os.getpid()}")
     for attempt in range(1, attempts + 1):
         try:
             if item.url.startswith("file://"):
@@ -321,8 +334,7 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
     own_client = client is None
     http = client or httpx.Client(follow_redirects=True, timeout=httpx.Timeout(60.0, connect=15.0))
     try:
-        with _exclusive(dest.parent / f".{dest.name}.lock",
-                        lambda: log(f"another process is fetching into {dest}: waiting for it")):
+        with _exclusive(dest.parent / f".{dest.name}.lock", log):
             if (marker := _cached(dest, source)) is not None:
                 files = marker["files"]
                 return FetchResult(False, len(files), sum(files.values()), marker.get("revision"))
@@ -344,11 +356,18 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
             files = {f.path: f.size for f in wanted}
             (staging / MARKER).write_text(json.dumps(
                 {"source": source, "revision": listing.revision, "files": files}, indent=1))
+            if (marker := _cached(dest, source)) is not None:  # an unlocked fetch finished first
+                shutil.rmtree(staging, ignore_errors=True)
+                return FetchResult(False, len(files), sum(files.values()), marker.get("revision"))
             old = dest.parent / f".{dest.name}.old"
             if dest.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 dest.rename(old)
-            staging.rename(dest)
+            try:
+                staging.rename(dest)
+            except OSError:
+                if _cached(dest, source) is None:  # not an unlocked fetch that finished first
+                    raise
             shutil.rmtree(old, ignore_errors=True)
             return FetchResult(True, len(files), sum(files.values()), listing.revision)
     finally:
