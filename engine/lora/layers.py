@@ -109,6 +109,7 @@ class LoRASlots:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # digest -> slot, least recently used first
         self.bound: SlotGroups | None = None
         self.ranks: torch.Tensor | None = None  # each slot's adapter rank, on the device (``install``)
+        self._copying: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU loads in flight
         # Counters since start (``engine.lora.stats``): adapters copied into a slot, resident adapters
         # evicted from their slot for another (rank 0's plan), and how long each copy took.
         self.loads = 0
@@ -156,10 +157,17 @@ class LoRASlots:
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy ``adapter`` (already this rank's shard: ``shard_adapter``) into ``slot`` of every wrapped
-        projection."""
+        projection, in device order. On a GPU the copies go through pinned memory without making the host
+        wait (a pageable copy would drain the stream), and their duration is the device's, between two
+        events, observed once they are done (``settle``); elsewhere the copies' own time."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
-        start_time = time.perf_counter()
+        self.settle()
+        cuda = self.ranks is not None and self.ranks.device.type == "cuda"
+        begin = torch.cuda.Event(enable_timing=True) if cuda else None
+        if begin is not None:
+            begin.record()
+        started = time.perf_counter()
         with torch.no_grad():
             for (layer, name), wrapper in self.wrapped.items():
                 wrapper.a[slot].zero_()
@@ -168,24 +176,37 @@ class LoRASlots:
                 for index, (part, width) in enumerate(zip(PARTS[name], wrapper.part_widths, strict=True)):
                     pair = adapter.weights.get(layer, {}).get(part)
                     if pair is not None:
-                        a, b = pair
+                        a = pair[0].to(wrapper.a.dtype)
+                        b = (pair[1] * adapter.scaling).to(wrapper.b.dtype)
+                        if cuda:
+                            a, b = a.pin_memory(), b.pin_memory()
                         rank = a.shape[0]
                         # Each part gets its own rank rows of the stacked A: parts share x, not A.
                         offset = index * self.max_rank
-                        wrapper.a[slot, offset:offset + rank].copy_(a)
-                        wrapper.b[slot, start:start + width, offset:offset + rank].copy_(b * adapter.scaling)
+                        wrapper.a[slot, offset:offset + rank].copy_(a, non_blocking=True)
+                        wrapper.b[slot, start:start + width, offset:offset + rank].copy_(b, non_blocking=True)
                     start += width
-            if self.wrapped and next(iter(self.wrapped.values())).a.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the load time includes the copies
             if self.ranks is not None:
                 self.ranks[slot] = adapter.rank
-        self.load_times.observe(time.perf_counter() - start_time)
+        if begin is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._copying.append((begin, end))
+        else:
+            self.load_times.observe(time.perf_counter() - started)
         self.loads += 1
+
+    def settle(self) -> None:
+        """Observe the durations of the GPU loads whose copies are done."""
+        while self._copying and self._copying[0][1].query():
+            begin, end = self._copying.pop(0)
+            self.load_times.observe(begin.elapsed_time(end) / 1000)
 
     # ---- a pass ------------------------------------------------------------------------------------
     def bind(self, slots: np.ndarray, device: torch.device) -> None:
         """The slot of each token row of the next pass (``[T]`` on the host, 0: the base model): its groups
         go to the device once, for every wrapped projection."""
+        self.settle()
         order = np.argsort(slots, kind="stable")
         order = order[slots[order] != 0]
         if order.size == 0:
