@@ -278,11 +278,13 @@ def test_a_cut_download_is_retried_and_a_failed_fetch_resumes_where_it_stopped(s
         fetch("hf://acme/big", dest, env={"HF_ENDPOINT": url}, client=client, attempts=3, backoff_s=0)
     assert not dest.exists()
     assert fake.downloads(first) == 2 and fake.downloads(second) == 3
+    killed = tmp_path / ".big.partial" / f"{second}.part.999999"  # what a killed fetch leaves
+    killed.write_bytes(b"half a shard")
     fake.fail_next.clear()
     with _client() as client:
         fetch("hf://acme/big", dest, env={"HF_ENDPOINT": url}, client=client, backoff_s=0)
     assert fake.downloads(first) == 2  # kept from the failed run
-    assert _on_disk(dest) == _wanted(fake.repos["acme/big"].files)
+    assert _on_disk(dest) == _wanted(fake.repos["acme/big"].files)  # and the half-written one is gone
 
 
 def test_shards_download_side_by_side(store, tmp_path):

@@ -238,7 +238,8 @@ def list_source(source: str, env: Mapping[str, str], client: httpx.Client) -> Li
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path, log: Callable[[str], None]) -> Iterator[None]:
+def _exclusive(lock_path: Path, log: Callable[[str], None]) -> Iterator[bool]:
+    """Holds the lock for the block; yields whether it could be taken (False: the directory takes none)."""
     try:
         lock_file = lock_path.open("a")
     except PermissionError as exc:
@@ -260,7 +261,7 @@ def _exclusive(lock_path: Path, log: Callable[[str], None]) -> Iterator[None]:
             log(f"{lock_path.parent} takes no file locks ({exc.strerror}): fetching without one")
             locked = False
         try:
-            yield
+            yield locked
         finally:
             if locked:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -334,7 +335,7 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
     own_client = client is None
     http = client or httpx.Client(follow_redirects=True, timeout=httpx.Timeout(60.0, connect=15.0))
     try:
-        with _exclusive(dest.parent / f".{dest.name}.lock", log):
+        with _exclusive(dest.parent / f".{dest.name}.lock", log) as locked:
             if (marker := _cached(dest, source)) is not None:
                 files = marker["files"]
                 return FetchResult(False, len(files), sum(files.values()), marker.get("revision"))
@@ -344,6 +345,9 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
                 raise FetchError(f"{source}: no *.safetensors file among {len(listing.files)} listed")
             staging = dest.parent / f".{dest.name}.partial"
             staging.mkdir(exist_ok=True)
+            if locked:  # no other fetch is writing: what a killed one left half-written is garbage
+                for stale in staging.rglob("*.part.*"):
+                    stale.unlink()
             todo = [f for f in wanted if not ((staging / f.path).is_file()
                                               and (staging / f.path).stat().st_size == f.size)]
             needed = sum(f.size for f in todo)
