@@ -85,6 +85,8 @@ def test_the_node_cache_is_one_host_directory_per_node_reserved_for_this_namespa
     claim = gpu_manifests.get("PersistentVolumeClaim", "tollgate-model-cache")
     pv = gpu_manifests.get("PersistentVolume", claim["spec"]["volumeName"])
     assert "namespace" not in pv["metadata"]
+    # Cluster-scoped, so named after the installation's namespace: two namespaces, two volumes.
+    assert pv["metadata"]["name"] == f"tollgate-model-cache-{gpu_manifests.namespace}"
     # Bound only to this claim, in this namespace: no other namespace's claim can take the host directory.
     assert pv["spec"]["claimRef"] == {"namespace": gpu_manifests.namespace, "name": "tollgate-model-cache"}
     assert claim["spec"]["storageClassName"] == pv["spec"]["storageClassName"] == ""  # no provisioner

@@ -66,8 +66,11 @@ def test_the_namespace_and_image_tags_are_set_once(overlay, rendered, tmp_path):
         for trigger in scaled["spec"]["triggers"]:
             if trigger["type"] == "prometheus":
                 assert f'namespace="{NAMESPACE}"' in trigger["metadata"]["query"]
-    for pv in manifests.of_kind("PersistentVolume"):
+    for pv in manifests.of_kind("PersistentVolume"):  # cluster-scoped: one per installation
         assert pv["spec"]["claimRef"]["namespace"] == NAMESPACE
+        assert pv["metadata"]["name"].endswith(f"-{NAMESPACE}")
+        claim = manifests.get("PersistentVolumeClaim", pv["spec"]["claimRef"]["name"])
+        assert claim["spec"]["volumeName"] == pv["metadata"]["name"]
     # The old namespace as a namespace nowhere: not as a field, a label value in a query, a DNS name.
     assert not re.search(rf'namespace: {old}\n|namespace="{old}"|\.{old}\.svc', text)
     for workload in manifests.workloads():
