@@ -239,3 +239,24 @@ def test_the_requests_the_guide_sends_name_a_model_an_overlay_serves(rendered):
     named = re.findall(r'"model":\s*"([^"]+)"', blocks)
     assert named
     assert set(named) <= served, (named, served)
+
+
+def test_the_add_ons_are_installed_where_the_manifests_look_for_them(rendered):
+    """KEDA and the Prometheus stack go into the namespaces the NetworkPolicies admit and the KEDA
+    triggers query; the RuntimeClass checked is the one the GPU engines run with."""
+    blocks = "\n".join(re.findall(r"```sh\n(.*?)```", DOC.read_text(), re.S)).replace("\\\n", " ")
+    installed = dict(re.findall(r"helm install \S+ (\S+) --namespace (\S+)", blocks))
+    assert installed["kedacore/keda"] == "keda"
+    assert installed["prometheus-community/kube-prometheus-stack"] == "monitoring"
+    gpu = rendered["gpu"]
+    admitted = {peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                for policy in gpu.of_kind("NetworkPolicy") for rule in policy["spec"]["ingress"]
+                for peer in rule["from"] if "namespaceSelector" in peer}
+    assert {"keda", "monitoring"} <= admitted
+    for scaled in gpu.of_kind("ScaledObject"):
+        for trigger in scaled["spec"]["triggers"]:
+            if trigger["type"] == "prometheus":
+                assert ".monitoring.svc:" in trigger["metadata"]["serverAddress"]
+    (runtime,) = re.findall(r"kubectl get runtimeclass (\S+)", blocks)
+    assert {pod_spec(e).get("runtimeClassName") for e in gpu.component("engine")} == {runtime}
+    assert "serviceMonitorSelectorNilUsesHelmValues=false" in blocks  # it takes this deployment's monitors
