@@ -18,7 +18,15 @@ from pathlib import PurePosixPath
 import pytest
 import yaml
 
-from tests.deploy.manifests import KUSTOMIZE, argv, container, containers, literal_env, option, pod_spec
+from tests.deploy.manifests import (
+    KUSTOMIZE,
+    argv,
+    container,
+    containers,
+    literal_env,
+    option,
+    pod_spec,
+)
 from tollgate.commands.model_fetch import DEFAULT_INCLUDE, fetch_model
 
 GPU_OVERLAYS = {"gpu", "gpu-tp", "external"}
@@ -153,3 +161,48 @@ def test_the_gateway_and_worker_fetch_the_tokenizer_not_the_weights(gpu_manifest
         # No checkpoint volume left to mount.
         mounted = [m["mountPath"] for c in containers(workload) for m in c.get("volumeMounts", [])]
         assert "/models" not in mounted, name
+
+
+def _run_as_rendered(c, source: str, root, tmp_path) -> subprocess.CompletedProcess:
+    """Runs an init container's command as the kubelet would (its $(VAR)s from its environment, with
+    MODEL_SOURCE pointed at ``source``), with every absolute path of the pod moved under ``root`` and the
+    repository's ``tollgate`` first on PATH."""
+    c = {**c, "env": [{"name": e["name"], "value": source} if e["name"] == "MODEL_SOURCE" else e
+                      for e in c.get("env", [])]}
+    words = [w.replace("/models", f"{root}/models").replace("/var/lib/tollgate", f"{root}/var/lib/tollgate")
+             for w in argv(c)]
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(words, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def test_the_rendered_fetch_commands_fetch(rendered, tmp_path):
+    """The init containers' command lines, as rendered, run: the engines' (through sh, with its Triton
+    directory) puts the checkpoint where the engine loads it, the gateway's only the tokenizer files where
+    tollgate.toml says, and a second run on the same node finds the copy."""
+    manifests = rendered["gpu"]
+    published = tmp_path / "published"
+    files = {"config.json": b"{}", "tokenizer.json": b"{}", "chat_template.jinja": b"{{ x }}",
+             "model.safetensors": b"weights" * 1000}
+    published.mkdir()
+    for name, body in files.items():
+        (published / name).write_bytes(body)
+    root = tmp_path / "node"
+    engine = manifests.workload("engine-interactive")
+    fetch, main = container(engine, "model-fetch"), pod_spec(engine)["containers"][0]
+    (root / "models").mkdir(parents=True)  # the node cache directory the bootstrap prepares
+    first = _run_as_rendered(fetch, str(published), root, tmp_path)
+    assert first.returncode == 0, first.stderr
+    loaded = root / option(argv(main), "--model").lstrip("/")
+    assert {p.name: p.read_bytes() for p in loaded.iterdir() if not p.name.startswith(".")} == files
+    assert (root / "models" / ".triton").is_dir()
+    again = _run_as_rendered(fetch, str(published), root, tmp_path)
+    assert again.returncode == 0 and "already held" in again.stdout
+
+    gateway_fetch = container(manifests.workload("gateway"), "model-fetch")
+    (root / "var" / "lib" / "tollgate" / "files").mkdir(parents=True)
+    done = _run_as_rendered(gateway_fetch, str(published), root, tmp_path)
+    assert done.returncode == 0, done.stderr
+    (model,) = manifests.tollgate_toml()["models"]
+    tokenizer = root / model["path"].lstrip("/")
+    assert sorted(p.name for p in tokenizer.iterdir() if not p.name.startswith(".")) == [
+        "chat_template.jinja", "config.json", "tokenizer.json"]  # no weights
