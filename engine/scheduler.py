@@ -153,14 +153,15 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled:
                     continue
-                if seq.lora is not None and not step.takes_adapter(seq.lora.digest):
-                    continue  # the step's adapter slots are taken: it runs in a later step
                 pending = seq.num_pending_tokens
                 if pending and len(seq.token_ids) + pending - seq.num_prompt_tokens >= seq.params.max_tokens:
                     continue  # its pending token is its last (max_tokens): nothing more to compute
                 num = min(len(seq.token_ids) + pending - seq.num_computed_tokens, budget)
                 if num <= 0:
                     continue
+                # After the checks above: a sequence with nothing to compute takes no adapter slot.
+                if seq.lora is not None and not step.takes_adapter(seq.lora.digest):
+                    continue  # the step's adapter slots are taken: it runs in a later step
                 # Most decodes fit the blocks they hold; only a new block needs the block manager.
                 fits = seq.num_computed_tokens + num <= len(seq.block_table) * block_size
                 if fits or self._reserve_slots(seq, num, step):
@@ -257,8 +258,12 @@ class Scheduler:
                     return True
                 if seq.status is not SequenceStatus.WAITING or seq in step.preempted:
                     continue
-                if seq.lora is not None and not step.takes_adapter(seq.lora.digest):
-                    continue  # no adapter slot left in this step: admitted in a later one
+                if seq.lora is not None and (step.lora_blocked or not step.takes_adapter(seq.lora.digest)):
+                    # No adapter slot left in this step: admitted in a later one. Nor is any LoRA request
+                    # behind it (head-of-line among adapters), so the adapters holding the slots drain
+                    # instead of taking new requests forever: every adapter gets its turn.
+                    step.lora_blocked = True
+                    continue
                 if (
                     getattr(seq.params, "n", 1) > 1
                     and seq.request_id in prefilling
@@ -418,7 +423,8 @@ class Scheduler:
 class _Step:
     """What one ``schedule()`` call has granted so far."""
 
-    __slots__ = ("budget", "scheduled", "preempted", "fair_level", "fair_admitted", "adapters", "max_loras")
+    __slots__ = ("budget", "scheduled", "preempted", "fair_level", "fair_admitted", "adapters", "max_loras",
+                 "lora_blocked")
 
     def __init__(self, budget: int, max_loras: int = 0) -> None:
         self.budget = budget
@@ -426,6 +432,8 @@ class _Step:
         # one device slot each (``engine.lora.layers``).
         self.adapters: set[str] = set()
         self.max_loras = max_loras
+        # A waiting LoRA sequence found no slot: no later waiting LoRA sequence is admitted this step.
+        self.lora_blocked = False
         self.scheduled: dict[int, ScheduledSeq] = {}
         self.preempted: list[Sequence] = []
         # The priority at which a fairness preemption happened this step (None: none happened), and

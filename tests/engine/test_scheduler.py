@@ -327,3 +327,37 @@ def test_random_workloads_keep_every_invariant(seed):
         s.num_output_tokens == s.params.max_tokens for s in added if s.finish_reason is FinishReason.LENGTH
     )
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_every_lora_adapter_gets_its_turn_at_the_slots():
+    """With one adapter slot and a steady stream of requests for adapter a0, a request for a1 waiting
+    behind them is admitted once the running a0s drain (no new a0 overtakes it), not after the stream
+    stops; and a sequence with nothing left to compute claims no slot."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from engine.kv.block_manager import BlockManager
+    from engine.kv.cache import KVCache
+    from engine.scheduler import Scheduler
+
+    config = EngineConfig(model="unused", num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_loras=1)
+    sched = Scheduler(config, KVCache(BlockManager(256, 16, True)))
+
+    def lora_seq(adapter: str):
+        seq = make_seq(8, max_tokens=6)
+        seq.lora = SimpleNamespace(digest=adapter)
+        return seq
+
+    a1 = None
+    for i in range(60):
+        sched.add(lora_seq("a0"))  # a new a0 request every step
+        if i == 3:
+            a1 = lora_seq("a1")
+            sched.add(a1)
+        batch = step(sched)
+        assert len({item.seq.lora.digest for item in batch.seqs if item.seq.lora is not None}) <= 1
+        if a1 is not None and a1.is_finished:
+            break
+    assert a1 is not None and a1.is_finished, "a1 starved behind a steady stream of a0 requests"
+    assert i < 30
