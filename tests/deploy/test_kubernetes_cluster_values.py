@@ -66,7 +66,9 @@ def _render_with_tags(overlay: str, tmp_path) -> list[dict]:
     for entry in kustomization["images"]:
         entry["newTag"] = {PLATFORM_IMAGE: "platform-tag", ENGINE_IMAGE: "engine-tag"}[entry["name"]]
     path.write_text(yaml.safe_dump(kustomization))
-    result = subprocess.run([kubectl(), "kustomize", str(path.parent)], capture_output=True, text=True,
+    binary = kubectl()
+    assert binary is not None
+    result = subprocess.run([binary, "kustomize", str(path.parent)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
