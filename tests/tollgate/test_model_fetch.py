@@ -59,6 +59,7 @@ class FakeStore:
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (path, query, auth)
     fail_next: dict[str, int] = field(default_factory=dict)  # file path -> 500s to answer first
     truncate_next: set[str] = field(default_factory=set)  # file paths to cut short once
+    corrupt: dict[str, int] = field(default_factory=dict)  # file path -> times to send other bytes
     hold: dict[str, threading.Event] = field(default_factory=dict)  # file path -> sent once set
 
     def downloads(self, name: str) -> int:
@@ -88,6 +89,9 @@ def _serve(store: FakeStore):
             if store.fail_next.get(name, 0) > 0:
                 store.fail_next[name] -= 1
                 return self._send(500, b"try again")
+            if store.corrupt.get(name, 0) > 0:  # the right length, the wrong bytes
+                store.corrupt[name] -= 1
+                return self._send(200, bytes(len(body)))
             if name in store.truncate_next:
                 store.truncate_next.discard(name)
                 self._send(200, body[: len(body) // 2], length=len(body))
@@ -121,7 +125,8 @@ def _serve(store: FakeStore):
             if repo.gated and self.headers.get("Authorization") != f"Bearer {TOKEN}":
                 return self._send(401, b'{"error": "gated"}')
             siblings = [{"rfilename": n, "size": len(b)} if not n.endswith(".safetensors") else
-                        {"rfilename": n, "size": len(b), "lfs": {"size": len(b), "sha256": "x"}}
+                        {"rfilename": n, "size": len(b),
+                         "lfs": {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()}}
                         for n, b in repo.files.items()]
             return self._send(200, json.dumps({"id": repo_id, "sha": COMMIT, "siblings": siblings}).encode(),
                               "application/json")
@@ -285,6 +290,24 @@ def test_a_cut_download_is_retried_and_a_failed_fetch_resumes_where_it_stopped(s
         fetch("hf://acme/big", dest, env={"HF_ENDPOINT": url}, client=client, backoff_s=0)
     assert fake.downloads(first) == 2  # kept from the failed run
     assert _on_disk(dest) == _wanted(fake.repos["acme/big"].files)  # and the half-written one is gone
+
+
+def test_weights_that_arrive_corrupted_are_fetched_again_and_never_kept(store, tmp_path):
+    """The Hub publishes each LFS file's SHA-256: bytes that differ are a bad copy, retried, and a file
+    that never arrives right fails the fetch rather than reach the engine."""
+    fake, url = store
+    fake.repos["acme/sums"] = Repo(_tree())
+    shard = "model-00001-of-00002.safetensors"
+    fake.corrupt[shard] = 1
+    with _client() as client:
+        fetch("hf://acme/sums", tmp_path / "sums", env={"HF_ENDPOINT": url}, client=client, backoff_s=0)
+    assert fake.downloads(shard) == 2
+    assert _on_disk(tmp_path / "sums") == _wanted(fake.repos["acme/sums"].files)
+    fake.corrupt[shard] = 5
+    with _client() as client, pytest.raises(FetchError, match="SHA-256"):
+        fetch("hf://acme/sums@v2", tmp_path / "bad", env={"HF_ENDPOINT": url}, client=client,
+              attempts=2, backoff_s=0)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_shards_download_side_by_side(store, tmp_path):

@@ -22,7 +22,8 @@ Invariants:
 - DEST is complete or as it was: files land in a staging directory beside DEST (``.DEST.partial``), each
   written as ``<file>.part.<pid>`` and renamed once its size is the listing's; DEST appears by one
   rename, with a marker (``.tollgate-fetched.json``) naming SOURCE. A killed fetch leaves DEST untouched,
-  and the next one keeps the staged files already complete.
+  and the next one keeps the staged files already complete. A file whose size (or, for the Hub's LFS
+  files, the weights, SHA-256) is not the listing's is fetched again.
 - One fetch per DEST at a time: an exclusive ``flock`` on ``.DEST.lock``, held from the cache check to the
   rename. Processes sharing the directory (pods on one node, through one host directory) wait for the
   holder, then find DEST done. The kernel drops the lock of a killed holder. A directory that takes no
@@ -70,8 +71,9 @@ class FetchError(Exception):
     """A fetch that cannot succeed as asked (bad source, refused credentials, missing files, no room)."""
 
 
-class _ShortRead(FetchError):
-    """A file that arrived with another size than the listing's (a cut connection): worth a retry."""
+class _BadCopy(FetchError):
+    """A file that arrived with another size or SHA-256 than the listing's (a cut or corrupted transfer):
+    worth a retry."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class RemoteFile:
     path: str  # relative to DEST, '/'-separated
     size: int
     url: str
+    sha256: str | None = None  # where the source publishes one (the Hub's LFS files: the weights)
 
 
 @dataclass
@@ -141,7 +144,8 @@ def _hf_listing(spec: str, env: Mapping[str, str], client: httpx.Client) -> List
         size = sibling.get("lfs", {}).get("size", sibling.get("size"))
         if size is None:
             raise FetchError(f"hf://{repo}: the listing gives no size for {path}")
-        files.append(RemoteFile(path, int(size), f"{endpoint}/{repo}/resolve/{commit}/{quote(path)}"))
+        files.append(RemoteFile(path, int(size), f"{endpoint}/{repo}/resolve/{commit}/{quote(path)}",
+                                sibling.get("lfs", {}).get("sha256")))
     origin = urlsplit(endpoint).netloc
     # The token goes to the Hub only (httpx also drops it on a redirect to another host, e.g. a CDN).
     return Listing(files, commit, lambda u: auth if urlsplit(u).netloc == origin else {})
@@ -284,6 +288,7 @@ def _download(client: httpx.Client, listing: Listing, item: RemoteFile, target: 
               backoff_s: float) -> None:
     partial = target.with_name(f"{target.name}.part.{os.getpid()}")
     for attempt in range(1, attempts + 1):
+        digest = hashlib.sha256()  # of what the network sent (a local copy carries no published sum)
         try:
             if item.url.startswith("file://"):
                 shutil.copyfile(unquote(urlsplit(item.url).path), partial)
@@ -293,11 +298,14 @@ def _download(client: httpx.Client, listing: Listing, item: RemoteFile, target: 
                     with partial.open("wb") as out:
                         for chunk in response.iter_bytes(_CHUNK):
                             out.write(chunk)
+                            digest.update(chunk)
             if partial.stat().st_size != item.size:
-                raise _ShortRead(f"{partial.stat().st_size} bytes read, the listing says {item.size}")
+                raise _BadCopy(f"{partial.stat().st_size} bytes read, the listing says {item.size}")
+            if item.sha256 and digest.hexdigest() != item.sha256:
+                raise _BadCopy(f"SHA-256 {digest.hexdigest()}, the listing says {item.sha256}")
             partial.replace(target)
             return
-        except (httpx.TransportError, httpx.HTTPStatusError, _ShortRead) as exc:
+        except (httpx.TransportError, httpx.HTTPStatusError, _BadCopy) as exc:
             # 4xx other than 429 are FetchErrors (_raise_for): no retry mends them.
             if attempt == attempts:
                 raise FetchError(f"{item.path}: {exc} ({attempts} attempts)") from exc
