@@ -336,6 +336,21 @@ def test_shards_download_side_by_side(store, tmp_path):
     assert _on_disk(tmp_path / "wide") == _wanted(fake.repos["acme/wide"].files)
 
 
+def test_a_failed_fetch_of_one_revision_leaves_nothing_to_the_next_revision(store, tmp_path):
+    """Files staged for v1 (same names, same sizes) are not resumed into v2's copy."""
+    fake, url = store
+    fake.repos["acme/rev"] = Repo(_tree(seed=1))
+    fake.fail_next["model-00002-of-00002.safetensors"] = 5
+    dest = tmp_path / "rev"
+    with _client() as client, pytest.raises(FetchError):
+        fetch("hf://acme/rev@v1", dest, env={"HF_ENDPOINT": url}, client=client, attempts=1, parallel=1)
+    fake.fail_next.clear()
+    fake.repos["acme/rev"] = Repo(_tree(seed=2))  # v2: other bytes, the same sizes
+    with _client() as client:
+        fetch("hf://acme/rev@v2", dest, env={"HF_ENDPOINT": url}, client=client)
+    assert _on_disk(dest) == _wanted(fake.repos["acme/rev"].files)
+
+
 def test_concurrent_fetches_into_one_directory_download_each_file_once(store, tmp_path):
     """Two engine pods starting together on one node: the second waits for the first's fetch."""
     fake, url = store

@@ -22,8 +22,8 @@ Invariants:
 - DEST is complete or as it was: files land in a staging directory beside DEST (``.DEST.partial``), each
   written as ``<file>.part.<pid>`` and renamed once its size is the listing's; DEST appears by one
   rename, with a marker (``.tollgate-fetched.json``) naming SOURCE. A killed fetch leaves DEST untouched,
-  and the next one keeps the staged files already complete. A file whose size (or, for the Hub's LFS
-  files, the weights, SHA-256) is not the listing's is fetched again.
+  and the next one of the same SOURCE keeps the staged files already complete. A file whose size (or,
+  for the Hub's LFS files, the weights, SHA-256) is not the listing's is fetched again.
 - One fetch per DEST at a time: an exclusive ``flock`` on ``.DEST.lock``, held from the cache check to the
   rename. Processes sharing the directory (pods on one node, through one host directory) wait for the
   holder, then find DEST done. The kernel drops the lock of a killed holder. A directory that takes no
@@ -352,7 +352,11 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
             if "*.safetensors" in include and not any(f.path.endswith(".safetensors") for f in wanted):
                 raise FetchError(f"{source}: no *.safetensors file among {len(listing.files)} listed")
             staging = dest.parent / f".{dest.name}.partial"
+            staged_from = staging / ".tollgate-staging-source"
+            if staging.exists() and (not staged_from.is_file() or staged_from.read_text() != source):
+                shutil.rmtree(staging)  # another source's files: none of them may be kept
             staging.mkdir(exist_ok=True)
+            staged_from.write_text(source)
             if locked:  # no other fetch is writing: what a killed one left half-written is garbage
                 for stale in staging.rglob("*.part.*"):
                     stale.unlink()
@@ -366,6 +370,7 @@ def fetch(source: str, dest: Path, *, include: Sequence[str] = DEFAULT_INCLUDE,
             log(f"fetching {len(todo)} of {len(wanted)} files ({needed / 2**30:.2f} GiB) from {source}")
             _download_all(http, listing, todo, staging, parallel, attempts, backoff_s, log)
             files = {f.path: f.size for f in wanted}
+            staged_from.unlink()
             (staging / MARKER).write_text(json.dumps(
                 {"source": source, "revision": listing.revision, "files": files}, indent=1))
             if (marker := _cached(dest, source)) is not None:  # an unlocked fetch finished first
