@@ -13,5 +13,6 @@ lifetimes, block events, and the copies between tiers.
   decode replica's pulls (``KVConnector``), the bytes on the wire (TCP), and the device pool's side
   (``RemoteKVWorker``, torch).
 
-Only ``transfer`` and ``remote`` import torch; nothing is imported here, so ``engine.kv.block_hash`` stays torch-free.
+Only ``transfer`` and ``remote`` import torch; nothing is imported here, so ``engine.kv.block_hash`` stays
+torch-free.
 """
