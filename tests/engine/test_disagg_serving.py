@@ -275,3 +275,84 @@ def test_only_a_decode_replica_takes_a_lease(engines) -> None:
     for engine in (both, prefill):
         with pytest.raises(RequestValidationError, match="only a decode replica pulls"):
             engine.add_request("not-here", [5, 6, 7], GREEDY, kv_source=source)
+
+
+def test_a_stalled_transfer_holds_up_none_of_the_decode_replicas_other_requests(tiny_llama_dir: Path,
+                                                                                engines) -> None:
+    both, _, decode = engines
+    prefill = _engine(tiny_llama_dir, "prefill", kv_lease_s=1.0)
+    try:
+        prompt, other = _prompt(40, 100), _prompt(41, 40)
+        expected, _ = _run(both, "ref-stall", prompt, GREEDY)
+        expected_other, _ = _run(both, "ref-stall-other", other, GREEDY)
+        _, prefilled = _run(prefill, "p-stall", prompt, GREEDY)
+        lease = prefilled.kv_transfer
+        assert lease is not None
+        with Relay((lease["host"], lease["port"]), limit_bytes=1000, hold=True) as relay:
+            decode.add_request("d-stall", prompt, GREEDY, kv_source=_source(prefilled, via=relay.address))
+            wait_until(relay.cut.is_set, "the transfer to stall")
+            # Meanwhile another request is admitted, decoded and finished; the stalled one waits, unadmitted.
+            got, _ = _run(decode, "d-stall-other", other, GREEDY)
+            assert got == expected_other
+            assert decode.stats().kv_transfer["pulls_in_flight"] == 1 and decode.scheduler.num_waiting == 1
+            relay.release()
+            tokens: list[int] = []
+            final = None
+            while final is None:
+                for delta in decode.step():
+                    tokens += [t for c in delta.completions for t in c.token_ids]
+                    if delta.finished:
+                        final = delta
+        assert {0: tokens} == expected
+        assert final.kv_pull is not None and final.kv_pull["error"].startswith("transfer failed")
+        assert _settled(decode)
+        # Never delivered, the lease expires on the prefill replica.
+        wait_until(lambda: _settled(prefill), "the undelivered lease to expire")
+    finally:
+        prefill.close()
+
+
+def test_aborting_a_request_while_its_blocks_are_on_the_wire_leaves_nothing(engines) -> None:
+    _, prefill, decode = engines
+    prompt = _prompt(42, 90)
+    _, prefilled = _run(prefill, "p-abort", prompt, GREEDY)
+    lease = prefilled.kv_transfer
+    assert lease is not None
+    with Relay((lease["host"], lease["port"]), limit_bytes=1000, hold=True) as relay:
+        decode.add_request("d-abort", prompt, GREEDY, kv_source=_source(prefilled, via=relay.address))
+        wait_until(relay.cut.is_set, "the transfer to be under way")
+        assert decode.abort("d-abort")
+        finals = [d for d in decode.step() if d.request_id == "d-abort" and d.finished]
+        assert finals and finals[0].finish_reasons == ["abort"]
+        relay.release()
+    wait_until(lambda: _settled(decode), "the decode replica to settle")
+    # The late result of the cut pull is dropped: the same lease is still the prefill replica's to give.
+    got, final = _run(decode, "d-abort-again", prompt, GREEDY, kv_source=_source(prefilled))
+    assert final.kv_pull == {"pulled_tokens": 80, "error": None}
+    assert got == _run(engines[0], "ref-abort", prompt, GREEDY)[0]
+    wait_until(lambda: _settled(prefill), "the delivered lease to be released")
+
+
+def test_a_lease_under_a_lora_adapter_is_pulled_only_under_the_same_adapter(tiny_llama_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    from engine.lora.registry import LoRARequest
+    from tests.engine.test_lora_serving import ALL, strong_bundle
+
+    adapter = LoRARequest("a", str(strong_bundle(tiny_llama_dir, tmp_path / "a", 1, ALL, 8)))
+    both, prefill, decode = (_engine(tiny_llama_dir, role, max_loras=1)
+                             for role in ("both", "prefill", "decode"))
+    try:
+        prompt = _prompt(43, 70)
+        expected, _ = _run(both, "ref-lora", prompt, GREEDY, lora=adapter)
+        base, _ = _run(both, "ref-base", prompt, GREEDY)
+        assert expected != base  # the adapter changes the tokens: its K/V differ from the base model's
+        _, prefilled = _run(prefill, "p-lora", prompt, GREEDY, lora=adapter)
+        got, final = _run(decode, "d-base", prompt, GREEDY, kv_source=_source(prefilled))
+        assert got == base
+        assert final.kv_pull is not None and final.kv_pull["error"].startswith("refused: lora does not match")
+        got, final = _run(decode, "d-lora", prompt, GREEDY, lora=adapter, kv_source=_source(prefilled))
+        assert got == expected and final.kv_pull == {"pulled_tokens": 64, "error": None}
+        wait_until(lambda: _settled(prefill), "the delivered lease to be released")
+    finally:
+        for engine in (both, prefill, decode):
+            engine.close()
