@@ -172,4 +172,8 @@ def test_prefill_and_decode_replicas_over_http_and_tcp(tiny_llama_dir: Path, tmp
         load = _load(decode_url)
         assert load.kv_transfer["pulls_in_flight"] == 0 and load.kv_transfer["failed_pulls"] == 3
         assert load.free_kv_blocks == load.num_kv_blocks  # nothing held on the decode side
+        metrics = httpx.get(f"{decode_url}/metrics", timeout=10).text.splitlines()
+        failed = [m for m in metrics if m.startswith("tollgate_engine_kv_transfer_events_total")
+                  and 'kind="failed_pulls"' in m]
+        assert len(failed) == 1 and failed[0].endswith(" 3.0"), failed
     reference.close()
