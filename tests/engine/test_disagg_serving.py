@@ -2,8 +2,9 @@
 them over real TCP sockets (in-process engines, float32 tiny random checkpoint on the CPU).
 
 Greedy (and seeded) outputs equal a colocated engine's for plain prompts, prompts longer than a prefill
-chunk, prefix hits on either side and n > 1; refusals (salt, model, KV dtype, LoRA adapter) and faults
-(dropped connection, expired lease) recompute or fail cleanly, and leases and held blocks return to zero.
+chunk, prefix hits on either side, n > 1, a LoRA adapter and an FP8 KV cache; refusals (salt, model, KV
+dtype and layout, LoRA adapter) and faults (dropped connection, stalled transfer, abort mid-pull, expired
+lease) recompute or fail cleanly, and leases and held blocks return to zero.
 """
 
 from __future__ import annotations
@@ -352,6 +353,25 @@ def test_a_lease_under_a_lora_adapter_is_pulled_only_under_the_same_adapter(tiny
         assert final.kv_pull is not None and final.kv_pull["error"].startswith("refused: lora does not match")
         got, final = _run(decode, "d-lora", prompt, GREEDY, lora=adapter, kv_source=_source(prefilled))
         assert got == expected and final.kv_pull == {"pulled_tokens": 64, "error": None}
+        wait_until(lambda: _settled(prefill), "the delivered lease to be released")
+    finally:
+        for engine in (both, prefill, decode):
+            engine.close()
+
+
+def test_fp8_kv_blocks_move_between_fp8_replicas_only(tiny_llama_dir: Path, engines) -> None:
+    _, _, float32_decode = engines
+    both, prefill, decode = (_engine(tiny_llama_dir, role, kv_cache_dtype="fp8")
+                             for role in ("both", "prefill", "decode"))
+    try:
+        prompt = _prompt(44, 90)
+        expected, _ = _run(both, "ref-fp8", prompt, GREEDY)
+        _, prefilled = _run(prefill, "p-fp8", prompt, GREEDY)
+        _, final = _run(float32_decode, "d-fp8-f32", prompt, GREEDY, kv_source=_source(prefilled))
+        assert final.kv_pull is not None and final.kv_pull["pulled_tokens"] == 0
+        assert final.kv_pull["error"].startswith("refused: fingerprint does not match")  # KV dtype and scales
+        got, final = _run(decode, "d-fp8", prompt, GREEDY, kv_source=_source(prefilled))
+        assert got == expected and final.kv_pull == {"pulled_tokens": 80, "error": None}
         wait_until(lambda: _settled(prefill), "the delivered lease to be released")
     finally:
         for engine in (both, prefill, decode):
