@@ -21,13 +21,13 @@ from fastapi import APIRouter, FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from admin_ui.records import bind_records, install_records
-from admin_ui.views import auth, batches, cache, engines, prices, tenants, usage
+from admin_ui.views import adapters, auth, batches, cache, engines, prices, tenants, usage
 from admin_ui.web import PACKAGE_DIR, install_handlers
 
 __all__ = ["install", "lifespan", "router"]
 
 router = APIRouter(include_in_schema=False)
-for module in (auth, tenants, usage, engines, cache, batches, prices):
+for module in (auth, tenants, adapters, usage, engines, cache, batches, prices):
     router.include_router(module.router)
 router.include_router(auth.catch_all)
 

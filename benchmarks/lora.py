@@ -88,7 +88,7 @@ def cold_load(llm: Any, bundles: list[Path], repeat: int) -> dict[str, float]:
         started = time.perf_counter()
         adapter = load_adapter(bundle, runner.args)
         read = time.perf_counter()
-        runner.lora._load(1, adapter)  # the copy into a device slot, as ``LoRASlots.assign`` does it
+        runner.lora.load(1, adapter)  # the copy into a device slot, as the runner makes it
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         reads.append(read - started)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 from engine.kv.connector import RemoteKV
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.registry import LoRARequest, by_id
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineStats, RequestDelta, RequestValidationError, Timings, Usage
@@ -217,6 +218,16 @@ class AsyncEngine:
     def render_metrics(self) -> bytes:
         return self.metrics.render()
 
+    def check_adapter(self, lora: str) -> LoRAAdapter:
+        """The adapter ``lora`` of the replica's store, read and checked against the served model as a
+        request for it would be (and then held read); ``RequestValidationError`` (param ``lora``) if it
+        cannot be served here. Reads files: call it off the event loop."""
+        return self.engine.adapters.get(by_id(lora, self.config.lora_dir))
+
+    def resident_adapters(self) -> list[str]:
+        """The ids of the adapters held read (``LoadReport.adapters``)."""
+        return self.engine.adapters.resident()
+
     def stalled(self, stall_s: float, max_failed_steps: int = 3) -> str | None:
         """Why this replica should be restarted, or None: its loop thread is gone, it has had work for
         ``stall_s`` seconds without finishing a step (a hung kernel, a collective waiting on a dead
@@ -286,7 +297,9 @@ class AsyncEngine:
         adapter = None
         if lora is not None:
             adapter = by_id(lora, self.config.lora_dir)
-            self.engine.adapters.get(adapter)  # read and checked now: a 400 before anything is queued
+            # Read and checked now: a 400 before anything is queued. Off the event loop (a cold bundle
+            # is read from disk), so other requests' streams keep flowing meanwhile.
+            await asyncio.to_thread(self.engine.adapters.get, adapter)
         grammar = self._grammar if params.structured else None
         if params.structured and grammar is None:
             raise RequestValidationError(

@@ -66,6 +66,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
+from engine.kv.block_hash import adapter_cache_salt
 from engine.kv.cache import KVCache
 from engine.kv.connector import KVConnector, RemoteKV
 from engine.kv.events import KVEventLog
@@ -223,7 +224,7 @@ class LLMEngine:
         if adapter is not None:
             # The prefix cache never shares blocks across adapters: their K/V differ. Keyed by the
             # adapter's contents, so a bundle replaced under the same name never meets the old blocks.
-            cache_salt = f"{cache_salt or ''}|lora:{adapter.digest}"
+            cache_salt = adapter_cache_salt(cache_salt, adapter.digest)
         if pooling is not None:
             if params.n != 1:
                 raise RequestValidationError("an embedding request has exactly one completion (n = 1)", "n")
@@ -253,6 +254,8 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         self._stats.prompt_tokens += len(prompt)
+        if lora is not None:
+            self.adapters.count_request(lora.name)
         if kv_source is not None and self.connector is not None:
             for seq in seqs:
                 seq.kv_pull = True
@@ -595,6 +598,7 @@ class LLMEngine:
             num_requests_finished=dict(s.num_requests_finished),
             speculation=dict(s.speculation),
             kv_transfer=self.connector.stats() if self.connector is not None else {},
+            lora=self.adapters.stats(self.runner.lora) if self.config.max_loras else None,
             step_time_s=s.step_time_s,
             tokens_per_s=s.tokens_per_s,
             ttft_s=s.ttft_s,

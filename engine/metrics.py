@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from engine.lora.stats import LoRAStats
 from engine.outputs import EngineStats, Timings
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -106,6 +108,8 @@ class _StatsCollector(Collector):
                       s.speculation.get("drafted_tokens", 0))
         yield counter("tollgate_engine_spec_accepted_tokens", "Draft tokens accepted (speculative decoding).",
                       s.speculation.get("accepted_tokens", 0))
+        if s.lora is not None:
+            yield from _lora(s.lora, names, values)
         yield from self._vllm(s)
         finished = CounterMetricFamily("tollgate_engine_sequences_finished",
                                        "Finished sequences by finish reason.", labels=[*names, "reason"])
@@ -129,6 +133,30 @@ class _StatsCollector(Collector):
 
 _TRANSFER_COUNTERS = frozenset({"pulls", "pulled_blocks", "failed_pulls", "leases", "delivered_leases",
                                 "expired_leases", "refused_pulls"})
+
+
+def _lora(s: LoRAStats, names: list[str], values: list[str]) -> Iterator[Metric]:
+    """LoRA adapters (``engine.lora.stats``), by tier (``host``: bundles read into host memory,
+    ``device``: adapters copied into device slots), and requests by adapter."""
+    yield from _labelled(CounterMetricFamily, "tollgate_engine_lora_loads",
+                         "LoRA adapters loaded: bundles read into host memory, copies into device slots.",
+                         names, values, "tier", s.loads)
+    yield from _labelled(CounterMetricFamily, "tollgate_engine_lora_evictions",
+                         "LoRA adapters evicted to make room: from the host LRU, from device slots.",
+                         names, values, "tier", s.evictions)
+    yield from _labelled(GaugeMetricFamily, "tollgate_engine_lora_resident_adapters",
+                         "LoRA adapters held in host memory and in device slots.", names, values, "tier",
+                         s.resident)
+    seconds = HistogramMetricFamily("tollgate_engine_lora_load_seconds",
+                                    "Time to load a LoRA adapter: read and check a bundle (host), copy it "
+                                    "into a device slot (device).", labels=[*names, "tier"])
+    for tier, histogram in sorted(s.load_seconds.items()):
+        buckets = [(floatToGoString(bound), count) for bound, count in histogram.buckets]
+        seconds.add_metric([*values, tier], buckets, histogram.sum)
+    yield seconds
+    yield from _labelled(CounterMetricFamily, "tollgate_engine_lora_requests",
+                         "Requests accepted, by the LoRA adapter they named.", names, values, "adapter",
+                         s.requests)
 
 
 def _labelled(family: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,

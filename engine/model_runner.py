@@ -58,7 +58,8 @@ from engine.kv.remote import RemoteKVWorker, kv_identity
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model, quantized_args, read_kv_scales
-from engine.lora.layers import LoRASlots, install
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.layers import LoRASlots, install, shard_adapter
 from engine.models.config import ModelArgs
 from engine.rank_workers import RankWorkers, serve, start_rank
 from engine.sampler import HostSampled, Sampled, Sampler, SamplingInputs
@@ -214,9 +215,8 @@ class ModelRunner:
             self.kv_remote = RemoteKVWorker(self.kv_caches, identity)
         self.lora: LoRASlots | None = None
         if config.max_loras:
-            if size > 1:
-                raise ValueError("LoRA adapters need tensor_parallel_size 1 for now")
-            self.lora = install(self.model, args, config.max_loras, config.max_lora_rank)
+            self.lora = install(self.model, args, config.max_loras, config.max_lora_rank, shard, self.tp,
+                                use_kernels=self.device.type == "cuda")
         self._graphs: DecodeGraphs | None = None
         use_graphs = self.device.type == "cuda" and self.attention_backend.name == "triton"
         if use_graphs and not config.enforce_eager:
@@ -306,13 +306,37 @@ class ModelRunner:
         self.transfer(batch.transfers)  # before the forward pass overwrites an evicted block
         self.load_pulled(batch.kv_loads)
         inputs = self.input_batch.build(batch, self._previous_rows)
+        lora = self._lora_step(inputs)
         if self.workers is not None:
-            self.workers.send(("forward", _worker_inputs(inputs)))
+            worker_inputs = _worker_inputs(inputs)
+            if lora is None or not lora.loads:
+                self.workers.send(("forward", (worker_inputs, lora)))
+            else:  # each rank loads its own shard of a new adapter
+                self.workers.send_each([("forward", (worker_inputs, self._lora_for_rank(lora, rank)))
+                                        for rank in range(1, self.tp.size)])
+        if lora is not None and lora.loads:
+            lora = self._lora_for_rank(lora, self.tp.rank)
         previous = self._previous_sample if inputs.pending_rows.size else None
-        work = self.executor.submit(self._forward, inputs, previous, step=True)
+        work = self.executor.submit(self._forward, inputs, previous, lora, step=True)
         self._previous_rows = {seq.seq_id: row for row, seq in enumerate(inputs.sampled)}
         self._previous_sample = None
         return Forward(inputs, work)
+
+    def _lora_step(self, inputs: StepInputs) -> LoRAStep | None:
+        """The step's adapters in slots (host bookkeeping, rank 0) and each token row's slot."""
+        if self.lora is None or not inputs.lora_rows:
+            return None
+        slot_of, loads = self.lora.plan(adapter for adapter, _, _ in inputs.lora_rows)
+        slots = np.zeros(inputs.num_tokens, dtype=np.int64)
+        for adapter, first, n in inputs.lora_rows:
+            slots[first:first + n] = slot_of[adapter.digest]
+        return LoRAStep(slots, loads)
+
+    def _lora_for_rank(self, step: LoRAStep, rank: int) -> LoRAStep:
+        """``step`` with the adapters it loads cut to rank ``rank``'s shard (``shard_adapter``)."""
+        shard = self.shard if rank == self.tp.rank else ShardSizes.of(self.args, rank, self.tp.size,
+                                                                      self.tp.expert_parallel)
+        return LoRAStep(step.slots, [(slot, shard_adapter(a, self.args, shard)) for slot, a in step.loads])
 
     def sample(self, forward: Forward, sampler: Sampler) -> Step:
         """Submit the sampling of a submitted forward pass (its ``inputs.sampling`` complete: grammar
@@ -376,8 +400,10 @@ class ModelRunner:
     def run_on_worker(self, kind: str, payload: object) -> None:
         """A worker rank runs what rank 0 sent (``engine.rank_workers``), in order."""
         if kind == "forward":
-            assert isinstance(payload, StepInputs)
-            self.executor.submit(self._forward, payload, None).result()
+            assert isinstance(payload, tuple)
+            inputs, lora = payload
+            assert isinstance(inputs, StepInputs)
+            self.executor.submit(self._forward, inputs, None, lora).result()
         elif kind == "transfer":  # its reads are rank 0's to do (``engine.kv.transfer``)
             self.transfer(payload)  # type: ignore[arg-type]
             self._check_transfers()
@@ -389,7 +415,8 @@ class ModelRunner:
         return self.forward(batch).work.result().logits
 
     # ---- device side --------------------------------------------------------------------------------
-    def _forward(self, inputs: StepInputs, previous: Work[Sampled] | None) -> Forwarded:
+    def _forward(self, inputs: StepInputs, previous: Work[Sampled] | None,
+                 lora_step: LoRAStep | None = None) -> Forwarded:
         input_ids, positions, meta, logits_indices = self._device_inputs(inputs)
         if previous is not None:  # decode inputs sampled by the previous step, never seen by the host
             rows = upload(inputs.pending_rows, self.device)
@@ -397,13 +424,11 @@ class ModelRunner:
             input_ids[rows] = previous.result().token_ids[sources]
         if self.tp.enabled:  # rank 0's ids (pending ones resolved on its device) to every rank
             self.tp.broadcast(input_ids)
-        lora = self.lora if inputs.lora_rows else None
-        if lora is not None:  # the step's adapters in slots; each token row bound to its sequence's
-            slot_of = lora.assign(adapter for adapter, _, _ in inputs.lora_rows)
-            slots = torch.zeros(inputs.num_tokens, dtype=torch.int64)
-            for adapter, first, n in inputs.lora_rows:
-                slots[first:first + n] = slot_of[adapter.digest]
-            lora.bind(slots.to(self.device))
+        lora = self.lora if lora_step is not None else None
+        if lora is not None and lora_step is not None:  # new adapters copied in; each token row bound
+            for slot, adapter in lora_step.loads:
+                lora.load(slot, adapter)
+            lora.bind(lora_step.slots, self.device)
         try:
             if self._graphs is not None and lora is None and self._graphs.covers(meta):
                 hidden = self._graphs.replay(input_ids, positions, meta)  # [T, hidden]
@@ -518,6 +543,15 @@ def _worker_inputs(inputs: StepInputs) -> StepInputs:
     return StepInputs(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
                       inputs.seq_lens, inputs.block_tables, inputs.logits_indices, inputs.pending_rows,
                       inputs.pending_sources, inputs.query_lens, inputs.context_lens, [], None)
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """A step's LoRA work, decided on rank 0's host: the adapters to copy into slots first (each rank its
+    own shard) and each token row's slot (``[T]``, 0: the base model)."""
+
+    slots: np.ndarray
+    loads: list[tuple[int, LoRAAdapter]]
 
 
 # Per prompt row: the logprob of the next prompt token, its rank, and the top values and ids (or None).

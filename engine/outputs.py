@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora.stats import LoRAStats
 from engine.usage import Usage
 
 __all__ = ["Usage"]  # the one usage value (``engine.usage``), carried by the final delta
@@ -188,6 +189,9 @@ class EngineStats:
     speculation: dict[str, int] = field(default_factory=dict)
     # Disaggregated serving: pulls, leases and their blocks (``KVConnector.stats``; empty in role both).
     kv_transfer: dict[str, int] = field(default_factory=dict)
+    # LoRA adapters (``engine.lora.stats``): loads, evictions, load times by tier, requests by adapter;
+    # None on an engine without adapter slots.
+    lora: LoRAStats | None = None
     # Moving averages over recent steps / requests.
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0

@@ -208,6 +208,24 @@ class AbortRequest(_Strict):
     request_id: str = Field(min_length=1, max_length=256)
 
 
+class AdapterCheckRequest(_Strict):
+    """``POST /lora/check``: read the adapter ``lora`` of the replica's adapter store and check it against
+    the served model, as serving it would (``engine.lora.adapter``)."""
+
+    lora: str = Field(min_length=1, max_length=128)
+
+
+class AdapterCheckResponse(BaseModel):
+    """An adapter the replica can serve: its content digest (what prefix-cache keys use), rank, the
+    projections it modifies and its weights' size in bytes (float32)."""
+
+    lora: str
+    digest: str
+    rank: int
+    target_modules: list[str]
+    num_bytes: int
+
+
 class TopLogprob(BaseModel):
     token_id: int
     logprob: float
@@ -396,6 +414,9 @@ class LoadReport(BaseModel):
     draining: bool = False
     # Disaggregated serving: pulls, leases and the blocks they hold (empty in role ``both``).
     kv_transfer: dict[str, int] = Field(default_factory=dict)
+    # The LoRA adapters (ids in its adapter store) the replica holds read in memory, most recently used
+    # last: a request for one of them starts without reading its bundle (the gateway prefers these).
+    adapters: list[str] = Field(default_factory=list)
 
 
 class PurgeRequest(_Strict):

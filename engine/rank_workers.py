@@ -80,6 +80,12 @@ class RankWorkers:
         for conn in self._conns:
             _send(conn, message)
 
+    def send_each(self, messages: list[tuple[str, Any]]) -> None:
+        """Send worker ``r`` (ranks 1..N-1) ``messages[r - 1]``: what differs by rank (its shard of a LoRA
+        adapter being loaded)."""
+        for conn, message in zip(self._conns, messages, strict=True):
+            _send(conn, message)
+
     def send_plan(self, plan: TransferPlan | None) -> None:
         """A step's tier copies to every worker: its own payload of each block read from disk (rank 0
         read them all), and no reads of its own."""

@@ -15,6 +15,9 @@
   ``wait_s``, a long poll: it answers as soon as there is one), or a snapshot of every held block hash
   when the cursor is of another engine start or too old (``engine.kv.events``;
   the wire form is ``engine.protocol.KVEventsResponse``). The gateways' routing index follows it.
+- ``POST /lora/check`` ``{"lora"}``: read and check adapter ``lora`` of the replica's adapter store
+  (``--lora-dir``) against the served model; 200 with its digest, rank, targets and size, or 400 naming
+  what does not fit. The gateway registers an adapter only after a replica said yes.
 - ``POST /kv/purge`` ``{"cache_salt"}``: drop one tenant's cached blocks from every tier (device, host,
   disk files); 200 ``{"purged_blocks": n}``.
 
@@ -62,6 +65,7 @@ from engine.gate import (
 from engine.kv.connector import RemoteKV
 from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
+from engine.lora.adapter import LoRAAdapter
 from engine.metrics import CONTENT_TYPE
 from engine.outputs import CompletionDelta, EngineStats, RequestValidationError
 from engine.pooling import PoolingParams
@@ -69,6 +73,8 @@ from engine.protocol import (
     INTERNAL_TOKEN_ENV,
     AbortRequest,
     AbortResponse,
+    AdapterCheckRequest,
+    AdapterCheckResponse,
     CacheReport,
     ErrorInfo,
     ErrorRecord,
@@ -120,6 +126,10 @@ class ServingEngine(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def check_adapter(self, lora: str) -> LoRAAdapter: ...
+
+    def resident_adapters(self) -> list[str]: ...
 
     def stalled(self, stall_s: float) -> str | None: ...
 
@@ -285,6 +295,15 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
         recent.track(stream)
         return StreamingResponse(_ndjson(stream, trace), media_type=NDJSON)
 
+    @app.post("/lora/check", response_model=None)
+    async def lora_check(body: AdapterCheckRequest) -> AdapterCheckResponse | JSONResponse:
+        try:
+            adapter = await asyncio.to_thread(engine.check_adapter, body.lora)
+        except RequestValidationError as exc:
+            return _error(400, exc.message, exc.param, code=exc.code)
+        return AdapterCheckResponse(lora=body.lora, digest=adapter.digest, rank=adapter.rank,
+                                    target_modules=list(adapter.target_modules), num_bytes=adapter.num_bytes)
+
     @app.post("/abort")
     async def abort(body: AbortRequest) -> AbortResponse:
         aborted = engine.abort(body.request_id)
@@ -338,6 +357,7 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
                               moved_blocks=s.kv_tier_moves, block_bytes=s.kv_block_bytes),
             draining=drain.draining,
             kv_transfer=dict(s.kv_transfer),
+            adapters=engine.resident_adapters(),
         )
 
     @app.get("/kv/events")

@@ -28,7 +28,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import RequestStream
 from engine.kv.block_hash import prefix_block_hashes
@@ -39,6 +39,9 @@ from engine.metrics import EngineMetrics
 from engine.outputs import CompletionDelta, EngineStats, RequestDelta, RequestValidationError, Timings, Usage
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora.adapter import LoRAAdapter
 
 
 class _Prefill:
@@ -166,6 +169,12 @@ class SyntheticEngine:
         done: concurrent.futures.Future[int] = concurrent.futures.Future()
         done.set_result(len(gone))
         return done
+
+    def check_adapter(self, lora: str) -> LoRAAdapter:
+        raise RequestValidationError("the synthetic engine serves no LoRA adapters", "lora")
+
+    def resident_adapters(self) -> list[str]:
+        return []
 
     def info(self) -> dict[str, Any]:
         return {"model": self.model_name, "pool": self.pool, "max_model_len": self.max_model_len,

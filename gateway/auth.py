@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -110,6 +111,8 @@ class Authenticator:
         self._tasks: list[asyncio.Task[None]] = []
         self._used: set[int] = set()
         self.subscribed = asyncio.Event()
+        # Called with the invalidation messages about other caches (``{"adapter_model": ...}``).
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     # -- public API -----------------------------------------------------------------------------
     async def authenticate(self, authorization: str | None) -> Principal:
@@ -140,7 +143,10 @@ class Authenticator:
         if not isinstance(data, dict):
             self.flush()
             return
-        if "key_id" in data:
+        if "adapter_model" in data:  # not about keys: for the adapter lookups (``gateway.adapters``)
+            for listener in self.listeners:
+                listener(data)
+        elif "key_id" in data:
             self._cache.pop(str(data["key_id"]), None)
         elif "api_key_id" in data:
             self._drop(lambda p: p.api_key_id == data["api_key_id"])

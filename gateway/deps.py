@@ -26,6 +26,9 @@ from billing.price_cache import PriceBookCache
 from billing.usage_spool import UsageSpool
 from engine.otel_metrics import GenAIMetrics
 from engine.tokenizer import Tokenizer
+from gateway.adapters.directory import AdapterDirectory
+from gateway.adapters.service import AdapterModels
+from gateway.adapters.store import AdapterStore, store_root
 from gateway.admission import AdmissionController, AdmissionPolicy
 from gateway.admission.resp import RedisCommands
 from gateway.auth import Authenticator, Principal
@@ -65,6 +68,9 @@ class GatewayRuntime:
     tracer: Tracer | None = None
     # Generations record the GenAI server metrics in it (``engine.otel_metrics``); None: they are off.
     genai_metrics: GenAIMetrics | None = None
+    # Tenants' adapter models: their lookup (cached) and their registration (``gateway.adapters``).
+    adapters: AdapterDirectory | None = None
+    adapter_models: AdapterModels | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _task_sender: TaskSender | None = None
     _commands: RedisCommands | None = None
@@ -88,9 +94,13 @@ class GatewayRuntime:
         ``admission_for``); ``resolver`` resolves the pools' DNS names (default: the system's)."""
         settings = cls.configure(settings)
         engine = EngineClient.for_settings(settings)
-        return cls(settings=settings, redis=redis, sessions=sessions, engine=engine,
-                   router=cls.router_for(settings, engine, resolver),
-                   auth=Authenticator(sessions, redis, settings),
+        router = cls.router_for(settings, engine, resolver)
+        auth = Authenticator(sessions, redis, settings)
+        adapters = AdapterDirectory(sessions, router, settings.key_cache_ttl_s)
+        auth.listeners.append(adapters.invalidate)
+        return cls(settings=settings, redis=redis, sessions=sessions, engine=engine, router=router, auth=auth,
+                   adapters=adapters,
+                   adapter_models=AdapterModels(settings, router, engine, AdapterStore(store_root(settings))),
                    admission=cls.admission_for(redis, settings),
                    prices=PriceBookCache(sessions, PRICE_REFRESH_INTERVAL_S),
                    usage_spool=UsageSpool(settings.usage_spool_dir or settings.data_dir / "spool",

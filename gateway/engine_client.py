@@ -55,6 +55,8 @@ from engine.protocol import (
     DRAINING_CODE,
     AbortRequest,
     AbortResponse,
+    AdapterCheckRequest,
+    AdapterCheckResponse,
     DeltaRecord,
     ErrorRecord,
     FinalRecord,
@@ -300,6 +302,32 @@ class EngineClient:
         if not isinstance(purged, int) or isinstance(purged, bool):
             raise EngineUnavailable(f"{base_url}/kv/purge: unreadable answer")
         return purged
+
+    async def check_adapter(self, base_url: str, lora: str) -> AdapterCheckResponse:
+        """``POST /lora/check``: the replica reads adapter ``lora`` of its store and checks it against its
+        model. ``InvalidRequestError`` with the replica's reason when it cannot serve it;
+        ``EngineUnavailable`` when the replica did not answer (ask another)."""
+        body = AdapterCheckRequest(lora=lora).model_dump_json().encode()
+        url = f"{base_url}/lora/check"
+        try:
+            response = await self._send("POST", url, body, self._request_timeout_s,
+                                        {"Content-Type": "application/json"})
+            try:
+                status, content = response.status, await response.read()
+            finally:
+                response.release()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineUnavailable(f"{url}: {type(exc).__name__}") from exc
+        if status == 400:
+            error = _error_for_status(status, content)
+            raise InvalidRequestError(getattr(error, "message", "The adapter cannot be served."),
+                                      code="invalid_adapter")
+        if status != 200:
+            raise EngineUnavailable(f"{url}: HTTP {status}")
+        try:
+            return AdapterCheckResponse.model_validate(orjson.loads(content))
+        except (ValueError, ValidationError) as exc:
+            raise EngineUnavailable(f"{url}: unreadable answer") from exc
 
     async def _get(self, base_url: str, path: str, model: type[M]) -> M:
         """Raises ``EngineUnavailable`` on any failure (probes decide health on it)."""

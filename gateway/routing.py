@@ -141,6 +141,8 @@ class Replica:
     draining: bool = False
     # Left its pool (discovery): never routed to again, whatever a late probe says.
     retired: bool = False
+    # LoRA adapters (store ids) it holds read: its last ``/load`` report, plus those sent to it since.
+    adapters: set[str] = field(default_factory=set)
 
     @property
     def load_score(self) -> float:
@@ -154,6 +156,15 @@ class Replica:
         return self.inflight - least_inflight >= WATERMARK_INFLIGHT_GAP
 
 
+@dataclass(frozen=True, slots=True)
+class ServedAdapter:
+    """A tenant's LoRA adapter a request runs through: its id in the adapter store (what the engine is
+    asked for) and the digest of its contents (what its prefix-cache keys are salted with)."""
+
+    store_id: str
+    digest: str
+
+
 @dataclass(eq=False)
 class ModelRoute:
     name: str
@@ -162,6 +173,15 @@ class ModelRoute:
     replicas: list[Replica] = field(default_factory=list)
     created: int = 0
     routed: list[str] = field(default_factory=list)  # the pools whose replicas this router uses for it
+    # A tenant's adapter model (``gateway.adapters``): ``name`` is its ``ft:`` id, ``base`` the served
+    # model whose replicas, tokenizer and limits it shares; for a served model ``base`` is ``name``.
+    base: str = ""
+    adapter: ServedAdapter | None = None
+
+    @property
+    def served(self) -> str:
+        """The served model whose replicas run this route's requests."""
+        return self.base or self.name
 
     def info(self) -> InfoResponse | None:
         """Limits of the model (max length, block size, vocabulary) from any replica that reported them."""
@@ -410,6 +430,7 @@ class Router:
             if replica.info is None:
                 replica.info = await self._client.info(replica.url)
             replica.load = await self._client.load(replica.url)
+            replica.adapters = set(replica.load.adapters)
         except EngineUnavailable as exc:
             if replica.retired:
                 return
@@ -504,7 +525,7 @@ class Router:
         replica.last_error = reason
 
     def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = (),
-             routing_key: bytes | None = None) -> Replica:
+             routing_key: bytes | None = None, adapter: str | None = None) -> Replica:
         route = self.models[model]
         candidates = [r for r in route.replicas if r.healthy and r not in exclude]
         if not candidates:
@@ -514,8 +535,17 @@ class Router:
             )
         if len(candidates) == 1:
             return candidates[0]
-        least = min(candidates, key=lambda r: r.load_score)
         least_inflight = min(r.inflight for r in candidates)
+        if adapter is not None:
+            # A LoRA request prefers the replicas holding its adapter read, unless they are all over their
+            # watermark: then another replica takes it (and reads it), so a busy adapter spreads.
+            holding = [r for r in candidates
+                       if adapter in r.adapters and not r.over_watermark(least_inflight)]
+            if holding:
+                candidates = holding
+                if len(candidates) == 1:
+                    return candidates[0]
+        least = min(candidates, key=lambda r: r.load_score)
         if routing_key is not None:
             preferred = max(candidates, key=lambda r: _rendezvous(routing_key, r.url))
             return least if preferred.over_watermark(least_inflight) else preferred
@@ -531,6 +561,11 @@ class Router:
         the index expects them there until the replica's events say so, the affinity policy guesses from
         it, round robin moves to the next turn)."""
         self.policy.remember(replica, block_hashes, self.clock())
+
+    @staticmethod
+    def remember_adapter(replica: Replica, adapter: str) -> None:
+        """``replica`` accepted a request for ``adapter``: it holds it read now (until its next report)."""
+        replica.adapters.add(adapter)
 
 
 def _rendezvous(key: bytes, url: str) -> bytes:

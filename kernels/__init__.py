@@ -22,6 +22,12 @@ from kernels._common import kernels_are_interpreted, launch_counts, reset_launch
 from kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 from kernels.fp8_linear import fp8_linear, fp8_linear_reference  # noqa: E402
 from kernels.fused_moe import fused_moe, fused_moe_reference, moe_align_block_size  # noqa: E402
+from kernels.lora import (  # noqa: E402
+    lora_expand,
+    lora_expand_reference,
+    lora_shrink,
+    lora_shrink_reference,
+)
 from kernels.paged_decode_attention import (  # noqa: E402
     default_num_splits,
     paged_decode_attention,
@@ -46,6 +52,10 @@ __all__ = [
     "fused_moe_reference",
     "kernels_are_interpreted",
     "launch_counts",
+    "lora_expand",
+    "lora_expand_reference",
+    "lora_shrink",
+    "lora_shrink_reference",
     "moe_align_block_size",
     "paged_decode_attention",
     "paged_decode_attention_reference",

@@ -234,6 +234,7 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
                                                    scale=scale, max_seq_len=context, num_splits=splits,
                                                    sinks=sinks, window=window)
         kernels.silu_and_mul(torch.empty((tokens, 2 * shape.intermediate_size), dtype=dtype))
+        lora_launches(shape, dtype, tokens)
         if shape.kv_fp8:
             fp8_cache = torch.empty(kv_cache.shape, dtype=torch.float8_e4m3fn)
             q, k, v = qkv(tokens)
@@ -283,6 +284,34 @@ def engine_launches(shape: ServedShape, dtype: torch.dtype, arch: int = 90) -> l
                                   w2_bias=w2_bias, activation=activation, w13_scale=w13_scale,
                                   w2_scale=w2_scale)
     return launches
+
+
+def lora_launches(shape: ServedShape, dtype: torch.dtype, tokens: int = 5) -> None:
+    """LoRA's shrink and expand on every projection ``engine.lora.layers`` wraps (fused q/k/v and gate/up
+    with a rank block per part; attention only on a mixture of experts), two adapters' groups of tokens,
+    ranks up to 16 and 64 (their tiles differ). Launched as the engine launches them; record them with
+    :func:`kernels._common.recorded_launches`."""
+    import kernels
+
+    h, kvh, d, hidden = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
+    inter = shape.intermediate_size
+    projections = [((h * d, kvh * d, kvh * d), hidden), ((hidden,), h * d)]  # (parts' widths, in)
+    if not shape.num_experts:
+        projections += [((inter, inter), hidden), ((hidden,), inter)]
+    rows = torch.arange(tokens, dtype=torch.int64)
+    starts = torch.tensor([0, 2, tokens], dtype=torch.int64)
+    slots = torch.tensor([1, 3], dtype=torch.int64)
+    ranks = torch.tensor([0, 8, 0, 16, 0], dtype=torch.int32)
+    for max_rank in (16, 64):
+        for widths, k_in in projections:
+            parts, n_out = len(widths), sum(widths)
+            bounds = tuple(sum(widths[:i]) for i in range(1, parts))
+            a = torch.empty((5, parts * max_rank, k_in), dtype=dtype)
+            b = torch.empty((5, n_out, parts * max_rank), dtype=dtype)
+            shrunk = kernels.lora_shrink(torch.empty((tokens, k_in), dtype=dtype), a, rows, starts, slots, 3,
+                                         ranks=ranks, rank_stride=max_rank)
+            kernels.lora_expand(shrunk, b, rows, starts, slots, 3, torch.empty((tokens, n_out), dtype=dtype),
+                                ranks=ranks, rank_stride=max_rank, part_bounds=bounds)
 
 
 def _bind(launch: Any, backend: Any) -> tuple[Any, dict, dict, dict]:

@@ -15,12 +15,14 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "keys": ("tollgate.commands.tenants", "keys"),
     "model": ("tollgate.commands.model", "model"),
     "engine": ("tollgate.commands.model", "engine"),
+    "fetch-model": ("tollgate.commands.model_fetch", "fetch_model"),
     "gateway": ("tollgate.commands.gateway", "gateway"),
     "prices": ("tollgate.commands.prices", "prices"),
     "batches": ("tollgate.commands.batches", "batches"),
     "billing": ("tollgate.commands.billing", "billing"),
     "statements": ("tollgate.commands.statements", "statements"),
     "admins": ("tollgate.commands.admins", "admins"),
+    "adapters": ("tollgate.commands.adapters", "adapters"),
 }
 
 

@@ -436,7 +436,7 @@ BATCH_ITEM_STATUSES = ("pending", "running", "completed", "failed", "cancelled",
 class File(Base):
     __tablename__ = "files"
     __table_args__ = (
-        CheckConstraint("purpose IN ('batch', 'batch_output')", name="purpose"),
+        CheckConstraint("purpose IN ('batch', 'batch_output', 'fine-tune')", name="purpose"),
         CheckConstraint("bytes >= 0", name="bytes_non_negative"),
         Index("ix_files_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_files_expires_at", "expires_at"),
@@ -452,6 +452,36 @@ class File(Base):
     storage_key: Mapped[str] = mapped_column(String(512), nullable=False)
     created_at: Mapped[datetime] = _created_at()
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Adapter(Base):
+    """A tenant's LoRA adapter, served as the model ``model`` (``ft:<base>:<tenant>:<name>:<id>``) on
+    ``base_model`` (``gateway.adapters``). Its bundle is ``<adapter store>/<id>/``; ``digest`` is the
+    engine's digest of its contents (the prefix cache's key). A deleted adapter keeps its row (the
+    ledger names its model) with ``deleted_at`` set; its name is free again for a new registration."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        CheckConstraint("rank > 0 AND bytes >= 0", name="sizes"),
+        Index("ix_adapters_tenant_id_name_live", "tenant_id", "name", unique=True,
+              postgresql_where=text("deleted_at IS NULL")),
+        Index("ix_adapters_tenant_id_created_at", "tenant_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    tenant_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False
+    )
+    name: Mapped[str] = mapped_column(String(64), nullable=False)
+    base_model: Mapped[str] = mapped_column(String(128), nullable=False)
+    digest: Mapped[str] = mapped_column(String(64), nullable=False)
+    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    target_modules: Mapped[list[str]] = mapped_column(ARRAY(Text), nullable=False)
+    bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    file_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = _created_at()
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Batch(Base):

@@ -57,7 +57,9 @@ class ChildLayout:
 
 
 def engine_specs(layout: ChildLayout, model_dir: Path, env: dict[str, str]) -> list[ProcessSpec]:
-    """``tollgate engine`` for each replica, serving ``model_dir`` in the interactive pool."""
+    """``tollgate engine`` for each replica, serving ``model_dir`` in the interactive pool and the tenants'
+    adapters of the store the gateway writes."""
+    from gateway.adapters.store import store_root
     from tollgate.supervisor import ProcessSpec, http_probe
 
     s = layout.settings
@@ -75,6 +77,9 @@ def engine_specs(layout: ChildLayout, model_dir: Path, env: dict[str, str]) -> l
                 "--kv-disk-dir", str(kv_dir),
                 "--drain-timeout-s", str(s.drain_timeout_s),
                 "--tensor-parallel-size", str(s.engine_tensor_parallel_size),
+                "--max-loras", str(s.engine_max_loras),
+                "--max-lora-rank", str(s.engine_max_lora_rank),
+                "--lora-dir", str(store_root(s)),
             ],
             layout.logs / f"{name}.log",
             http_probe(f"http://127.0.0.1:{port}/health", s.health_check_timeout_s),

@@ -136,6 +136,10 @@ class Settings(BaseSettings):
     # ``--disk-kv-gb``; the block files under ``data_dir/kv``): what cache lifetimes are held in.
     engine_host_kv_gb: float = Field(default=0.25, ge=0)
     engine_disk_kv_gb: float = Field(default=1.0, ge=0)
+    # Tenants' LoRA adapters on the engines ``tollgate up`` starts: device slots (``--max-loras``; 0 serves
+    # none) and the highest rank they take; they read the adapter store (``adapter_dir``).
+    engine_max_loras: int = Field(default=4, ge=0)
+    engine_max_lora_rank: int = Field(default=64, ge=1)
     # Bearer token a Prometheus scrape presents at the gateway's ``GET /metrics`` (the scrape config's
     # ``authorization: {credentials: ...}``); an admin API token is accepted too. None: admin tokens only.
     metrics_token: SecretStr | None = None
@@ -180,6 +184,13 @@ class Settings(BaseSettings):
     # ``files_retention_s`` and are deleted by beat.
     file_storage_dir: Path | None = None
     files_max_bytes: int = 200 * 1024 * 1024
+    # Tenants' LoRA adapters (issue #39, ``gateway.adapters``): the adapter store is a directory every
+    # gateway writes and every engine replica reads as its ``--lora-dir`` (default
+    # ``data_dir/adapters``); a bundle (an uploaded archive, purpose ``fine-tune``) is at most
+    # ``adapter_max_bytes``, and a tenant owns at most ``max_adapters_per_tenant`` adapters at once.
+    adapter_dir: Path | None = None
+    adapter_max_bytes: int = 1024 * 1024 * 1024
+    max_adapters_per_tenant: int = 100
     files_retention_s: float = 30 * 24 * 3600.0
     batch_max_requests: int = 50_000
     batch_completion_window_s: float = 24 * 3600.0

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from admin_ui.session import CurrentAdmin, check_csrf
 from admin_ui.web import redirect, render, unit_of_work
+from gateway.adapters.service import list_adapters
 from gateway.admin import service
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.schemas import (
@@ -44,6 +45,7 @@ NOTICES = {
     "created": "Tenant created.", "updated": "Limits saved; gateways apply them at once.",
     "unchanged": "Nothing changed.", "suspended": "Tenant suspended: its requests are refused (403).",
     "reactivated": "Tenant reactivated.", "revoked": "Key revoked; gateways refuse it from now on.",
+    "adapter_deleted": "Adapter deleted: its model is gone for the tenant.",
 }
 
 
@@ -119,7 +121,7 @@ async def create_tenant(request: Request, admin: CurrentAdmin) -> Response:
 # ------------------------------------------------------------------------------------------ one tenant
 
 
-async def _tenant_page(request: Request, admin: AdminPrincipal, tenant_id: int, *, notice: str | None = None,
+async def tenant_page(request: Request, admin: AdminPrincipal, tenant_id: int, *, notice: str | None = None,
                        errors: list[str] | None = None, new_key: tuple[ApiKey, str] | None = None,
                        before_id: int | None = None, code: int = 200) -> Response:
     settings = _settings(request)
@@ -132,6 +134,7 @@ async def _tenant_page(request: Request, admin: AdminPrincipal, tenant_id: int, 
                                                 limit=AUDIT_PAGE)
         month = await service.usage(session, start=month_start, end=now, tenant_id=tenant_id,
                                     settings=settings)
+        adapters = await list_adapters(session, tenant_id)
     spent = int(month.totals.cost_pico_usd)
     budget = tenant.monthly_budget_pico_usd
     return render(request, "tenant.html", {
@@ -142,6 +145,7 @@ async def _tenant_page(request: Request, admin: AdminPrincipal, tenant_id: int, 
         "audit": entries, "audit_more": more, "audit_next": entries[-1].id if entries else None,
         "month": month.totals, "spent_pico": spent,
         "budget_percent": None if not budget else min(100.0, 100.0 * spent / budget),
+        "adapters": adapters, "served_models": [m.name for m in settings.models],
     }, admin=admin, status=code)
 
 
@@ -150,7 +154,7 @@ async def tenant(request: Request, admin: CurrentAdmin, tenant_id: TenantId,
                  done: Annotated[str | None, Query(max_length=32)] = None,
                  before_id: Annotated[int | None, Query(ge=1, le=BIGINT_MAX)] = None) -> Response:
     try:
-        return await _tenant_page(request, admin, tenant_id, notice=NOTICES.get(done or ""),
+        return await tenant_page(request, admin, tenant_id, notice=NOTICES.get(done or ""),
                                   before_id=before_id)
     except GatewayError as exc:
         return render(request, "error.html", {"title": "Not found", "message": exc.message},
@@ -164,12 +168,12 @@ async def _act(request: Request, admin: AdminPrincipal, tenant_id: int, action: 
         async with unit_of_work(request) as session:
             outcome = await action(session)
     except ValidationError as exc:
-        return await _tenant_page(request, admin, tenant_id, errors=form_errors(exc), code=400)
+        return await tenant_page(request, admin, tenant_id, errors=form_errors(exc), code=400)
     except GatewayError as exc:
         if exc.status == 404:
             return render(request, "error.html", {"title": "Not found", "message": exc.message},
                           status=404, admin=admin)
-        return await _tenant_page(request, admin, tenant_id, errors=[exc.message], code=exc.status)
+        return await tenant_page(request, admin, tenant_id, errors=[exc.message], code=exc.status)
     if isinstance(outcome, Response):
         return outcome
     return redirect(request, f"/admin/tenants/{tenant_id}", done=done)
@@ -242,9 +246,9 @@ async def purge_cache(request: Request, admin: CurrentAdmin, tenant_id: TenantId
         if exc.status == 404:
             return render(request, "error.html", {"title": "Not found", "message": exc.message},
                           status=404, admin=admin)
-        return await _tenant_page(request, admin, tenant_id, errors=[exc.message], code=exc.status)
+        return await tenant_page(request, admin, tenant_id, errors=[exc.message], code=exc.status)
     notice, errors = purge_messages(purge)
-    return await _tenant_page(request, admin, tenant_id, notice=notice, errors=errors)
+    return await tenant_page(request, admin, tenant_id, notice=notice, errors=errors)
 
 
 @router.post("/{tenant_id}/keys", include_in_schema=False)
@@ -261,10 +265,10 @@ async def create_key(request: Request, admin: CurrentAdmin, tenant_id: TenantId)
                                                actor=admin.actor)
     except ValueError as exc:  # a malformed date or a ValidationError
         errors = form_errors(exc) if isinstance(exc, ValidationError) else [f"expires at: {exc}"]
-        return await _tenant_page(request, admin, tenant_id, errors=errors, code=400)
+        return await tenant_page(request, admin, tenant_id, errors=errors, code=400)
     except GatewayError as exc:
-        return await _tenant_page(request, admin, tenant_id, errors=[exc.message], code=exc.status)
-    return await _tenant_page(request, admin, tenant_id, new_key=created,
+        return await tenant_page(request, admin, tenant_id, errors=[exc.message], code=exc.status)
+    return await tenant_page(request, admin, tenant_id, new_key=created,
                               notice="Key created. Copy the secret now: it is not shown again.")
 
 

@@ -38,6 +38,13 @@ def salt_digest(salt: str | None) -> bytes:
     return hashlib.sha256(_SALT_DOMAIN + salt.encode("utf-8")).digest()
 
 
+def adapter_cache_salt(cache_salt: str | None, adapter_digest: str) -> str:
+    """The salt of a request run through a LoRA adapter: the tenant's salt and the adapter's content
+    digest (never its name or id), so blocks are shared only by requests whose K/V are the same. The
+    engine keys its prefix cache with it, and the gateway's KV index computes the same hashes."""
+    return f"{cache_salt or ''}|lora:{adapter_digest}"
+
+
 def hash_block(parent: bytes | None, block_token_ids: Sequence[int], salt: bytes = _ZERO_DIGEST) -> bytes:
     """Digest of one full block given its parent's digest (None for the first block).
 

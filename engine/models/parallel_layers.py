@@ -21,10 +21,15 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x_r W_r^T``, neither reduced nor biased (a LoRA wrapper adds its own partial
+        product before the one all-reduce: ``engine.lora.layers``)."""
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return super().forward(x)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.partial(x))
         return y if self.bias is None else y + self.bias
 
 

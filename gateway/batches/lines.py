@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,9 @@ class LineValidator:
     endpoint: str
     known_models: frozenset[str]
     allowed_models: frozenset[str] | None
+    # The batch owner's adapter models (``gateway.adapters``), each with its base model: known too, and
+    # allowed to a key that may use the adapter's model or its base.
+    adapters: Mapping[str, str] = field(default_factory=dict)
     errors: list[dict[str, Any]] = field(default_factory=list)
     error_count: int = 0
     model: str | None = None
@@ -133,8 +136,10 @@ class LineValidator:
             self._error("invalid_request", "Streaming is not supported in batches.", number, "body.stream")
             return None
         model = request.model  # type: ignore[attr-defined]
-        if model not in self.known_models or (self.allowed_models is not None
-                                              and model not in self.allowed_models):
+        known = model in self.known_models or model in self.adapters
+        allowed = self.allowed_models is None or model in self.allowed_models or (
+            model in self.adapters and self.adapters[model] in self.allowed_models)
+        if not known or not allowed:
             self._error("model_not_found", f"The model `{model}` does not exist or you do not have access "
                         "to it.", number, "body.model")
             return None

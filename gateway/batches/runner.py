@@ -36,6 +36,7 @@ from typing import Any
 
 import orjson
 
+from gateway.adapters.service import list_adapters
 from gateway.auth import Principal
 from gateway.batches import repository as repo
 from gateway.batches.dispatch import BatchDispatcher
@@ -100,12 +101,14 @@ class BatchRunner:
                 return batch.status if batch else None
             file = await FileRepository(session, batch.tenant_id).get(batch.input_file_id)
             allowed = Principal.of_owner(*await repo.owner_of(session, batch)).allowed_models
+            adapters = {a.model: a.base_model for a in await list_adapters(session, batch.tenant_id)}
             endpoint = batch.endpoint
             input_file_id = batch.input_file_id
         if file is None:
             return await self._fail(batch_id, [batch_error(
                 "invalid_file", f"The input file {input_file_id} was not found.", param="input_file_id")])
-        validator = LineValidator(endpoint, frozenset(m.name for m in self.settings.models), allowed)
+        served = frozenset(m.name for m in self.settings.models)
+        validator = LineValidator(endpoint, served, allowed, adapters)
         lines: list[ParsedLine] = []
         number = 0
         limit = self.settings.batch_max_requests

@@ -111,15 +111,17 @@ class BatchRouter(Router):
                 and replica.inflight < self._max_inflight)
 
     def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = (),
-             routing_key: bytes | None = None) -> Replica:
-        """``routing_key`` (a line's ``prompt_cache_key``) is ignored: lines are independent."""
+             routing_key: bytes | None = None, adapter: str | None = None) -> Replica:
+        """``routing_key`` (a line's ``prompt_cache_key``) is ignored: lines are independent. A line
+        for an adapter prefers, at equal pool, a replica holding it read."""
         route: ModelRoute = self.models[model]
         candidates = [r for r in route.replicas if r.healthy and r not in exclude
                       and (r.pool != INTERACTIVE_POOL or self.soakable(r))]
         if not candidates:
             raise ServiceUnavailableError(f"No capacity for batch work on model `{model}` right now.",
                                           code="batch_no_capacity")
-        return min(candidates, key=lambda r: (r.pool == INTERACTIVE_POOL, r.load_score))
+        cold = (lambda r: adapter not in r.adapters) if adapter is not None else (lambda r: False)
+        return min(candidates, key=lambda r: (r.pool == INTERACTIVE_POOL, cold(r), r.load_score))
 
     def remember(self, replica: Replica, block_hashes: Sequence[bytes]) -> None:
         """No prefix affinity to remember for batch lines."""

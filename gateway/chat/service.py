@@ -71,8 +71,8 @@ async def start_chat_completion(runtime: GatewayRuntime, principal: Principal, r
                                 body: ChatCompletionRequest) -> Answer:
     """The chat completion, started (``gateway.openai.answers``); raises what to answer instead."""
     body.check()
-    route = lookup_model(runtime, principal, body.model)
-    tokenizer = runtime.tokenizer(route.name)
+    route = await lookup_model(runtime, principal, body.model)
+    tokenizer = runtime.tokenizer(route.served)
     choice = body.tool_choice
     if isinstance(choice, AllowedToolsChoice):  # check() has narrowed the tools and left its mode instead
         choice = choice.allowed_tools.mode

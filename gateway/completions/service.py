@@ -75,8 +75,8 @@ async def start_completion(runtime: GatewayRuntime, principal: Principal, reques
         raise InvalidRequestError(
             "Invalid 'max_tokens': generating zero tokens is not supported; use at least 1.",
             param="max_tokens", code="invalid_value")
-    route = lookup_model(runtime, principal, body.model)
-    tokenizer = runtime.tokenizer(route.name)
+    route = await lookup_model(runtime, principal, body.model)
+    tokenizer = runtime.tokenizer(route.served)
     prompt_inputs = body.prompts()
     prompts = _tokenize(tokenizer, prompt_inputs)
     max_tokens = body.max_tokens

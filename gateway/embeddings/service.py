@@ -30,7 +30,7 @@ from gateway.routing import ModelRoute
 def _dimensions(route: ModelRoute, requested: int | None) -> int:
     info = route.info()
     size = info.embedding_dimensions if info is not None else None
-    if info is not None and size is None:
+    if route.adapter is not None or (info is not None and size is None):
         raise InvalidRequestError(f"The model `{route.name}` does not support embeddings.", param="model",
                                   code="invalid_value")
     if requested is not None and size is not None and requested > size:
@@ -41,7 +41,7 @@ def _dimensions(route: ModelRoute, requested: int | None) -> int:
 
 
 def _tokenize(runtime: GatewayRuntime, route: ModelRoute, inputs: list[str | list[int]]) -> list[list[int]]:
-    tokenizer = runtime.tokenizer(route.name)
+    tokenizer = runtime.tokenizer(route.served)
     prompts = []
     for i, item in enumerate(inputs):
         if isinstance(item, str):
@@ -74,7 +74,7 @@ def _encode(vector: list[float], dimensions: int, encoding: str) -> list[float] 
 async def start_embeddings(runtime: GatewayRuntime, principal: Principal, request_id: str,
                            body: CreateEmbeddingRequest) -> Answer:
     """The embeddings, started (``gateway.openai.answers``; not streamable); raises what to answer."""
-    route = lookup_model(runtime, principal, body.model)
+    route = await lookup_model(runtime, principal, body.model)
     dimensions = _dimensions(route, body.dimensions)
     prompts = _tokenize(runtime, route, body.inputs())
     generation = await run_generation(runtime, principal, route, request_id, prompts, {"pooling": {}}, n=1,

@@ -14,7 +14,8 @@ from pydantic import BaseModel, Field
 
 from tollgate.models import File
 
-UPLOAD_PURPOSES = ("batch",)
+# ``fine-tune``: a LoRA adapter bundle, as an archive (``gateway.adapters.bundle``), to register as a model.
+UPLOAD_PURPOSES = ("batch", "fine-tune")
 # OpenAI's bounds for ``expires_after.seconds``.
 MIN_EXPIRES_AFTER_S = 3600
 MAX_EXPIRES_AFTER_S = 2_592_000

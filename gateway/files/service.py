@@ -5,7 +5,10 @@ Invariants:
   row added after; if the unit of work then fails, the orphaned object is deleted by the endpoint.
 - Deleting removes the row in the unit of work and the bytes after the commit (``StoredFile``
   returned for the caller to delete), so a failed transaction never loses a file's bytes.
-- Uploads: purpose ``batch`` only, a ``.jsonl`` name, at most ``files_max_bytes``, not empty, UTF-8.
+- Uploads: purpose ``batch``: a ``.jsonl`` name, at most ``files_max_bytes``, not empty, UTF-8; purpose
+  ``fine-tune``: a LoRA adapter bundle as an archive (``.zip``, ``.tar``, ``.tar.gz``, ``.tgz``), at most
+  ``adapter_max_bytes``, not empty; what it holds is checked when a model is created from it
+  (``gateway.adapters``).
   Line-level validation (JSON, ``custom_id``, url, body) happens when a batch is created from the file,
   so a bad line is reported with its line number there, like OpenAI does.
 - Every file expires ``files_retention_s`` after creation (or ``expires_after.seconds``, OpenAI's bounds);
@@ -22,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.adapters.bundle import ARCHIVE_SUFFIXES, is_archive_name
 from gateway.errors import InvalidRequestError, NotFoundError, RequestTooLargeError
 from gateway.files.repository import FileRepository, delete_expired_files
 from gateway.files.schemas import (
@@ -66,7 +70,8 @@ def _check_purpose(purpose: str | None) -> str:
                                   code="missing_required_parameter")
     if purpose not in UPLOAD_PURPOSES:
         raise InvalidRequestError(
-            f"Invalid 'purpose': '{purpose}' is not supported by this platform; use 'batch'.",
+            f"Invalid 'purpose': '{purpose}' is not supported by this platform; use 'batch' (a batch's "
+            "input) or 'fine-tune' (a LoRA adapter bundle).",
             param="purpose", code="invalid_value")
     return purpose
 
@@ -117,13 +122,22 @@ class FileService:
         purpose = _check_purpose(purpose)
         lifetime = _check_expires_after(expires_anchor, expires_seconds)
         name = (filename or "").rsplit("/", 1)[-1]
-        if not name.endswith(".jsonl"):
-            raise InvalidRequestError("Invalid file format for Batch API. Must be .jsonl", param="file",
-                                      code="invalid_file_format")
+        if purpose == "fine-tune":
+            if not is_archive_name(name):
+                raise InvalidRequestError(
+                    "Invalid file format for an adapter bundle: upload PEFT's adapter_config.json and "
+                    f"adapter_model.safetensors as one archive ({', '.join(ARCHIVE_SUFFIXES)})",
+                    param="file", code="invalid_file_format")
+            checked, limit = content, self.settings.adapter_max_bytes
+        else:
+            if not name.endswith(".jsonl"):
+                raise InvalidRequestError("Invalid file format for Batch API. Must be .jsonl", param="file",
+                                          code="invalid_file_format")
+            checked, limit = _checked_utf8(content), self.settings.files_max_bytes
         file_id = new_file_id()
         key = storage_key(self.tenant_id, file_id)
         try:
-            size = await self.storage.write(key, _checked_utf8(content), self.settings.files_max_bytes)
+            size = await self.storage.write(key, checked, limit)
         except FileTooLarge as exc:
             raise RequestTooLargeError(f"File too large: the limit is {exc.max_bytes} bytes.",
                                        param="file") from None

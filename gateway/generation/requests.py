@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.tokenizer import Tokenizer
+from gateway.adapters.service import is_adapter_model
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.errors import InvalidRequestError, ModelNotFoundError
@@ -26,9 +27,17 @@ def resolve_tier(runtime: GatewayRuntime, principal: Principal, requested: str |
     return requested if tiers[requested].rank <= tiers[own].rank else own
 
 
-def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> ModelRoute:
-    route = runtime.router.models.get(model)
-    if route is None or not principal.may_use(model):
+async def lookup_model(runtime: GatewayRuntime, principal: Principal, model: str) -> ModelRoute:
+    """The route of ``model`` for ``principal``: a served model its key may use, or one of its tenant's
+    adapter models (``ft:...``, ``gateway.adapters.directory``); anything else is a 404
+    ``model_not_found``, the same whether it does not exist or belongs to another tenant."""
+    if is_adapter_model(model) and runtime.adapters is not None:
+        route = await runtime.adapters.route(principal, model)
+    else:
+        route = runtime.router.models.get(model)
+        if route is not None and not principal.may_use(model):
+            route = None
+    if route is None:
         raise ModelNotFoundError(model)
     return route
 

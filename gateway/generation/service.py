@@ -70,10 +70,10 @@ from opentelemetry.trace import Span, SpanKind
 
 from billing.outbox import UsageRecord
 from billing.price_cache import PricesNotLoaded
-from billing.prices import Charge, Price, PriceNotFound, charge, max_cost_pico_usd
-from engine.kv.block_hash import prefix_block_hashes
+from billing.prices import Charge, Price, PriceNotFound, max_cost_pico_usd
+from engine.kv.block_hash import adapter_cache_salt, prefix_block_hashes
 from engine.protocol import CacheSpec, DeltaRecord, ErrorRecord, FinalRecord, GenerateRequest
-from engine.usage import SURCHARGE_KINDS, TokenKind, Usage
+from engine.usage import TokenKind, Usage
 from gateway.admission import Admission
 from gateway.admission.rejections import count_rejections
 from gateway.admission.shedding import should_shed
@@ -81,6 +81,7 @@ from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
 from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.generation.metering import billed_usage, charged, price_at
 from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
 from gateway.tenants.cache_salt import cache_salt
@@ -169,6 +170,11 @@ class Generation:
         return "pooling" in self.sampling
 
     @property
+    def _adapter_id(self) -> str | None:
+        """The adapter store id of the LoRA adapter the request runs through (None: the base model)."""
+        return None if self.route.adapter is None else self.route.adapter.store_id
+
+    @property
     def served_pool(self) -> str | None:
         """The pool of the replica that ran the (first) prompt; None if none did."""
         return self._streams[0][1].pool if self._streams else None
@@ -199,7 +205,7 @@ class Generation:
         try:
             # Priced by the row in effect when it arrived (as the ledger's rollups re-price it), not when
             # it ends: a stream running across a price change keeps the price its hold was made at.
-            price = self._price = rt.prices.price_for(self.route.name, self._created_at)
+            price = self._price = price_at(rt.prices, self.route, self._created_at)
         except PriceNotFound:
             raise ServiceUnavailableError(
                 f"The model `{self.route.name}` has no price configured and cannot be served.",
@@ -230,12 +236,16 @@ class Generation:
         # checks and the routing index's expectations look at.
         cacheable = None if self.cache is None or self.cache.prefix_tokens is None else (
             self.cache.prefix_tokens // block_size)
-        hashes = [prefix_block_hashes(p, block_size, salt)[:cacheable] for p in self.prompts]
+        adapter = self.route.adapter
+        # An adapter's blocks are keyed by its contents too, as its replicas key them (their K/V differ).
+        block_salt = salt if adapter is None else adapter_cache_salt(salt, adapter.digest)
+        hashes = [prefix_block_hashes(p, block_size, block_salt)[:cacheable] for p in self.prompts]
         # Overload shedding on the replica the first prompt would go to (before any tokens are reserved),
         # crediting the prefix it probably holds (agents resending long prefixes cost little prefill).
         with child_span(rt.tracer, "admission", attributes={"tollgate.tier": self.tier}):
             async with count_rejections(rt.redis, self.principal.tenant_id, rt.request_class, tier=self.tier):
-                first = rt.router.pick(self.route.name, hashes[0], routing_key=self._router_key)
+                first = rt.router.pick(self.route.served, hashes[0], routing_key=self._router_key,
+                                       adapter=self._adapter_id)
                 if first.load is not None:
                     cached = min(rt.router.cached_prefix_blocks(first, hashes[0]) * block_size,
                                  max(0, len(self.prompts[0]) - 1))
@@ -256,7 +266,8 @@ class Generation:
                 request = GenerateRequest(
                     request_id=engine_id, prompt_token_ids=prompt, n=self.n, max_tokens=self.max_tokens,
                     tenant=str(self.principal.tenant_id), cache_salt=salt, priority=priority,
-                    cache=self.cache, prediction_token_ids=self.prediction or None, **self.sampling,
+                    cache=self.cache, prediction_token_ids=self.prediction or None, lora=self._adapter_id,
+                    **self.sampling,
                 )
                 stream, replica, call = await self._open(request, prompt_hashes)
                 self._streams.append((stream, replica))
@@ -284,8 +295,8 @@ class Generation:
         while True:
             with child_span(tracer, "routing") as routing:
                 try:
-                    replica = router.pick(self.route.name, block_hashes, exclude=tried,
-                                          routing_key=self._router_key)
+                    replica = router.pick(self.route.served, block_hashes, exclude=tried,
+                                          routing_key=self._router_key, adapter=self._adapter_id)
                 except ServiceUnavailableError:
                     if last_error is not None:
                         raise last_error from None
@@ -320,6 +331,8 @@ class Generation:
                 replica.inflight -= 1
                 raise
             router.remember(replica, block_hashes)
+            if self._adapter_id is not None:
+                router.remember_adapter(replica, self._adapter_id)
             return stream, replica, call
 
     @property
@@ -560,20 +573,18 @@ class Generation:
         return self._record
 
     def _billed_usage(self) -> Usage:
-        """The usage to meter: within its bounds; an embedding request has no cache products."""
-        usage = self.usage.clamped()
-        if self.embedding:
-            usage = Usage({k: n for k, n in usage.counts.items() if k not in SURCHARGE_KINDS})
-        return usage
+        return billed_usage(self.usage, embedding=self.embedding)
 
     def _charge(self) -> Charge:
-        """The request's cost per kind, priced once (nothing, if pricing fails: logged)."""
-        try:
-            price = self._price or self.runtime.prices.price_for(self.route.name, self._created_at)
-            return charge(self._billed_usage(), price, self.runtime.request_class, embedding=self.embedding)
-        except Exception:
-            logger.exception("pricing request %s failed", self.request_id)
-            return Charge({})
+        """The request's cost per kind, priced once, at the price it was admitted at."""
+        price = self._price
+        if price is None:
+            try:
+                price = price_at(self.runtime.prices, self.route, self._created_at)
+            except Exception:
+                logger.exception("pricing request %s failed", self.request_id)
+        return charged(self._billed_usage(), price, self.runtime.request_class, embedding=self.embedding,
+                       request_id=self.request_id)
 
     def _usage_record(self) -> UsageRecord:
         ttft = self._ttft_ms

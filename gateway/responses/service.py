@@ -225,8 +225,8 @@ async def _plan(runtime: GatewayRuntime, principal: Principal, body: CreateRespo
     """Every check that needs no engine (model, tools, conversation, template, context length); raises
     the 400/404 to answer."""
     body.check()
-    route = lookup_model(runtime, principal, body.model)
-    tokenizer = runtime.tokenizer(route.name)
+    route = await lookup_model(runtime, principal, body.model)
+    tokenizer = runtime.tokenizer(route.served)
     choice = body.tool_choice
     tool_use = ToolUse.of(_chat_tools(body), None if isinstance(choice, ToolChoiceFunction) else choice,
                           choice.name if isinstance(choice, ToolChoiceFunction) else None)

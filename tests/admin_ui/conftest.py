@@ -63,9 +63,17 @@ def dashboard_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def dashboard_engine(dashboard_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def dashboard_adapter_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The adapter store the dashboard's gateway writes and its engine serves (``--lora-dir``)."""
+    return tmp_path_factory.mktemp("admin_ui_adapters")
+
+
+@pytest.fixture(scope="session")
+def dashboard_engine(dashboard_tiny_model: Path, dashboard_adapter_store: Path,
+                     tmp_path_factory: pytest.TempPathFactory) -> Any:
     log = tmp_path_factory.mktemp("admin_ui_engine") / "engine.log"
-    with run_engine(dashboard_tiny_model, log) as (url, _):
+    options = ("--num-kv-blocks", "512", "--max-loras", "2", "--lora-dir", str(dashboard_adapter_store))
+    with run_engine(dashboard_tiny_model, log, options=options) as (url, _):
         yield url
 
 
@@ -85,7 +93,7 @@ def dashboard_redis_url(shared_servers: Any) -> str:
 
 @pytest.fixture(scope="session")
 async def dashboard(dashboard_engine: str, dashboard_tiny_model: Path, dashboard_database: str,
-                    dashboard_redis_url: str) -> AsyncIterator[Dashboard]:
+                    dashboard_redis_url: str, dashboard_adapter_store: Path) -> AsyncIterator[Dashboard]:
     from gateway.admin import service
     from gateway.admin.uow import admin_unit_of_work
 
@@ -95,6 +103,7 @@ async def dashboard(dashboard_engine: str, dashboard_tiny_model: Path, dashboard
                                 dashboard_redis_url)
     # A batch pool whose only replica is down: the engines page probes pools the router does not own.
     settings.pools["batch"] = PoolConfig(replicas=[BATCH_REPLICA.format(port=free_port())])
+    settings.adapter_dir = dashboard_adapter_store
     email = f"ops-{uuid.uuid4().hex[:6]}@example.com"
     db = Database(dashboard_database, pool_size=1)
     async with db.session() as session:

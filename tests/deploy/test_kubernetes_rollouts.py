@@ -83,11 +83,18 @@ def test_the_disk_tier_is_a_cache_on_node_local_storage(manifests):
         assert 0 < on_disk_gib < limit_gib, name
         # Scheduled where that much local disk is free.
         assert quantity_gib(main["resources"]["requests"]["ephemeral-storage"]) >= limit_gib, name
-        # The only claim an engine mounts is the shared, read-only checkpoint volume.
-        claims = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
-        assert all(v["persistentVolumeClaim"].get("readOnly") for v in claims), name
-        assert all(manifests.get("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"])["spec"][
-            "accessModes"] == ["ReadWriteMany"] for v in claims), name
+        # The only claim an engine mounts is for the checkpoints, one every replica can mount wherever it
+        # runs: the shared read-only volume, or the node's model cache (a host directory that every node
+        # has, so the claim pins no replica to a node).
+        for volume in [v for v in spec["volumes"] if "persistentVolumeClaim" in v]:
+            source = volume["persistentVolumeClaim"]
+            claim = manifests.get("PersistentVolumeClaim", source["claimName"])["spec"]
+            assert claim["accessModes"] == ["ReadWriteMany"], name
+            if claim.get("volumeName"):
+                pv = manifests.get("PersistentVolume", claim["volumeName"])["spec"]
+                assert "hostPath" in pv and "nodeAffinity" not in pv, name
+            else:
+                assert source.get("readOnly"), name
 
 
 def test_a_broken_replica_never_blocks_a_node_drain(manifests):

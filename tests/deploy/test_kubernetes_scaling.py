@@ -17,8 +17,11 @@ from tests.deploy.manifests import (
     selects,
     tensor_parallel_size,
 )
+from tollgate.commands.model import engine as engine_command
+from tollgate.settings import Settings
 
 GPU_OVERLAYS = {"gpu", "gpu-tp", "external"}
+(MAX_NUM_SEQS,) = [p.default for p in engine_command.params if p.name == "max_num_seqs"]
 TENSOR_PARALLEL_OVERLAYS = {"gpu-tp"}
 BUNDLED_OVERLAYS = {"minimal", "gpu", "gpu-tp"}
 APP = ("beat", "gateway", "worker")
@@ -55,7 +58,7 @@ def test_gpus_only_where_the_overlay_asks_for_them(manifests):
             resources = c.get("resources", {})
             wanted = {"nvidia.com/gpu": gpus} if gpu and is_engine and c["name"] == "engine" else {}
             for kind in ("requests", "limits"):
-                got = {k: v for k, v in resources.get(kind, {}).items() if k.startswith("nvidia.com/")}
+                got = {k: int(v) for k, v in resources.get(kind, {}).items() if k.startswith("nvidia.com/")}
                 where = f"{manifests.overlay}: {workload['metadata']['name']}/{c['name']} {kind}"
                 assert got == wanted, where
         if is_engine:
@@ -80,7 +83,7 @@ def test_the_tensor_parallel_overlay_splits_each_replica_over_its_gpus(manifests
         assert size in (4, 8), name  # a 70B model in bfloat16 (140 GB) over H100s of 80 GB
         assert main["args"] == ["--tensor-parallel-size", str(size)]  # after the command's own flags
         for kind in ("requests", "limits"):
-            assert main["resources"][kind]["nvidia.com/gpu"] == size, f"{name} {kind}"
+            assert int(main["resources"][kind]["nvidia.com/gpu"]) == size, f"{name} {kind}"
 
 
 def test_tensor_parallel_ranks_get_shared_memory_host_memory_and_time_to_load(manifests):
@@ -107,33 +110,80 @@ def test_tensor_parallel_ranks_get_shared_memory_host_memory_and_time_to_load(ma
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 900, name  # 140 GB to load
 
 
-def test_keda_scales_each_engine_pool_on_its_queue(manifests):
-    scaled = {s["spec"]["scaleTargetRef"]["name"]: s for s in manifests.of_kind("ScaledObject")}
+DEMAND = re.compile(r'sum\(\{namespace="([^"]+)",service="([^"]+)",'
+                    r'__name__=~"vllm:num_requests_\(waiting\|running\)"\}\)')
+
+
+def _scaled(manifests) -> dict[str, dict]:
+    return {s["spec"]["scaleTargetRef"]["name"]: s for s in manifests.of_kind("ScaledObject")}
+
+
+def _startup_allowance_s(engine) -> float:
+    probe = pod_spec(engine)["containers"][0]["startupProbe"]
+    return probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+
+
+def test_keda_scales_each_engine_pool_on_demand_against_capacity(manifests, exposed):
+    """Demand is what the pool holds, waiting and running; capacity is a share of the sequences a replica
+    runs at once (--max-num-seqs): KEDA asks for ceil(demand / threshold) replicas."""
+    scaled = _scaled(manifests)
     if manifests.overlay not in GPU_OVERLAYS:
         assert scaled == {} and manifests.of_kind("TriggerAuthentication") == []
         return
     assert set(scaled) == set(ENGINE_POOLS)
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running"} <= set(exposed.labels)  # the engine's
     for name, pool in ENGINE_POOLS.items():
         spec = scaled[name]["spec"]
         target = manifests.get("Deployment", name)
         assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
         assert "replicas" not in target["spec"]  # re-applying must not undo KEDA
         assert spec["minReplicaCount"] < spec["maxReplicaCount"]
-        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300
-        assert behavior["scaleUp"]["stabilizationWindowSeconds"] < 300
-        (queue,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
-        query = queue["metadata"]["query"]
-        match = re.fullmatch(r'sum\(vllm:num_requests_waiting\{namespace="([^"]+)",service="([^"]+)"\}\)',
-                             query)
-        assert match, query
+        (demand,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
+        match = DEMAND.fullmatch(demand["metadata"]["query"])
+        assert match, demand["metadata"]["query"]
         namespace, service = match.groups()
         assert namespace == manifests.namespace
         assert manifests.selected_workloads(manifests.get("Service", service)["spec"]["selector"]) == [name]
-        assert float(queue["metadata"]["threshold"]) > 0
         assert pool in service
+        words = argv(pod_spec(target)["containers"][0])
+        capacity = int(option(words, "--max-num-seqs")) if "--max-num-seqs" in words else MAX_NUM_SEQS
+        threshold = float(demand["metadata"]["threshold"])
+        assert 0 < threshold <= capacity, name
+    # Interactive: room is added before a replica's batch is full (time to first token stays low).
+    (demand,) = [t for t in scaled["engine-interactive"]["spec"]["triggers"] if t["type"] == "prometheus"]
+    assert float(demand["metadata"]["threshold"]) < MAX_NUM_SEQS
     # Two at least: a rollout or a node's loss never leaves the interactive pool without a ready replica.
     assert scaled["engine-interactive"]["spec"]["minReplicaCount"] >= 2
+
+
+def test_scaling_is_sized_to_model_loads(manifests):
+    """A new replica serves only after its model load (up to the startup probe's allowance): scale-up
+    waits for demand that lasts, without waiting as long as a load; scale-down gives a replica back only
+    after lower demand has lasted as long as getting it back would take."""
+    for name, scaled in _scaled(manifests).items():
+        spec = scaled["spec"]
+        load_s = _startup_allowance_s(manifests.get("Deployment", name))
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        up, down = behavior["scaleUp"], behavior["scaleDown"]
+        where = f"{manifests.overlay}: {name}"
+        assert 0 < up["stabilizationWindowSeconds"] < load_s, where
+        assert down["stabilizationWindowSeconds"] >= load_s, where
+        assert all(p["type"] == "Pods" and p["value"] >= 1 for p in up["policies"]), where
+        assert down["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": down["policies"][0][
+            "periodSeconds"]}], where  # one replica at a time
+        if spec["minReplicaCount"] == 0:  # the last replica goes only after as long too
+            assert spec["cooldownPeriod"] >= load_s, where
+
+
+def test_a_removed_replica_lets_its_streams_finish(manifests):
+    """Scale-down, a rollout or a node drain stops an engine with SIGTERM: it drains for its
+    --drain-timeout-s, which is at least the gateway's request timeout, so no stream is cut that the
+    gateway would not have timed out; the grace period covers it (test_kubernetes.py)."""
+    request_timeout_s = manifests.tollgate_toml().get(
+        "request_timeout_s", Settings.model_fields["request_timeout_s"].default)
+    for engine in manifests.component("engine"):
+        words = argv(pod_spec(engine)["containers"][0])
+        assert float(option(words, "--drain-timeout-s")) >= request_timeout_s, engine["metadata"]["name"]
 
 
 def test_the_batch_pool_scales_to_zero_and_wakes_on_its_backlog(manifests):

@@ -77,8 +77,10 @@ PLATFORM_SETTINGS: dict[str, Any] = {
 ENGINE_TENSOR_PARALLEL_SIZE = 2
 
 
-def platform_env(database_url: str, redis_url: str, engine_url: str, model_dir: Path) -> dict[str, str]:
-    """The environment ``tollgate up`` (and every CLI call against it) runs with."""
+def platform_env(database_url: str, redis_url: str, engine_url: str, model_dir: Path,
+                 adapter_dir: Path) -> dict[str, str]:
+    """The environment ``tollgate up`` (and every CLI call against it) runs with; ``adapter_dir``: the
+    adapter store the gateway writes and the engine reads."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TOLLGATE_", "OPENAI_"))}
     pools = ["interactive", "batch"]
     env.update({
@@ -87,6 +89,7 @@ def platform_env(database_url: str, redis_url: str, engine_url: str, model_dir: 
         "TOLLGATE_REDIS_URL": redis_url,
         "TOLLGATE_MODELS": json.dumps([{"name": MODEL, "path": str(model_dir), "pools": pools}]),
         "TOLLGATE_POOLS": json.dumps({pool: {"replicas": [engine_url]} for pool in pools}),
+        "TOLLGATE_ADAPTER_DIR": str(adapter_dir),
     })
     for name, value in PLATFORM_SETTINGS.items():
         env[f"TOLLGATE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
@@ -199,9 +202,13 @@ def start_platform(shared_servers: Any, root: Path) -> Iterator[Platform]:
     try:
         # The replica splits the model over two ranks (tensor parallelism, gloo on the CPU): every e2e test
         # also shows a tensor-parallel engine serving the platform through the official SDKs.
-        engine_options = (*tiered(root / "kv"), "--tensor-parallel-size", str(ENGINE_TENSOR_PARALLEL_SIZE))
+        # It serves tenants' LoRA adapters too, from the store the platform's gateway writes.
+        adapter_dir = root / "adapters"
+        engine_options = (*tiered(root / "kv"), "--tensor-parallel-size", str(ENGINE_TENSOR_PARALLEL_SIZE),
+                          "--max-loras", "2", "--max-lora-rank", "8", "--lora-dir", str(adapter_dir))
         with run_engine(model_dir, root / "engine.log", options=engine_options) as (engine_url, _engine):
-            env = platform_env(shared_servers.postgres.url(database), redis_url, engine_url, model_dir)
+            env = platform_env(shared_servers.postgres.url(database), redis_url, engine_url, model_dir,
+                               adapter_dir)
             proc = spawn([sys.executable, "-m", "tollgate", "up", "--no-engine", "--data-dir", str(data_dir),
                           "--port", str(free_port())], log_path=log, env=env, cwd=root)
             try:

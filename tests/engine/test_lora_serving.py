@@ -142,6 +142,41 @@ def test_a_replica_serves_an_adapter_of_its_store_by_id(tiny_llama_dir: Path, tm
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora", r.text
         r = client.post("/generate", json={**body, "request_id": "base", "max_tokens": 2})
         assert r.status_code == 200
+        assert client.get("/load").json()["adapters"] == ["ft:tiny:acme:support:1"]
+
+
+def test_a_replica_checks_an_adapter_of_its_store_before_it_is_registered(tiny_llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """``POST /lora/check``: the digest, rank, targets and size of a bundle the replica can serve (the
+    digest the prefix cache keys use); a 400 naming ``lora`` that says what does not fit otherwise."""
+    import httpx
+
+    from engine.config import EngineConfig
+    from engine.lora.adapter import load_adapter
+    from engine.models.config import ModelArgs
+    from engine.server import build_engine, create_app
+    from tests.engine.test_server import _Server
+
+    store = tmp_path / "store"
+    good = strong_bundle(tiny_llama_dir, store / "good", 1, ["q_proj", "v_proj"], 4)
+    strong_bundle(tiny_llama_dir, store / "too-big", 2, ["q_proj"], 16)
+    shutil.copytree(good, store / "broken")
+    (store / "broken" / "adapter_config.json").write_text("{not json")
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_loras=1, max_lora_rank=8,
+                          lora_dir=str(store))
+    digest = load_adapter(good, ModelArgs.from_pretrained(tiny_llama_dir)).digest
+    with _Server(create_app(build_engine(config))) as server, httpx.Client(base_url=server.url,
+                                                                            timeout=60) as client:
+        r = client.post("/lora/check", json={"lora": "good"})
+        assert r.status_code == 200, r.text
+        assert r.json()["digest"] == digest and r.json()["rank"] == 4
+        assert r.json()["target_modules"] == ["q_proj", "v_proj"] and r.json()["num_bytes"] > 0
+        for lora, says in [("too-big", "r must be"), ("broken", "not JSON"), ("missing", "no bundle"),
+                           ("../good", "not an adapter id")]:
+            r = client.post("/lora/check", json={"lora": lora})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora", r.text
+            assert says in r.json()["error"]["message"]
+        assert client.get("/load").json()["adapters"] == ["good"]
 
 
 def test_attention_adapters_on_a_mixture_of_experts_equal_peft(tiny_glm4_moe_dir: Path,

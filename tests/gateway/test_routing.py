@@ -181,3 +181,23 @@ def test_watermark_overrides_the_keyed_choice(router: Router) -> None:
     assert router.pick("m", hashes(0), routing_key=key) is others[-1]
     preferred.inflight = 0
     assert router.pick("m", hashes(0), routing_key=key) is preferred
+
+
+def test_a_lora_request_prefers_the_replicas_holding_its_adapter(any_router: Router) -> None:
+    """Replicas report the adapters they hold read (``/load``); a request for one goes to a holder (by
+    its prefix among several), unless every holder is over its watermark: then to another replica, which
+    reads it and holds it too (``remember_adapter``), so a busy adapter spreads like a hot prefix."""
+    router = any_router
+    holder, other = router.replicas[2], router.replicas[1]
+    holder.adapters = {"a1"}
+    for s in range(20):
+        assert router.pick("m", hashes(s), adapter="a1") is holder
+    assert {router.pick("m", hashes(s)).url for s in range(40)} != {holder.url}  # the base model spreads
+    other.adapters.add("a1")
+    assert {router.pick("m", hashes(s), adapter="a1").url for s in range(40)} == {holder.url, other.url}
+    for replica in (holder, other):
+        replica.load = load(waiting=WATERMARK_WAITING)
+    spilled = router.pick("m", hashes(7), adapter="a1")
+    assert spilled not in (holder, other)
+    router.remember_adapter(spilled, "a1")
+    assert router.pick("m", hashes(8), adapter="a1") is spilled

@@ -192,12 +192,34 @@ async def responses_cancel(w: World) -> None:
 
 
 async def models_list(w: World) -> None:
-    # Models are the platform's, not a tenant's: both see the same list and nothing else.
-    assert (await w.a.get("/v1/models")).json() == (await w.b.get("/v1/models")).json()
+    # The served models are the platform's: both see the same; adapter models (ft:) only their owner.
+    a_models, b_models = [(await c.get("/v1/models")).json()["data"] for c in (w.a, w.b)]
+    assert not [m for m in a_models if m["id"].startswith("ft:")]
+    assert a_models == [m for m in b_models if not m["id"].startswith("ft:")]
 
 
 async def models_get(w: World) -> None:
     assert (await w.a.get(f"/v1/models/{MODEL}")).json()["owned_by"] != str(w.b_tenant)
+
+
+async def models_create(w: World) -> None:
+    # An adapter bundle is registered from the tenant's own files only: B's file does not exist for A.
+    refused = await w.a.post("/v1/models", json={"file_id": w.b_file, "name": "stolen", "base_model": MODEL})
+    _refused(refused, 404)
+    assert refused.json()["error"]["param"] == "file_id"
+
+
+async def models_delete(w: World) -> None:
+    from tollgate.models import Adapter
+
+    model = f"ft:{MODEL}:b:own:{w.b_tenant:012x}"
+    async with w.gateway.db.session() as session:
+        session.add(Adapter(id=f"{w.b_tenant:012x}", model=model, tenant_id=w.b_tenant, name="own",
+                            base_model=MODEL, digest="0" * 64, rank=1, target_modules=["q_proj"], bytes=0))
+    _refused(await w.a.delete(f"/v1/models/{model}"), 404)
+    _refused(await w.a.get(f"/v1/models/{model}"), 404)
+    assert model not in [m["id"] for m in (await w.a.get("/v1/models")).json()["data"]]
+    assert (await w.b.get(f"/v1/models/{model}")).status_code == 200  # still there, B's own
 
 
 async def files_list(w: World) -> None:
@@ -288,6 +310,8 @@ CHECKS: dict[tuple[str, str], Callable[[World], Awaitable[None]]] = {
     ("post", "/v1/responses/{response_id}/cancel"): responses_cancel,
     ("get", "/v1/models"): models_list,
     ("get", "/v1/models/{model}"): models_get,
+    ("post", "/v1/models"): models_create,
+    ("delete", "/v1/models/{model}"): models_delete,
     ("get", "/v1/files"): files_list,
     ("post", "/v1/files"): files_upload,
     ("get", "/v1/files/{file_id}"): files_get,

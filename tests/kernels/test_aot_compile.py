@@ -56,7 +56,8 @@ def test_every_kernel_is_compiled_for_each_arch_and_dtype(compiled):
         seen[r["kernel"]].add((r["arch"], r["dtype"]))
     want = {(arch, dtype) for arch in ARCHS for dtype in aot.DTYPES}
     kernels = {"rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
-               "merge_splits", "extend_attention", "fused_moe", "fp8_linear"}  # fmt: skip
+               "merge_splits", "extend_attention", "fused_moe", "fp8_linear", "lora_shrink",
+               "lora_expand"}  # fmt: skip
     assert set(seen) == kernels
     assert all(seen[k] == want for k in kernels), dict(seen)
 

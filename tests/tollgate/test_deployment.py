@@ -168,3 +168,22 @@ def test_engines_are_found_by_dns_drained_and_guarded_by_the_token(config):
         assert "--drain-timeout-s" not in engine["command"]  # the 120 s default
     for name in ("engine-interactive", "engine-batch", "gateway", "worker"):
         assert services[name]["environment"]["TOLLGATE_INTERNAL_TOKEN"] == SECRETS["TOLLGATE_INTERNAL_TOKEN"]
+
+
+def test_the_gateway_writes_the_adapter_store_every_engine_reads():
+    """Tenants' LoRA adapters: the gateway registers bundles into TOLLGATE_ADAPTER_DIR; every engine
+    serves them from the same volume (read-only) as its --lora-dir, with adapter slots."""
+    config = rendered(*TENSOR_PARALLEL)
+    services = config["services"]
+    store = services["gateway"]["environment"]["TOLLGATE_ADAPTER_DIR"]
+
+    def volume_at(service: dict, target: str) -> dict:
+        return next(v for v in service["volumes"] if v["target"] == target)
+
+    gateway_volume = volume_at(services["gateway"], store)
+    assert not gateway_volume.get("read_only")
+    for name in ("engine-interactive", "engine-batch", "engine-tp"):
+        command = services[name]["command"]
+        assert option(command, "--lora-dir") == store and int(option(command, "--max-loras")) > 0, name
+        engine_volume = volume_at(services[name], store)
+        assert engine_volume["source"] == gateway_volume["source"] and engine_volume["read_only"], name
