@@ -100,6 +100,8 @@ class Settings(BaseSettings):
     engine_port: int = 8100
     # ``tollgate up``: how many engine replicas of the model to run (ports engine_port, engine_port + 1, ...).
     engine_replicas: int = Field(default=1, ge=1, le=16)
+    # ``tollgate up``: prefill replicas beside them (disaggregated serving; 0: none, the replicas do both).
+    engine_prefill_replicas: int = Field(default=0, ge=0, le=16)
     # ``tollgate up``: ranks each replica splits the model over (``tollgate engine --tensor-parallel-size``).
     engine_tensor_parallel_size: int = Field(default=1, ge=1, le=64)
 
