@@ -6,6 +6,7 @@ gone, requests still complete on the decode replica."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,35 @@ async def test_without_its_prefill_replica_the_decode_replica_serves_alone(
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == \
             expected.json()["choices"][0]["message"]["content"]
+
+
+async def test_streamed_and_structured_answers_through_a_prefill_replica(
+        split: GatewayUnderTest, gateway: GatewayUnderTest, pair: tuple[str, str]) -> None:
+    prefill_url, _ = pair
+    key, reference = await make_tenant_key(split), await make_tenant_key(gateway)
+    leases = (await _transfer(prefill_url)).get("leases", 0)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    structured = {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "verdict", "schema": schema, "strict": True}},
+                  "max_tokens": 12}
+    content = "Structured. " + LONG * 3
+    answer = await _chat(split, key.key, content, **structured)
+    expected = await _chat(gateway, reference.key, content, **structured)
+    assert answer.status_code == 200, answer.text
+    verdict = answer.json()["choices"][0]["message"]["content"]
+    assert verdict == expected.json()["choices"][0]["message"]["content"]
+
+    async with httpx.AsyncClient(base_url=f"{split.url}/v1", timeout=120,
+                                 headers={"Authorization": f"Bearer {key.key}"}) as client:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Streamed. " + LONG * 3}],
+                "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/chat/completions", json=body) as streamed:
+            lines = [line async for line in streamed.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    plain = await _chat(gateway, reference.key, "Streamed. " + LONG * 3)
+    assert text == plain.json()["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert (await _transfer(prefill_url))["leases"] - leases == 2
