@@ -25,6 +25,8 @@ Invariants:
 - If a step raises, every in-flight request ends with an ``EngineError`` (the stream raises it) and
   the loop keeps serving new requests.
 - ``stats()`` returns the snapshot the thread took after its last step: readers never touch live state.
+- Disaggregated serving (``engine.kv.connector``): a delivered lease or a finished pull wakes the thread;
+  while leases are held it wakes at the next expiry even when idle, so stranded blocks are freed on time.
 
 This module imports no torch itself (``LLMEngine`` is imported when an ``AsyncEngine`` is built), so the
 synthetic engine can share ``RequestStream``.
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.kv.connector import RemoteKV
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.registry import LoRARequest, by_id
@@ -146,6 +149,7 @@ class _Add:
     cache_policy: CachePolicy = DEFAULT_POLICY
     prediction: list[int] | None = None
     lora: LoRARequest | None = None
+    kv_source: RemoteKV | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -197,8 +201,15 @@ class AsyncEngine:
         self._last_progress = time.monotonic()
         self._step_started: float | None = None  # while a step runs: when it began
         self._failed_steps = 0
+        connector = getattr(engine, "connector", None)
+        if connector is not None:
+            connector.add_listener(self._wake)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     # ---- public, any thread / the event loop ---------------------------------------------------
     def stats(self) -> EngineStats:
@@ -253,6 +264,7 @@ class AsyncEngine:
             "embedding_dimensions": e.runner.args.hidden_size,
             "pooling": self.pooling.mode,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "role": self.config.role,
         }
 
     async def add_request(
@@ -267,6 +279,7 @@ class AsyncEngine:
         cache_policy: CachePolicy = DEFAULT_POLICY,
         prediction: list[int] | None = None,
         lora: str | None = None,
+        kv_source: RemoteKV | None = None,
     ) -> RequestStream:
         """Validate and queue a request; iterate the returned stream for its deltas (with ``pooling``:
         one final delta carrying the embedding; ``lora``: the id of the adapter its tokens run through,
@@ -280,6 +293,7 @@ class AsyncEngine:
         prompt = list(prompt_token_ids)
         self.engine.validate_request(request_id, prompt, params)
         prediction = self.engine.validate_prediction(prediction)
+        self.engine.validate_kv_source(kv_source)
         adapter = None
         if lora is not None:
             adapter = by_id(lora, self.config.lora_dir)
@@ -293,7 +307,7 @@ class AsyncEngine:
             )
         stream = RequestStream(request_id, self.abort)
         add = _Add(request_id, prompt, params, tenant, cache_salt, priority, stream, received, pooling,
-                   cache_policy, prediction, adapter)
+                   cache_policy, prediction, adapter, kv_source)
         with self._cond:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
@@ -430,7 +444,9 @@ class AsyncEngine:
                 while not (self._adds or self._aborts or self._purges or self._stopping
                            or engine.has_unfinished()):
                     self._last_progress = time.monotonic()  # idle is not stalled
-                    self._cond.wait()
+                    next_expiry = engine.housekeeping()  # leases delivered or expired
+                    self._stats = engine.stats()
+                    self._cond.wait(None if next_expiry is None else next_expiry + 0.01)
                 if self._stopping:
                     break
                 adds, self._adds = self._adds, []
@@ -447,7 +463,7 @@ class AsyncEngine:
                                        cache_salt=add.cache_salt, priority=add.priority,
                                        arrival_time=add.arrival_time, pooling=add.pooling,
                                        cache_policy=add.cache_policy, prediction=add.prediction,
-                                       lora=add.lora)
+                                       lora=add.lora, kv_source=add.kv_source)
                 except Exception as exc:  # validated already; a late failure ends that request only
                     self._fail(add.request_id, exc)
             try:

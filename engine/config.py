@@ -84,6 +84,20 @@ class EngineConfig:
     # Mixtures of experts over the ranks: each rank holds E / N whole experts (expert parallelism),
     # instead of a slice of every expert's intermediate dimension (the default).
     enable_expert_parallel: bool = False
+    # Disaggregated serving (``engine.kv.connector``): ``both`` (prefill and decode here, no transfers),
+    # ``prefill`` (answers a request's first token and leases its prompt's blocks for ``kv_lease_s``,
+    # served on ``kv_transfer_host:kv_transfer_port``, 0: a free port; advertised as
+    # ``kv_transfer_advertise_host`` when the bound address is not reachable as such) or ``decode``
+    # (pulls a request's prompt blocks from the prefill replica it names). A failed pull: ``recompute``
+    # the prompt here, or ``fail`` the request.
+    role: str = "both"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    kv_transfer_advertise_host: str | None = None
+    kv_lease_s: float = 30.0
+    kv_transfer_failure: str = "recompute"
+    kv_transfer_timeout_s: float = 10.0
+    kv_transfer_chunk_blocks: int = 16
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,6 +146,19 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.simulated_step_ms is not None:
             raise ValueError("a simulated device (simulated_step_ms) has no tensor parallelism")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.kv_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(f"kv_transfer_failure must be recompute or fail: {self.kv_transfer_failure!r}")
+        if self.role != "both" and self.tensor_parallel_size > 1:
+            raise ValueError("a prefill or decode role needs tensor_parallel_size 1 for now")
+        if self.role == "decode" and not self.enable_prefix_caching:
+            raise ValueError("a decode replica puts the blocks it pulls in its prefix cache: it needs one")
+        if not self.kv_lease_s > 0 or not self.kv_transfer_timeout_s > 0 or self.kv_transfer_chunk_blocks < 1:
+            raise ValueError("kv_lease_s and kv_transfer_timeout_s must be > 0, kv_transfer_chunk_blocks "
+                             ">= 1")
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port must be a TCP port, got {self.kv_transfer_port}")
         if self.disk_tier and (not self.host_tier or not self.kv_disk_dir):
             raise ValueError("a disk KV tier (disk_kv_gb) needs a host tier (host_kv_gb) and kv_disk_dir")
 

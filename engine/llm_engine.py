@@ -46,10 +46,16 @@ Invariants:
 - Stop checks and usage: ``engine.output_processor``.
 - An embedding request (``pooling``, ``engine.pooling``) is never sampled: it finishes (``stop``, zero
   completion tokens) with the step its last prompt chunk runs in, with ``RequestDelta.embedding``.
+- Disaggregated serving (``config.role``, ``engine.kv.connector``): a ``prefill`` replica serves each
+  request as one completion of one token (``n = 1``, ``max_tokens = 1``) and leases its prompt's blocks
+  (the final delta's ``kv_transfer``); a ``decode`` replica takes requests naming such a lease
+  (``kv_source``), admits them once their blocks arrived, and steps the others meanwhile; an empty step
+  with pulls under way waits for one. ``housekeeping`` ends delivered and expired leases between steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence as SequenceLike
@@ -62,6 +68,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarBackend
 from engine.kv.block_hash import adapter_cache_salt
 from engine.kv.cache import KVCache
+from engine.kv.connector import KVConnector, RemoteKV
 from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.lora.registry import HostAdapters, LoRARequest
@@ -87,6 +94,17 @@ class LLMEngine:
         self.kv_events = KVEventLog()  # what every tier of the prefix cache holds, in order
         self.kv = KVCache.create(config, self.runner.num_kv_blocks, self.runner.kv_transfer, self.kv_events)
         self.scheduler = Scheduler(config, self.kv)
+        self.connector: KVConnector | None = None
+        if config.role != "both":
+            worker = self.runner.kv_remote
+            assert worker is not None
+            self.connector = KVConnector(
+                config.role, self.kv.blocks, worker, lease_s=config.kv_lease_s,
+                failure=config.kv_transfer_failure, timeout_s=config.kv_transfer_timeout_s,
+                host=config.kv_transfer_host, port=config.kv_transfer_port,
+                advertise_host=config.kv_transfer_advertise_host,
+                chunk_blocks=config.kv_transfer_chunk_blocks)
+            self.kv.attach(self.connector)
         self.adapters = HostAdapters(self.runner.args, slots=config.max_loras, max_rank=config.max_lora_rank,
                                      capacity=config.max_cpu_loras)
         self.vocab_size: int = self.runner.vocab_size
@@ -121,7 +139,10 @@ class LLMEngine:
         self.runner.flush_transfers()
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes (a restart finds every block demoted so far)."""
+        """Finish the disk tier's queued writes (a restart finds every block demoted so far); stop serving
+        and pulling KV blocks."""
+        if self.connector is not None:
+            self.connector.close()
         self.runner.close()
 
     def _grammar_backend(self) -> GrammarBackend | None:
@@ -185,13 +206,18 @@ class LLMEngine:
         cache_policy: CachePolicy = DEFAULT_POLICY,
         prediction: SequenceLike[int] | None = None,
         lora: LoRARequest | None = None,
+        kv_source: RemoteKV | None = None,
     ) -> None:
         """Queue a request (``params.n`` streams; with ``pooling``, one embedding and no tokens; its
         prompt-cache lifetimes in ``cache_policy``; ``prediction``: the output it is expected to be,
         mostly, as token ids: drafts for speculative decoding; ``lora``: the adapter its tokens run
-        through). Raises ``RequestValidationError``, changing nothing."""
+        through; ``kv_source``: on a decode replica, the prefill replica's lease on its prompt's blocks).
+        Raises ``RequestValidationError``, changing nothing."""
         if request_id in self.outputs.requests:
             raise RequestValidationError(f"request_id {request_id!r} is already in flight", "request_id")
+        self.validate_kv_source(kv_source)
+        if self.config.role == "prefill" and pooling is None:
+            params = dataclasses.replace(params, n=1, max_tokens=1)  # the first token; decode does the rest
         self.validate_request(request_id, prompt_token_ids, params)
         predicted = self.validate_prediction(prediction)
         adapter = self.adapters.get(lora) if lora is not None else None
@@ -230,6 +256,18 @@ class LLMEngine:
         self._stats.prompt_tokens += len(prompt)
         if lora is not None:
             self.adapters.count_request(lora.name)
+        if kv_source is not None and self.connector is not None:
+            for seq in seqs:
+                seq.kv_pull = True
+            if pooling is None and params.prompt_logprobs is None:  # (scoring reads no cached block)
+                self.connector.start_pull(seqs[0], kv_source)
+
+    def validate_kv_source(self, kv_source: RemoteKV | None) -> None:
+        """``RequestValidationError`` (param ``kv_transfer``) if this replica does not pull. Thread-safe."""
+        if kv_source is not None and self.config.role != "decode":
+            raise RequestValidationError(
+                f"this replica's role is {self.config.role}: only a decode replica pulls KV blocks",
+                "kv_transfer")
 
     def validate_prediction(self, prediction: SequenceLike[int] | None) -> list[int] | None:
         """The prediction as token ids; ``RequestValidationError`` (param ``prediction``) if it cannot be
@@ -291,14 +329,27 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         scheduled = time.perf_counter()
         profile.schedule_s += scheduled - started
+        failed = self.connector.take_failures() if self.connector is not None else []
+        if failed:
+            for request_id, error in failed:  # pulls that failed, in ``fail`` mode
+                self.scheduler.abort(request_id, FinishReason.ERROR)
+                delta = self.outputs.abort(request_id, FinishReason.ERROR)
+                if delta is not None:
+                    logger.info("request %s failed: its KV pull failed (%s)", request_id, error)
+                    outputs.append(delta)
         if not batch:
             for seq in drafting:
                 seq.draft_token_ids = []
             self.runner.transfer(batch.transfers)
+            self.runner.load_pulled(batch.kv_loads)
             if self._in_flight is not None:
                 outputs.extend(self._process(self._take_in_flight()))
             elif self.kv.reading():
                 self.kv.wait_for_read(timeout_s=0.05)  # every waiting prompt waits for the disk
+            elif self.connector is not None and self.connector.pulling():
+                self.connector.wait(timeout_s=0.05)  # every waiting prompt waits for its pull
+            elif failed:
+                pass  # requests ended before anything was scheduled (their pulls failed)
             elif self.scheduler.has_unfinished():
                 # Every accepted request fits the KV pool alone, so an empty step with work left is a bug.
                 raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
@@ -339,6 +390,14 @@ class LLMEngine:
             outputs.extend(self._process(self._take_in_flight()))
         self._account_step(batch, prefill_tokens, time.perf_counter() - started)
         return outputs
+
+    def housekeeping(self) -> float | None:
+        """Between steps of an idle engine: end delivered and expired leases, take in finished pulls.
+        Returns the seconds until the next lease expires (None: no lease)."""
+        if self.connector is None:
+            return None
+        self.connector.begin_step()
+        return self.connector.next_expiry_s()
 
     # ---- speculative decoding -------------------------------------------------------------------
     def _propose(self, outputs: list[RequestDelta]) -> list[Sequence]:
@@ -538,6 +597,7 @@ class LLMEngine:
             generation_tokens=s.generation_tokens,
             num_requests_finished=dict(s.num_requests_finished),
             speculation=dict(s.speculation),
+            kv_transfer=self.connector.stats() if self.connector is not None else {},
             lora=self.adapters.stats(self.runner.lora) if self.config.max_loras else None,
             step_time_s=s.step_time_s,
             tokens_per_s=s.tokens_per_s,

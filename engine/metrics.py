@@ -86,6 +86,15 @@ class _StatsCollector(Collector):
         yield from _labelled(CounterMetricFamily, "tollgate_engine_kv_tier_moved_bytes",
                              "Bytes copied between tiers, by kind of move.", names, values, "kind",
                              {k: n * s.kv_block_bytes for k, n in moves.items() if "evicted" not in k})
+        transfer = s.kv_transfer  # disaggregated serving (``engine.kv.connector``): empty in role both
+        yield from _labelled(CounterMetricFamily, "tollgate_engine_kv_transfer_events",
+                             "Disaggregated serving: pulls started, blocks pulled, pulls failed (decode); "
+                             "leases taken, delivered, expired, pulls refused (prefill).", names, values,
+                             "kind", {k: n for k, n in transfer.items() if k in _TRANSFER_COUNTERS})
+        yield from _labelled(GaugeMetricFamily, "tollgate_engine_kv_transfer_held",
+                             "Disaggregated serving now: active leases and the blocks they hold (prefill), "
+                             "pulls in flight (decode).", names, values, "kind",
+                             {k: n for k, n in transfer.items() if k not in _TRANSFER_COUNTERS})
         yield counter("tollgate_engine_preemptions", "Sequences preempted (by recompute).", s.num_preemptions)
         yield counter("tollgate_engine_fairness_preemptions", "Of the preemptions, those that gave a tenant "
                       "under its fair share of running slots a slot (also in preemptions).",
@@ -120,6 +129,10 @@ class _StatsCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(values, value)
             yield g
+
+
+_TRANSFER_COUNTERS = frozenset({"pulls", "pulled_blocks", "failed_pulls", "leases", "delivered_leases",
+                                "expired_leases", "refused_pulls"})
 
 
 def _lora(s: LoRAStats, names: list[str], values: list[str]) -> Iterator[Metric]:

@@ -54,6 +54,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.device import DeviceExecutor, HostCopy, Work, create_executor, upload
 from engine.distributed import ShardSizes, TensorParallel
 from engine.input_batch import InputBatch, StepInputs
+from engine.kv.remote import RemoteKVWorker, kv_identity
 from engine.kv.tiers import TransferPlan
 from engine.kv.transfer import KVTransfer, cache_fingerprint
 from engine.loader import load_model, quantized_args, read_kv_scales
@@ -205,6 +206,13 @@ class ModelRunner:
             peers = [cache_fingerprint(model_dir, layout, block_shape, r, size) for r in range(1, size)]
             self.kv_transfer = KVTransfer(self.kv_caches, max(1, slots), disk_dir, fingerprint,
                                           peers if rank == 0 else None)
+        # Disaggregated serving: leased blocks out, pulled blocks in (``engine.kv.remote``).
+        self.kv_remote: RemoteKVWorker | None = None
+        if config.role != "both":
+            kv_layout = f"{self.kv_dtype}|{self.kv_scales}" if self.kv_dtype != self.dtype else self.dtype
+            fingerprint = cache_fingerprint(model_dir, kv_layout, tuple(self.kv_caches[0].shape[2:]))
+            identity = kv_identity(model_dir, fingerprint, self.kv_caches)
+            self.kv_remote = RemoteKVWorker(self.kv_caches, identity)
         self.lora: LoRASlots | None = None
         if config.max_loras:
             self.lora = install(self.model, args, config.max_loras, config.max_lora_rank, shard, self.tp,
@@ -298,6 +306,7 @@ class ModelRunner:
         pending on the host are read from the previous step's sampled ids on the device."""
         self._check_transfers()
         self.transfer(batch.transfers)  # before the forward pass overwrites an evicted block
+        self.load_pulled(batch.kv_loads)
         inputs = self.input_batch.build(batch, self._previous_rows)
         lora = self._lora_step(inputs)
         if self.workers is not None:
@@ -352,6 +361,13 @@ class ModelRunner:
             if self.workers is not None:
                 self.workers.send_plan(plan)
             self._transfers.append(self.executor.submit(self._transfer, self.kv_transfer, plan))
+
+    def load_pulled(self, loads: list[tuple[int, bytes]]) -> None:
+        """Submit the copies of blocks pulled from a prefill replica into their device blocks (before the
+        forward pass that reads them)."""
+        if loads:
+            assert self.kv_remote is not None
+            self._transfers.append(self.executor.submit(self.kv_remote.load, loads))
 
     def _check_transfers(self) -> None:
         """Raise the error of a tier copy that failed (the step after it fails, not silently)."""

@@ -164,9 +164,9 @@ class OutputProcessor:
         return False
 
     # ---- deltas -----------------------------------------------------------------------------------
-    def abort(self, request_id: str) -> RequestDelta | None:
-        """End a request now (its streams already freed by the scheduler): its final delta, ``abort``
-        for every stream that had not finished. None if it is not in flight."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestDelta | None:
+        """End a request now (its streams already freed by the scheduler): its final delta, ``reason``
+        (``abort``) for every stream that had not finished. None if it is not in flight."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -175,7 +175,7 @@ class OutputProcessor:
             seq = completion.seq
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = FinishReason.ABORT
+                seq.finish_reason = reason
                 seq.finished_time = now
         return self.finish(request)
 
@@ -245,8 +245,12 @@ class OutputProcessor:
         if timings.ttft > 0:
             self.stats.ttft_s = ewma(self.stats.ttft_s, timings.ttft)
         reasons = [(s.finish_reason or FinishReason.ABORT).value for s in seqs]
+        kv_pull = None
+        if first.kv_pull:
+            kv_pull = {"pulled_tokens": max(s.num_cached_remote_tokens for s in seqs),
+                       "error": next((s.kv_pull_error for s in seqs if s.kv_pull_error), None)}
         return RequestDelta(request.request_id, completions, True, reasons, usage, timings,
-                            request.completions[0].embedding)
+                            request.completions[0].embedding, first.kv_lease, kv_pull)
 
 
 def _timings(request: Request, seqs: list[Sequence]) -> Timings:

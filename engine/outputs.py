@@ -66,6 +66,11 @@ class RequestDelta:
     timings: Timings | None = None
     # Set with ``finished`` for an embedding request (``engine.pooling``): its vector.
     embedding: list[float] | None = None
+    # Disaggregated serving (``engine.kv.connector``), set with ``finished``: on a prefill replica, where
+    # the lease on the prompt's blocks is (``host``, ``port``, ``lease_id``, ``num_tokens``); on a decode
+    # replica, what the pull brought (``pulled_tokens``) and why it failed (``error``, or None).
+    kv_transfer: dict[str, Any] | None = None
+    kv_pull: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -182,6 +187,8 @@ class EngineStats:
     # Speculative decoding: draft tokens verified, and accepted (``drafted_tokens``, ``accepted_tokens``);
     # steps that processed the step in flight first to draft (``waits``: the overlap given up).
     speculation: dict[str, int] = field(default_factory=dict)
+    # Disaggregated serving: pulls, leases and their blocks (``KVConnector.stats``; empty in role both).
+    kv_transfer: dict[str, int] = field(default_factory=dict)
     # LoRA adapters (``engine.lora.stats``): loads, evictions, load times by tier, requests by adapter;
     # None on an engine without adapter slots.
     lora: LoRAStats | None = None

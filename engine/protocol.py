@@ -107,6 +107,26 @@ class CacheSpec(_Strict):
         return CachePolicy(**self.model_dump())
 
 
+class KVTransferSpec(_Strict):
+    """Disaggregated serving (``engine.kv.connector``): where a prompt's KV blocks are held. A prefill
+    replica's final record carries it; the decode request carries it back (``on_failure``: what the decode
+    replica does when the pull fails, ``recompute`` or ``fail``; None: the replica's default)."""
+
+    host: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+    lease_id: str = Field(min_length=1, max_length=64)
+    num_tokens: int | None = Field(default=None, ge=0)
+    on_failure: Literal["recompute", "fail"] | None = None
+
+
+class KVPullReport(BaseModel):
+    """A decode replica's final record: the prompt tokens the pulled blocks served, and why the pull failed
+    (None: it did not)."""
+
+    pulled_tokens: int
+    error: str | None = None
+
+
 class GenerateRequest(_Strict):
     """One generation request. Sampling fields mirror ``engine.sampling_params.SamplingParams``."""
 
@@ -146,6 +166,8 @@ class GenerateRequest(_Strict):
     prediction_token_ids: list[int] | None = None
     # The LoRA adapter its tokens run through, by id in the replica's adapter store (``--lora-dir``).
     lora: str | None = Field(default=None, min_length=1, max_length=128)
+    # A decode replica: the prefill replica's lease on this prompt's blocks (its final record's).
+    kv_transfer: KVTransferSpec | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -274,6 +296,9 @@ class FinalRecord(BaseModel):
     timings: Timings
     # An embedding request's vector (``GenerateRequest.pooling``).
     embedding: list[float] | None = None
+    # A prefill replica: where the prompt's blocks are leased. A decode replica: what its pull brought.
+    kv_transfer: KVTransferSpec | None = None
+    kv_pull: KVPullReport | None = None
 
 
 class ErrorInfo(BaseModel):
@@ -341,6 +366,8 @@ class InfoResponse(BaseModel):
     pooling: str | None = None
     # Ranks the model is split over (tensor parallelism; 1: the whole model on one device).
     tensor_parallel_size: int = 1
+    # Disaggregated serving: ``both``, ``prefill`` or ``decode`` (``engine.kv.connector``).
+    role: str = "both"
 
 
 class CacheReport(BaseModel):
@@ -385,6 +412,8 @@ class LoadReport(BaseModel):
     cache: CacheReport | None = None
     # True once the replica got SIGTERM: it refuses new requests and finishes its streams.
     draining: bool = False
+    # Disaggregated serving: pulls, leases and the blocks they hold (empty in role ``both``).
+    kv_transfer: dict[str, int] = Field(default_factory=dict)
     # The LoRA adapters (ids in its adapter store) the replica holds read in memory, most recently used
     # last: a request for one of them starts without reading its bundle (the gateway prefers these).
     adapters: list[str] = Field(default_factory=list)

@@ -30,6 +30,9 @@ step. Invariants and policies:
 - **n > 1.** Siblings (same ``request_id``) are admitted once the first stream has computed its prompt,
   so they reuse its full prompt blocks: through the prefix cache, or through ``BlockManager.fork`` when
   prefix caching is disabled.
+- **Pulled prompts** (a decode replica, ``engine.kv.connector``): a request whose prompt blocks are still
+  on their way from a prefill replica is passed over by admission (not head-of-line: a transfer must
+  not hold up the others); once they arrived (or failed) it is admitted like any other.
 
 The engine loop calls ``schedule()`` → runs the model → ``update_after_step(batch)`` (which returns the
 sequences that yield a token, one per logits row) → samples, appends tokens and calls ``finish`` for
@@ -95,11 +98,11 @@ class Scheduler:
         self._push_waiting(seq)
         self.kv.queue_disk_reads(seq)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every unfinished sequence of the request with reason ABORT and free its blocks."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[Sequence]:
+        """Finish every unfinished sequence of the request with ``reason`` (ABORT) and free its blocks."""
         seqs = [s for s in self._by_request.get(request_id, []) if not s.is_finished]
         for seq in seqs:
-            self.finish(seq, FinishReason.ABORT)
+            self.finish(seq, reason)
         return seqs
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -110,6 +113,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.seq_id in self._arrival_rank:
             self._remove_waiting(seq)
+        self.kv.request_finished(seq, reason)  # a prefill replica leases its prompt's blocks first
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -174,7 +178,8 @@ class Scheduler:
             )
         elif step.budget > 0:
             self._add_drafts(step)
-        return ScheduledBatch(list(step.scheduled.values()), step.preempted, self.kv.take_plan())
+        return ScheduledBatch(list(step.scheduled.values()), step.preempted, self.kv.take_plan(),
+                              kv_loads=self.kv.take_loads())
 
     def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
         """The step is launched: advance ``num_computed_tokens`` by each chunk, give every sequence that
@@ -272,6 +277,8 @@ class Scheduler:
                     continue
                 if self.block_manager.waiting_for_disk(seq):
                     return False  # its prefix is being read from disk: it waits at the head of the line
+                if self.kv.pull_pending(seq):
+                    continue  # its prompt's blocks are on their way from a prefill replica: others go on
                 fair = fair_pass and self._num_running(level, seq.tenant) < share
                 if not self._make_room(seq, level, share if fair else None, step):
                     return False

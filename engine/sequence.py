@@ -70,6 +70,13 @@ class Sequence:
     # Of those, the ones loaded from the host tier and read from disk (the rest were on the device).
     num_cached_host_tokens: int = 0
     num_cached_disk_tokens: int = 0
+    # Disaggregated serving (``engine.kv.connector``). Decode: whether the request pulls its prompt's
+    # blocks from a prefill replica, the prompt tokens those pulled blocks served, and why a pull failed.
+    # Prefill: where the lease on its prompt's blocks is (the final record's ``kv_transfer``).
+    kv_pull: bool = False
+    num_cached_remote_tokens: int = 0
+    kv_pull_error: str | None = None
+    kv_lease: dict[str, Any] | None = None
     # Prompt tokens this sequence newly wrote into the prefix cache (the full prompt blocks it registered
     # on its first admission; recompute after a preemption is not counted).
     num_cache_write_tokens: int = 0
@@ -185,6 +192,9 @@ class ScheduledBatch:
     # and those that committing the step asked for (retained blocks), made after it. None: nothing.
     transfers: Any = None
     transfers_after: Any = None
+    # Blocks pulled from a prefill replica, copied into these device blocks before the forward pass:
+    # (device block, payload) (``engine.kv.connector``).
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -62,6 +62,7 @@ from engine.gate import (
     ReplicaGate,
     check_internal_token,
 )
+from engine.kv.connector import RemoteKV
 from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.lora.adapter import LoRAAdapter
@@ -119,7 +120,8 @@ class ServingEngine(Protocol):
                           tenant: str = "", cache_salt: str | None = None, priority: int = 0,
                           pooling: PoolingParams | None = None,
                           cache_policy: CachePolicy = DEFAULT_POLICY,
-                          prediction: list[int] | None = None, lora: str | None = None) -> RequestStream: ...
+                          prediction: list[int] | None = None, lora: str | None = None,
+                          kv_source: RemoteKV | None = None) -> RequestStream: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -184,6 +186,10 @@ async def _ndjson(stream: RequestStream, trace: RequestTrace | None = None) -> A
                                          "usage": delta.usage.fields(), "timings": asdict(delta.timings)}
                 if delta.embedding is not None:
                     final["embedding"] = delta.embedding
+                if delta.kv_transfer is not None:
+                    final["kv_transfer"] = delta.kv_transfer
+                if delta.kv_pull is not None:
+                    final["kv_pull"] = delta.kv_pull
                 lines.append(orjson.dumps(final) + b"\n")
                 if trace is not None:
                     trace.finished(delta.finish_reasons or [], delta.usage, delta.timings)
@@ -272,6 +278,8 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
             except ValueError as exc:
                 return _error(400, str(exc), _param_of(str(exc)), request_id=body.request_id)
         cache_policy = DEFAULT_POLICY if body.cache is None else body.cache.policy()
+        held = body.kv_transfer
+        kv_source = None if held is None else RemoteKV(held.host, held.port, held.lease_id, held.on_failure)
         if trace is not None:
             trace.accepted()
         try:
@@ -279,7 +287,7 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
                                               tenant=body.tenant, cache_salt=body.cache_salt,
                                               priority=body.priority, pooling=pooling,
                                               cache_policy=cache_policy, prediction=body.prediction_token_ids,
-                                              lora=body.lora)
+                                              lora=body.lora, kv_source=kv_source)
         except RequestValidationError as exc:
             return _error(400, exc.message, exc.param, request_id=body.request_id, code=exc.code)
         except EngineError as exc:
@@ -348,6 +356,7 @@ def create_app(engine: ServingEngine, *, internal_token: str | None = None,
                               tier_capacity=s.kv_tier_capacity, pinned_blocks=s.kv_pinned_blocks,
                               moved_blocks=s.kv_tier_moves, block_bytes=s.kv_block_bytes),
             draining=drain.draining,
+            kv_transfer=dict(s.kv_transfer),
             adapters=engine.resident_adapters(),
         )
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import RequestStream
 from engine.kv.block_hash import prefix_block_hashes
+from engine.kv.connector import RemoteKV
 from engine.kv.events import KVEventLog
 from engine.kv.pins import DEFAULT_POLICY, CachePolicy
 from engine.metrics import EngineMetrics
@@ -116,11 +117,14 @@ class SyntheticEngine:
                           tenant: str = "", cache_salt: str | None = None,
                           priority: int = 0, pooling: PoolingParams | None = None,
                           cache_policy: CachePolicy = DEFAULT_POLICY,
-                          prediction: list[int] | None = None, lora: str | None = None) -> RequestStream:
+                          prediction: list[int] | None = None, lora: str | None = None,
+                          kv_source: RemoteKV | None = None) -> RequestStream:
         # ``cache_policy``: the stand-in has no tiers to pin in; it reports no pinned or retained tokens.
         # ``prediction``: it does not speculate; it reports no accepted or rejected prediction tokens.
         if lora is not None:
             raise RequestValidationError("the synthetic engine serves no LoRA adapters", "lora")
+        if kv_source is not None:
+            raise RequestValidationError("the synthetic engine pulls no KV blocks", "kv_transfer")
         prompt = list(prompt_token_ids)
         if not prompt:
             raise RequestValidationError("the prompt is empty: at least one token is required", "prompt")

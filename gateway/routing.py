@@ -88,6 +88,9 @@ from tollgate.settings import ModelConfig, Settings
 logger = logging.getLogger("tollgate.gateway.routing")
 
 INTERACTIVE_POOL = "interactive"
+# Disaggregated serving (``gateway.generation.disaggregation``): a model's prefill replicas. They only
+# prefill prompts for the interactive pool's decode replicas; ``pick`` never hands them anything else.
+PREFILL_POOL = "prefill"
 # Affinity bookkeeping: how many leading blocks of a prompt are remembered, and how many hashes in all.
 AFFINITY_BLOCKS = 64
 AFFINITY_CACHE_SIZE = 200_000
@@ -330,8 +333,10 @@ class Router:
         self._running = False
 
     def routed_pools(self, cfg: ModelConfig) -> list[str]:
-        """The pools whose replicas serve ``cfg`` here: the interactive one (else the model's first)."""
-        return [INTERACTIVE_POOL if INTERACTIVE_POOL in cfg.pools else (cfg.pools or [INTERACTIVE_POOL])[0]]
+        """The pools whose replicas serve ``cfg`` here: the interactive one (else the model's first), and
+        its prefill pool when it has one."""
+        first = INTERACTIVE_POOL if INTERACTIVE_POOL in cfg.pools else (cfg.pools or [INTERACTIVE_POOL])[0]
+        return [first, *([PREFILL_POOL] if PREFILL_POOL in cfg.pools and first != PREFILL_POOL else [])]
 
     @property
     def replicas(self) -> list[Replica]:
@@ -525,9 +530,12 @@ class Router:
         replica.last_error = reason
 
     def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = (),
-             routing_key: bytes | None = None, adapter: str | None = None) -> Replica:
+             routing_key: bytes | None = None, adapter: str | None = None, *,
+             prefill: bool = False) -> Replica:
+        """A replica for a request (``prefill``: a prefill replica for its prompt, chosen the same way)."""
         route = self.models[model]
-        candidates = [r for r in route.replicas if r.healthy and r not in exclude]
+        candidates = [r for r in route.replicas if r.healthy and r not in exclude
+                      and (r.pool == PREFILL_POOL) == prefill]
         if not candidates:
             raise ServiceUnavailableError(
                 f"No replica of the model `{model}` is available right now. Please retry shortly.",

@@ -41,15 +41,34 @@ class ChildLayout:
     engine_port: int
     engine_replicas: int
     gateway_workers: int
+    # Disaggregated serving: prefill replicas beside the engine replicas, which then decode (0: none).
+    prefill_replicas: int = 0
 
     def engines(self) -> list[tuple[str, int, Path]]:
-        """(supervisor name, port, disk-tier directory) of each engine replica."""
+        """(supervisor name, port, disk-tier directory) of each engine replica (the interactive pool's)."""
         if self.engine_replicas == 1:
             return [("engine", self.engine_port, self.data_dir / "kv")]
         return [
             (f"engine-{i}", self.engine_port + i, self.data_dir / ("kv" if i == 0 else f"kv-{i}"))
             for i in range(self.engine_replicas)
         ]
+
+    def prefill_engines(self) -> list[tuple[str, int, Path]]:
+        """(supervisor name, port, disk-tier directory) of each prefill replica, on the ports after the
+        engine replicas'."""
+        first = self.engine_port + self.engine_replicas
+        return [(f"prefill-{i}", first + i, self.data_dir / f"kv-prefill-{i}")
+                for i in range(self.prefill_replicas)]
+
+    def pools(self) -> dict[str, dict[str, list[str]]]:
+        """``TOLLGATE_POOLS`` of the engines started here."""
+        def urls(engines: list[tuple[str, int, Path]]) -> dict[str, list[str]]:
+            return {"replicas": [f"http://127.0.0.1:{port}" for _, port, _ in engines]}
+
+        pools = {"interactive": urls(self.engines())}
+        if self.prefill_replicas:
+            pools["prefill"] = urls(self.prefill_engines())
+        return pools
 
     @property
     def drain_stop_timeout_s(self) -> float:
@@ -58,7 +77,8 @@ class ChildLayout:
 
 def engine_specs(layout: ChildLayout, model_dir: Path, env: dict[str, str]) -> list[ProcessSpec]:
     """``tollgate engine`` for each replica, serving ``model_dir`` in the interactive pool and the tenants'
-    adapters of the store the gateway writes."""
+    adapters of the store the gateway writes; with prefill replicas, those decode (``--role decode``) and
+    the prefill replicas (``--role prefill``) prefill their long prompts."""
     from gateway.adapters.store import store_root
     from tollgate.supervisor import ProcessSpec, http_probe
 
@@ -80,6 +100,7 @@ def engine_specs(layout: ChildLayout, model_dir: Path, env: dict[str, str]) -> l
                 "--max-loras", str(s.engine_max_loras),
                 "--max-lora-rank", str(s.engine_max_lora_rank),
                 "--lora-dir", str(store_root(s)),
+                *(() if not layout.prefill_replicas else ("--role", role)),
             ],
             layout.logs / f"{name}.log",
             http_probe(f"http://127.0.0.1:{port}/health", s.health_check_timeout_s),
@@ -87,7 +108,8 @@ def engine_specs(layout: ChildLayout, model_dir: Path, env: dict[str, str]) -> l
             stop_timeout_s=layout.drain_stop_timeout_s,
             stop_group="engines",
         )
-        for name, port, kv_dir in layout.engines()
+        for role, engines in (("decode", layout.engines()), ("prefill", layout.prefill_engines()))
+        for name, port, kv_dir in engines
     ]
 
 

@@ -100,6 +100,8 @@ class Settings(BaseSettings):
     engine_port: int = 8100
     # ``tollgate up``: how many engine replicas of the model to run (ports engine_port, engine_port + 1, ...).
     engine_replicas: int = Field(default=1, ge=1, le=16)
+    # ``tollgate up``: prefill replicas beside them (disaggregated serving; 0: none, the replicas do both).
+    engine_prefill_replicas: int = Field(default=0, ge=0, le=16)
     # ``tollgate up``: ranks each replica splits the model over (``tollgate engine --tensor-parallel-size``).
     engine_tensor_parallel_size: int = Field(default=1, ge=1, le=64)
 
@@ -131,6 +133,13 @@ class Settings(BaseSettings):
     # kv_index_poll_interval_s while a replica is unreachable),
     # "affinity" (a per-process guess from where this process sent each prefix before), "round_robin".
     routing_policy: Literal["index", "affinity", "round_robin"] = "index"
+    # Disaggregated serving (a model with a ``prefill`` pool beside its interactive pool of ``--role decode``
+    # replicas; ``gateway.generation.disaggregation``): a prompt is prefilled on a prefill replica when at
+    # least this many of its tokens are not already cached on the decode replica chosen for it; shorter
+    # ones, and those mostly cached there, run on the decode replica alone. ``disagg_on_failure``: what a
+    # decode replica does when its pull fails (``recompute``, ``fail``; None: the replica's own setting).
+    disagg_min_prompt_tokens: int = Field(default=1024, ge=1)
+    disagg_on_failure: Literal["recompute", "fail"] | None = None
     kv_index_poll_interval_s: float = 0.1
     # The prefix cache's lower tiers of the engine ``tollgate up`` starts (``tollgate engine --host-kv-gb``,
     # ``--disk-kv-gb``; the block files under ``data_dir/kv``): what cache lifetimes are held in.

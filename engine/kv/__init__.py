@@ -9,6 +9,10 @@ lifetimes, block events, and the copies between tiers.
 - ``cache``: ``KVCache``, all of the above behind one object that the scheduler owns.
 - ``transfer``: ``KVTransfer`` (torch), the copies a ``TransferPlan`` asks for; the model runner
   executes them in device order, around the forward passes.
+- ``connector`` / ``tcp_transport`` / ``remote``: disaggregated serving, a prefill replica's leases and a
+  decode replica's pulls (``KVConnector``), the bytes on the wire (TCP), and the device pool's side
+  (``RemoteKVWorker``, torch).
 
-Only ``transfer`` imports torch; nothing is imported here, so ``engine.kv.block_hash`` stays torch-free.
+Only ``transfer`` and ``remote`` import torch; nothing is imported here, so ``engine.kv.block_hash`` stays
+torch-free.
 """

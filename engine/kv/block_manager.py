@@ -35,6 +35,13 @@ engine executes it). Those are prefix hits like device hits: ``num_cached_tokens
 ``disk_reads`` names the files a queued prompt needs read first; ``waiting_for_disk`` holds it back
 until they are on the host.
 
+Pulled blocks (``engine.kv.connector``, disaggregated serving): with ``remote`` set, a prompt's chain
+continues past its device and host hits into the blocks its request pulled from a prefill replica;
+they get fresh device blocks, are registered in the prefix cache like host loads, count as cached
+tokens (``remote_hit_tokens``), and their payloads go to ``remote.update_state_after_alloc`` to be
+copied in before the step runs. ``hold`` / ``release`` let a prefill replica's lease keep blocks
+referenced after their sequence is freed.
+
 With an event log (``engine.kv.events``), every hash registered in or dropped from any tier is published
 in order, for the gateways' routing index.
 
@@ -55,6 +62,7 @@ platform's cost and is never reported as cached. The query/hit counters count ev
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Protocol
 
 from engine.kv.block_hash import hash_block, salt_digest
 from engine.kv.events import KVEventLog
@@ -63,6 +71,14 @@ from engine.sequence import Sequence
 from engine.usage import CACHE_TIERS
 
 TIERS = CACHE_TIERS  # the prompt-cache tiers, named once (engine.usage)
+
+
+class RemoteBlocks(Protocol):
+    """Blocks pulled from a prefill replica (``engine.kv.connector.KVConnector``, decode role)."""
+
+    def received(self, seq: Sequence) -> dict[bytes, bytes] | None: ...
+
+    def update_state_after_alloc(self, seq: Sequence, loads: list[tuple[int, bytes]]) -> None: ...
 
 
 class BlockManager:
@@ -93,6 +109,9 @@ class BlockManager:
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens = 0
         self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
+        # Disaggregated serving (decode role): the connector whose pulled blocks continue prompt chains.
+        self.remote: RemoteBlocks | None = None
+        self.remote_hit_tokens = 0
 
     # ---- capacity -------------------------------------------------------------------------------
     @property
@@ -140,7 +159,7 @@ class BlockManager:
         # A request scoring its prompt needs every prompt position's logits: it reads nothing cached.
         scoring = seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done
         reuse = self.enable_prefix_caching and not scoring
-        hits, host_hits = self._cache_hits(seq) if reuse else ([], [])
+        hits, host_hits, remote_hits = self._cache_hits(seq) if reuse else ([], [], [])
         num_new = self.blocks_needed(num_tokens) - len(hits)
         hits_evictable = sum(1 for b in hits if self._ref_counts[b] == 0)
         if num_new > self.num_free_blocks - hits_evictable:
@@ -161,12 +180,22 @@ class BlockManager:
             self._register(block, digest, salt, persist)
             self.hit_tokens_by_tier[origin] += self.block_size
             by_tier[origin] += self.block_size
-        num_hit_tokens = (len(hits) + len(host_hits)) * self.block_size
+        if remote_hits:
+            assert self.remote is not None
+            received = self.remote.received(seq) or {}
+            first = len(hits) + len(host_hits)
+            loads = list(zip(table[first:first + len(remote_hits)], [received[d] for d in remote_hits],
+                             strict=True))
+            for (block, _), digest in zip(loads, remote_hits, strict=True):
+                self._register(block, digest, salt)
+            self.remote.update_state_after_alloc(seq, loads)
+            self.remote_hit_tokens += len(remote_hits) * self.block_size
+        num_hit_tokens = (len(hits) + len(host_hits) + len(remote_hits)) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_tokens
             seq.num_cached_host_tokens, seq.num_cached_disk_tokens = by_tier["host"], by_tier["disk"]
-        self._seq_committed[seq.seq_id] = len(hits) + len(host_hits)
+        self._seq_committed[seq.seq_id] = len(hits) + len(host_hits) + len(remote_hits)
         if self.enable_prefix_caching:
             self.prefix_queries_tokens += num_tokens
             self.prefix_hit_tokens += num_hit_tokens
@@ -355,20 +384,64 @@ class BlockManager:
         max_blocks = min(num_tokens - 1, seq.cache_policy.cacheable_tokens(num_tokens)) // self.block_size
         return self._hashes_upto(seq, max_blocks)[:max_blocks] if max_blocks else []
 
-    def _cache_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+    def _cache_hits(self, seq: Sequence) -> tuple[list[int], list[bytes], list[bytes]]:
         """The device blocks of the prompt's longest cached prefix, then the hashes continuing it on the
-        host tier (never the block of the last token)."""
+        host tier, then those continuing it in the blocks its request pulled (never the block of the
+        last token)."""
         hits: list[int] = []
         host: list[bytes] = []
+        remote: list[bytes] = []
+        received = self.remote.received(seq) if self.remote is not None else None
         for digest in self._hit_candidates(seq):
             block = self._hash_to_block.get(digest)
-            if block is not None and not host:
+            if block is not None and not host and not remote:
                 hits.append(block)
-            elif self.tiers is not None and block is None and self.tiers.on_host(digest):
+            elif self.tiers is not None and block is None and not remote and self.tiers.on_host(digest):
                 host.append(digest)
+            elif received is not None and block is None and digest in received:
+                remote.append(digest)
             else:
                 break
-        return hits, host
+        return hits, host, remote
+
+    # ---- disaggregated serving ------------------------------------------------------------------
+    def chain_hashes(self, seq: Sequence, num_tokens: int | None = None) -> list[bytes]:
+        """The chain hashes of the full blocks a prompt hit may cover: of ``seq``'s cacheable prefix
+        (``_hit_candidates``), or with ``num_tokens``, of its first ``num_tokens`` tokens (a finished
+        prefill's prompt: every full block but the one holding the last prompt token)."""
+        if num_tokens is None:
+            return self._hit_candidates(seq)
+        max_blocks = (num_tokens - 1) // self.block_size
+        return self._hashes_upto(seq, max_blocks)[:max_blocks] if max_blocks > 0 else []
+
+    def holds(self, digest: bytes) -> bool:
+        """Whether this replica has the block of ``digest`` in any tier (device, host, disk)."""
+        if digest in self._hash_to_block:
+            return True
+        tiers = self.tiers
+        if tiers is None:
+            return False
+        return tiers.on_host(digest) or (tiers.disk is not None and digest in tiers.disk)
+
+    def hold(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Take one more reference on ``seq``'s first ``num_blocks`` blocks (a lease): they outlive the
+        sequence until ``release``."""
+        blocks = seq.block_table[:num_blocks]
+        for block in blocks:
+            self._ref_counts[block] += 1
+        return list(blocks)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop the references ``hold`` took (tail first, like ``free``)."""
+        for block in reversed(blocks):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] < 0:
+                raise RuntimeError(f"block {block} released more often than it was taken")
+            if self._ref_counts[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     def salt_key(self, salt: str | None) -> str:
         return self._salt(salt)[1]

@@ -19,13 +19,16 @@ import logging
 import time
 from collections.abc import Sequence as SequenceLike
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import EngineConfig
 from engine.kv.block_manager import BlockManager
 from engine.kv.events import KVEventLog
 from engine.kv.tiers import DiskIndex, HostTier, TransferPlan
-from engine.sequence import Sequence
+from engine.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from engine.kv.connector import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,14 @@ class KVCache:
         self.events = blocks.events
         self.io = io
         self._plan = TransferPlan()  # what the tiers do not plan themselves (a restart's trim)
+        # Disaggregated serving (``engine.kv.connector``): leases (prefill) or pulls (decode); None: both.
+        self.connector: KVConnector | None = None
+
+    def attach(self, connector: KVConnector) -> None:
+        """Serve a prefill or decode role with ``connector`` (its pulled blocks continue prompt chains)."""
+        self.connector = connector
+        if connector.role == "decode":
+            self.blocks.remote = connector
 
     @classmethod
     def create(cls, config: EngineConfig, num_blocks: int, io: TierIO | None,
@@ -83,6 +94,8 @@ class KVCache:
     def begin_step(self) -> None:
         """Put the disk reads that finished since the last step into host slots (their copies are in the
         next plan), so this step's admissions can hit them."""
+        if self.connector is not None:
+            self.connector.begin_step()
         if self.tiers is None or self.io is None:
             return
         for digest, salt, data in self.io.finished_reads():
@@ -97,6 +110,19 @@ class KVCache:
             own, self._plan = self._plan, TransferPlan()
             plan.delete[:0] = own.delete
         return plan if plan else None
+
+    def take_loads(self) -> list[tuple[int, bytes]]:
+        """The pulled blocks admissions placed since the last call: (device block, payload)."""
+        return self.connector.take_loads() if self.connector is not None else []
+
+    def pull_pending(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s request still waits for its blocks from a prefill replica."""
+        return self.connector is not None and self.connector.get_num_new_matched_tokens(seq, 0)[1]
+
+    def request_finished(self, seq: Sequence, reason: FinishReason) -> None:
+        """``seq`` finished, its blocks not freed yet: a prefill replica leases its prompt's."""
+        if self.connector is not None:
+            self.connector.request_finished(seq, reason)
 
     def queue_disk_reads(self, seq: Sequence) -> None:
         """A new prompt whose chain continues on disk: its files are read (by the next plan) while it

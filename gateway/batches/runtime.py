@@ -111,10 +111,14 @@ class BatchRouter(Router):
                 and replica.inflight < self._max_inflight)
 
     def pick(self, model: str, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = (),
-             routing_key: bytes | None = None, adapter: str | None = None) -> Replica:
+             routing_key: bytes | None = None, adapter: str | None = None, *,
+             prefill: bool = False) -> Replica:
         """``routing_key`` (a line's ``prompt_cache_key``) is ignored: lines are independent. A line
-        for an adapter prefers, at equal pool, a replica holding it read."""
+        for an adapter prefers, at equal pool, a replica holding it read. Lines are never prefilled on
+        another replica (no prefill pool here: ``prefill`` finds none)."""
         route: ModelRoute = self.models[model]
+        if prefill:
+            raise ServiceUnavailableError(f"No prefill replica for batch work on model `{model}`.")
         candidates = [r for r in route.replicas if r.healthy and r not in exclude
                       and (r.pool != INTERACTIVE_POOL or self.soakable(r))]
         if not candidates:

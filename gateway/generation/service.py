@@ -81,6 +81,7 @@ from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
 from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.generation.disaggregation import Prefill, merged_usage, prefill, remote_prefill_wanted
 from gateway.generation.metering import billed_usage, charged, price_at
 from gateway.metrics import observe_generation
 from gateway.routing import ModelRoute, Replica
@@ -137,6 +138,8 @@ class Generation:
     # Embedding requests (``sampling["pooling"]``): each prompt's vector, by completion index.
     embeddings: dict[int, list[float]] = field(default_factory=dict)
     _streams: list[tuple[EngineStream, Replica]] = field(default_factory=list)
+    # Disaggregated serving: each engine request's prompt prefilled on a prefill replica, by request id.
+    _prefills: dict[str, Prefill] = field(default_factory=dict)
     _finals: int = 0
     _final_streams: set[int] = field(default_factory=set)  # prompt indices whose final usage is known
     _generated: int = 0
@@ -151,6 +154,7 @@ class Generation:
     _tpot_ms: float | None = None
     _renewal: asyncio.Task[None] | None = None  # renews the admission lease until finish()
     _router_key: bytes | None = None
+    _block_size: int = 16
     # The price in effect when the request was admitted (``start``): what it is billed at, whenever it ends.
     _price: Price | None = None
     # Tracing on (``gateway.tracing``): the request's span, which the result goes on, and each prompt's
@@ -231,7 +235,7 @@ class Generation:
             cost_completion += len(self.prediction) * self.n * len(self.prompts)
         salt = cache_salt(settings.key_hash_secret.get_secret_value(), self.principal.tenant_id)
         self._router_key = tenant_routing_key(salt, self.routing_key)
-        block_size = info.block_size if info is not None else 16
+        block_size = self._block_size = info.block_size if info is not None else 16
         # What each prompt may find cached (explicit mode: nothing past its breakpoint): what routing, shed
         # checks and the routing index's expectations look at.
         cacheable = None if self.cache is None or self.cache.prefix_tokens is None else (
@@ -305,6 +309,7 @@ class Generation:
                     routing.set_attributes({"tollgate.replica.url": replica.url,
                                             "tollgate.replica.pool": replica.pool,
                                             "tollgate.routing.excluded": len(tried)})
+            send = await self._with_prefill(request, replica, block_hashes, first=not tried)
             replica.inflight += 1
             call = None if tracer is None else tracer.start_span(
                 "POST /generate", kind=SpanKind.CLIENT,
@@ -312,7 +317,7 @@ class Generation:
                             "tollgate.replica.pool": replica.pool, "tollgate.request.id": request.request_id})
             try:
                 with current(call):  # the engine continues the trace under the call (its traceparent)
-                    stream = await self.runtime.engine.generate(replica.url, request)
+                    stream = await self.runtime.engine.generate(replica.url, send)
             except EngineUnavailable as exc:
                 # Nothing started there: try another replica. Only a refused connection means the
                 # replica is gone, and a draining one takes nothing new; a busy one (503, pool
@@ -334,6 +339,25 @@ class Generation:
             if self._adapter_id is not None:
                 router.remember_adapter(replica, self._adapter_id)
             return stream, replica, call
+
+    async def _with_prefill(self, request: GenerateRequest, replica: Replica, block_hashes: Sequence[bytes],
+                            *, first: bool) -> GenerateRequest:
+        """``request`` as ``replica`` gets it: with the lease on its prompt's blocks when it is a decode
+        replica and the prompt was (on the first try: is now) prefilled on a prefill replica
+        (``gateway.generation.disaggregation``); as it is otherwise."""
+        rt = self.runtime
+        decoding = replica.info is not None and replica.info.role == "decode"
+        if first and remote_prefill_wanted(rt.settings, rt.router, self.route, replica, request, block_hashes,
+                                           self._block_size):
+            with child_span(rt.tracer, "prefill"):
+                done = await prefill(rt.engine, rt.router, self.route, request, block_hashes,
+                                     rt.settings.disagg_on_failure)
+            if done is not None:
+                self._prefills[request.request_id] = done
+        done = self._prefills.get(request.request_id)
+        if done is None or not decoding:
+            return request
+        return request.model_copy(update={"kv_transfer": done.transfer})
 
     @property
     def reports_lifetimes(self) -> bool:
@@ -393,6 +417,9 @@ class Generation:
                     yield record
                 elif isinstance(record, FinalRecord):
                     self._final_streams.add(prompt_index)
+                    prefilled = self._prefills.get(stream.request_id)
+                    if prefilled is not None:
+                        record.usage = merged_usage(record.usage, record.kv_pull, prefilled)
                     self._final(offset, record)
                 elif isinstance(record, ErrorRecord):
                     self._fail(EngineStreamError(record.error.message, code=record.error.code))
@@ -520,6 +547,9 @@ class Generation:
             if index not in self._final_streams:
                 # Ended before its final record: the engine's own count, once the abort took effect.
                 engine_usage = await self.runtime.engine.abort(replica.url, stream.request_id)
+                prefilled = self._prefills.get(stream.request_id)
+                if engine_usage is not None and prefilled is not None:
+                    engine_usage = merged_usage(engine_usage, None, prefilled)
                 if engine_usage is not None:
                     self._final_streams.add(index)
                     self._finals += 1

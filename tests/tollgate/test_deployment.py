@@ -187,3 +187,23 @@ def test_the_gateway_writes_the_adapter_store_every_engine_reads():
         assert option(command, "--lora-dir") == store and int(option(command, "--max-loras")) > 0, name
         engine_volume = volume_at(services[name], store)
         assert engine_volume["source"] == gateway_volume["source"] and engine_volume["read_only"], name
+
+
+def test_the_disaggregated_profile_adds_prefill_replicas_the_gateway_finds():
+    """``COMPOSE_PROFILES=disaggregated ENGINE_ROLE=decode``: engine-prefill replicas prefill (leasing
+    their blocks on port 8200 at the container's own address), the interactive replicas decode, and the
+    gateway's prefill pool is engine-prefill's DNS name (empty, so unused, without the profile)."""
+    plain = rendered()
+    assert "engine-prefill" not in plain["services"]
+    assert option(plain["services"]["engine-interactive"]["command"], "--role") == "both"
+    config = rendered("--profile", "disaggregated", env={"ENGINE_ROLE": "decode"})
+    services = config["services"]
+    prefill = services["engine-prefill"]
+    assert option(prefill["command"], "--role") == "prefill"
+    assert option(prefill["command"], "--kv-transfer-port") == "8200"
+    assert "--kv-transfer-advertise-host" in " ".join(prefill["entrypoint"])
+    assert option(services["engine-interactive"]["command"], "--role") == "decode"
+    environment = services["gateway"]["environment"]
+    assert json.loads(environment["TOLLGATE_POOLS"])["prefill"] == {"dns": "engine-prefill:8100"}
+    assert "prefill" in json.loads(environment["TOLLGATE_MODELS"])[0]["pools"]
+    assert int(environment["TOLLGATE_DISAGG_MIN_PROMPT_TOKENS"]) == 1024

@@ -408,3 +408,25 @@ def test_children_ignore_a_folder_named_like_their_package_where_up_started(tmp_
     ran = subprocess.run([*PYTHON_M, "tollgate", "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=60)
     assert ran.returncode == 0, ran.stderr
+
+
+def test_prefill_replicas_start_beside_decode_replicas_and_form_the_prefill_pool(tmp_path):
+    """``tollgate up --prefill-replicas 2 --decode-replicas 1``: the engine replica decodes, the prefill
+    replicas prefill, on the ports after it, and the gateway's pools say which is which."""
+    model = tmp_path / "model"
+    model.mkdir()
+    platform = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=model,
+                             with_engine=True, gateway_workers=1, engine_replicas=1, prefill_replicas=2)
+    layout = platform._layout()
+    specs = {spec.name: spec.argv for spec in engine_specs(layout, model, {})}
+    assert list(specs) == ["engine", "prefill-0", "prefill-1"]
+    roles = {name: argv[argv.index("--role") + 1] for name, argv in specs.items()}
+    assert roles == {"engine": "decode", "prefill-0": "prefill", "prefill-1": "prefill"}
+    ports = {name: argv[argv.index("--port") + 1] for name, argv in specs.items()}
+    assert ports == {"engine": "9100", "prefill-0": "9101", "prefill-1": "9102"}
+    assert len({argv[argv.index("--kv-disk-dir") + 1] for argv in specs.values()}) == 3
+    assert layout.pools() == {"interactive": {"replicas": ["http://127.0.0.1:9100"]},
+                              "prefill": {"replicas": ["http://127.0.0.1:9101", "http://127.0.0.1:9102"]}}
+    colocated = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=model,
+                              with_engine=True, gateway_workers=1)
+    assert all("--role" not in spec.argv for spec in engine_specs(colocated._layout(), model, {}))

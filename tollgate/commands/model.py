@@ -147,6 +147,23 @@ def create_copying(directory: Path, seed: int) -> None:
               help="Adapters kept read in host memory.")
 @click.option("--lora-dir", type=click.Path(file_okay=False), default=None,
               help="The adapter store: a request's adapter id is the PEFT bundle at DIR/<id>.")
+@click.option("--role", type=click.Choice(["both", "prefill", "decode"]), default="both", show_default=True,
+              help="Disaggregated serving: prefill (first token, prompt blocks leased), decode (pulls them), "
+                   "or both (no transfers).")
+@click.option("--kv-transfer-host", default="127.0.0.1", show_default=True,
+              help="Prefill role: the address the KV transfer server listens on.")
+@click.option("--kv-transfer-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Prefill role: the KV transfer server's port (0: a free one).")
+@click.option("--kv-transfer-advertise-host", default=None,
+              help="Prefill role: the host decode replicas reach the transfer server at (default: "
+                   "--kv-transfer-host).")
+@click.option("--kv-lease-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Prefill role: how long a prompt's blocks stay leased when no decode replica pulls them.")
+@click.option("--kv-transfer-failure", type=click.Choice(["recompute", "fail"]), default="recompute",
+              show_default=True, help="Decode role: when a pull fails, compute the prompt here or fail the "
+                                      "request.")
+@click.option("--kv-transfer-timeout-s", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Socket timeout of one KV transfer.")
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="On SIGTERM: how long running streams may take to finish before the replica exits "
                    "(it refuses new requests and reports draining meanwhile).")
@@ -184,6 +201,13 @@ def engine(
     max_lora_rank: int,
     max_cpu_loras: int,
     lora_dir: str | None,
+    role: str,
+    kv_transfer_host: str,
+    kv_transfer_port: int,
+    kv_transfer_advertise_host: str | None,
+    kv_lease_s: float,
+    kv_transfer_failure: str,
+    kv_transfer_timeout_s: float,
     drain_timeout_s: float,
 ) -> None:
     """Run one engine replica: the internal HTTP server over the paged-KV engine.
@@ -240,6 +264,13 @@ def engine(
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
             lora_dir=lora_dir,
+            role=role,
+            kv_transfer_host=kv_transfer_host,
+            kv_transfer_port=kv_transfer_port,
+            kv_transfer_advertise_host=kv_transfer_advertise_host,
+            kv_lease_s=kv_lease_s,
+            kv_transfer_failure=kv_transfer_failure,
+            kv_transfer_timeout_s=kv_transfer_timeout_s,
         )
         if tensor_parallel_size > 1 or enable_expert_parallel:
             from engine.distributed import check_divisible

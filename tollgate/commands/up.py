@@ -3,9 +3,9 @@
 Order: private Postgres and Redis (unless ``TOLLGATE_DATABASE_URL`` / ``TOLLGATE_REDIS_URL`` name
 existing ones) → migrations → demo tenant and key (first start) → tiny model (first start, unless
 ``--model``) → engine replicas (``--engine-replicas``, one by default: ``engine``; with several,
-``engine-0``, ``engine-1``, ... on consecutive ports, each with a disk tier of its own), gateway, Celery
-worker and beat → wait for every health check → write
-``DATA_DIR/env`` and print it. Then supervise until SIGINT/SIGTERM, and stop everything, servers last.
+``engine-0``, ``engine-1``, ... on consecutive ports, each with a disk tier of its own; with
+``--prefill-replicas N`` they decode and ``prefill-0``, ... prefill, on the ports after theirs), gateway,
+Celery worker and beat → wait for every health check → write ``DATA_DIR/env`` and print it. Then supervise until SIGINT/SIGTERM, and stop everything, servers last.
 This module starts the servers and prepares the data dir; the supervised children's specs (commands,
 probes, stop stages) are ``tollgate.platform_children``.
 
@@ -73,6 +73,7 @@ class LocalPlatform:
         with_engine: bool,
         gateway_workers: int,
         engine_replicas: int = 1,
+        prefill_replicas: int = 0,
         out: TextIO = sys.stdout,
     ) -> None:
         self.settings = settings
@@ -83,6 +84,7 @@ class LocalPlatform:
         self.with_engine = with_engine
         self.gateway_workers = gateway_workers
         self.engine_replicas = engine_replicas
+        self.prefill_replicas = prefill_replicas
         self.out = out
         self.state_path = self.data_dir / "state.json"
         self.logs = self.data_dir / "logs"
@@ -328,18 +330,16 @@ class LocalPlatform:
         )
         if self.with_engine:
             name, model_dir = self._model_dir()
-            env["TOLLGATE_MODELS"] = json.dumps(
-                [{"name": name, "path": str(model_dir), "pools": ["interactive"]}]
-            )
-            env["TOLLGATE_POOLS"] = json.dumps(
-                {"interactive": {"replicas": [f"http://127.0.0.1:{port}" for _, port, _ in self._engines()]}}
-            )
+            pools = self._layout().pools()
+            env["TOLLGATE_MODELS"] = json.dumps([{"name": name, "path": str(model_dir),
+                                                  "pools": list(pools)}])
+            env["TOLLGATE_POOLS"] = json.dumps(pools)
         return env
 
     def _layout(self) -> ChildLayout:
         return ChildLayout(self.settings, self.data_dir, self.logs, self.run_dir, port=self.port,
                            engine_port=self.engine_port, engine_replicas=self.engine_replicas,
-                           gateway_workers=self.gateway_workers)
+                           gateway_workers=self.gateway_workers, prefill_replicas=self.prefill_replicas)
 
     def _engines(self) -> list[tuple[str, int, Path]]:
         return self._layout().engines()
@@ -485,6 +485,19 @@ class LocalPlatform:
     "TOLLGATE_ENGINE_REPLICAS (1).",
 )
 @click.option(
+    "--prefill-replicas",
+    type=click.IntRange(0, 16),
+    default=None,
+    help="Disaggregated serving: prefill replicas of the model (on the ports after the engine replicas'); "
+    "the engine replicas then decode. Default: TOLLGATE_ENGINE_PREFILL_REPLICAS (0: none).",
+)
+@click.option(
+    "--decode-replicas",
+    type=click.IntRange(1, 16),
+    default=None,
+    help="With --prefill-replicas: the decode replicas (the engine replicas; same as --engine-replicas).",
+)
+@click.option(
     "--engine-tensor-parallel-size",
     type=click.IntRange(1, 64),
     default=None,
@@ -499,12 +512,24 @@ def up(
     no_engine: bool,
     gateway_workers: int | None,
     engine_replicas: int | None,
+    prefill_replicas: int | None,
+    decode_replicas: int | None,
     engine_tensor_parallel_size: int | None,
 ) -> None:
     """Run the whole platform on this machine until Ctrl-C."""
     from tollgate.local_services import MissingServerBinaries, find_server_binaries
 
     settings = get_settings()
+    if decode_replicas is not None and engine_replicas is not None and decode_replicas != engine_replicas:
+        raise click.UsageError("--decode-replicas and --engine-replicas name the same replicas: give one")
+    engine_replicas = decode_replicas or engine_replicas
+    prefill_replicas = settings.engine_prefill_replicas if prefill_replicas is None else prefill_replicas
+    if decode_replicas is not None and not prefill_replicas:
+        raise click.UsageError("--decode-replicas needs --prefill-replicas (else use --engine-replicas)")
+    tp_size = engine_tensor_parallel_size or settings.engine_tensor_parallel_size
+    if prefill_replicas and tp_size > 1:
+        raise click.UsageError("prefill and decode replicas run one rank each for now "
+                               "(--engine-tensor-parallel-size 1)")
     if engine_tensor_parallel_size is not None:
         settings = settings.model_copy(update={"engine_tensor_parallel_size": engine_tensor_parallel_size})
     if not (settings.database_url and settings.redis_url):
@@ -521,5 +546,6 @@ def up(
         with_engine=not no_engine,
         gateway_workers=gateway_workers or settings.gateway_workers,
         engine_replicas=engine_replicas or settings.engine_replicas,
+        prefill_replicas=prefill_replicas,
     )
     sys.exit(platform.run())
