@@ -5,7 +5,8 @@ existing ones) → migrations → demo tenant and key (first start) → tiny mod
 ``--model``) → engine replicas (``--engine-replicas``, one by default: ``engine``; with several,
 ``engine-0``, ``engine-1``, ... on consecutive ports, each with a disk tier of its own; with
 ``--prefill-replicas N`` they decode and ``prefill-0``, ... prefill, on the ports after theirs), gateway,
-Celery worker and beat → wait for every health check → write ``DATA_DIR/env`` and print it. Then supervise until SIGINT/SIGTERM, and stop everything, servers last.
+Celery worker and beat → wait for every health check → write ``DATA_DIR/env`` and print it. Then
+supervise until SIGINT/SIGTERM, and stop everything, servers last.
 This module starts the servers and prepares the data dir; the supervised children's specs (commands,
 probes, stop stages) are ``tollgate.platform_children``.
 
