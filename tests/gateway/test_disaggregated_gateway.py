@@ -161,3 +161,23 @@ async def test_streamed_and_structured_answers_through_a_prefill_replica(
     assert text == plain.json()["choices"][0]["message"]["content"]
     assert chunks[-1]["usage"]["completion_tokens"] == 8
     assert (await _transfer(prefill_url))["leases"] - leases == 2
+
+
+async def test_a_prediction_is_drafted_on_the_decode_replica(
+        split: GatewayUnderTest, gateway: GatewayUnderTest, pair: tuple[str, str]) -> None:
+    """Speculative decoding on the decode side: Predicted Outputs through a prefill replica give the
+    colocated replica's tokens and the same accepted/rejected prediction counts."""
+    prefill_url, _ = pair
+    key, reference = await make_tenant_key(split), await make_tenant_key(gateway)
+    content = "Predicted. " + LONG * 3
+    plain = await _chat(gateway, reference.key, content, max_tokens=12)
+    text = plain.json()["choices"][0]["message"]["content"]
+    prediction = {"prediction": {"type": "content", "content": text}, "max_tokens": 12}
+    leases = (await _transfer(prefill_url)).get("leases", 0)
+    answer = await _chat(split, key.key, content, **prediction)
+    expected = await _chat(gateway, reference.key, content, **prediction)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == text
+    details, wanted = (r.json()["usage"]["completion_tokens_details"] for r in (answer, expected))
+    assert details["accepted_prediction_tokens"] == wanted["accepted_prediction_tokens"] > 0
+    assert (await _transfer(prefill_url))["leases"] - leases == 1
