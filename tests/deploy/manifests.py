@@ -26,7 +26,7 @@ KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("minimal", "gpu", "gpu-tp", "external")
 # Every object is checked against the schemas of this Kubernetes release (kubernetes-validate).
 KUBERNETES_VERSION = "1.30.0"
-WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 

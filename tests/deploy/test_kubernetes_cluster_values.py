@@ -106,19 +106,24 @@ def _gpu_products(spec) -> set[str]:
     return set().union(*products) if products else set()
 
 
+def _on_gpu_nodes(workload) -> bool:
+    """The engines, and the model prefetch that fills those nodes' model cache (components/model-source)."""
+    return _is_engine(workload) or pod_labels(workload).get("app.kubernetes.io/component") == "model-prefetch"
+
+
 def test_gpu_engine_pods_carry_the_per_cluster_scheduling_values(manifests):
     for workload in manifests.workloads():
         spec = pod_spec(workload)
         name = f"{manifests.overlay}: {workload['metadata']['name']}"
         gpus = any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {}) for c in containers(workload))
-        if manifests.overlay in GPU_OVERLAYS and _is_engine(workload):
-            assert gpus, name
+        if manifests.overlay in GPU_OVERLAYS and _on_gpu_nodes(workload):
+            assert gpus == _is_engine(workload), name  # the prefetch runs there without holding a GPU
             assert _gpu_products(spec), name
             assert spec.get("runtimeClassName") == "nvidia", name
             assert spec.get("nodeSelector", {}).get("nvidia.com/gpu.present") == "true", name
             assert any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", [])), name
         else:
-            # The CPU overlay and the non-engine pods get none of the GPU-only fields.
+            # The CPU overlay and the pods that need no GPU node get none of the GPU-only fields.
             assert not gpus, name
             assert "runtimeClassName" not in spec, name
             assert not _gpu_products(spec), name

@@ -30,6 +30,7 @@ from tollgate.cli import main as tollgate_cli
 
 DOC = ROOT / "docs" / "deploy-kubernetes.md"
 KINDS = {"deploy": "Deployment", "deployment": "Deployment", "statefulset": "StatefulSet",
+         "ds": "DaemonSet", "daemonset": "DaemonSet",
          "sts": "StatefulSet", "svc": "Service", "service": "Service", "hpa": "HorizontalPodAutoscaler",
          "pvc": "PersistentVolumeClaim", "scaledobject": "ScaledObject", "pv": "PersistentVolume",
          "configmap": "ConfigMap"}
@@ -218,9 +219,9 @@ def test_the_guides_patches_apply_to_an_overlay_and_validate(index, rendered, tm
         if obj["apiVersion"].startswith(("keda.sh", "monitoring.coreos.com")):
             continue  # test_kubernetes.py validates those against their CRDs' schemas
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-    workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Deployment", "DaemonSet")}
     if volume_source:
-        for name in ("engine-interactive", "engine-batch", "gateway", "worker"):
+        for name in ("engine-interactive", "engine-batch", "gateway", "worker", "model-prefetch"):
             spec = pod_spec(workloads[name])
             fetch = spec["initContainers"][0]
             assert fetch["name"] == "model-fetch" and "/source/llama-3.1-8b-instruct" in argv(fetch), name

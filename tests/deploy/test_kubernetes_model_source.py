@@ -110,6 +110,27 @@ def test_the_node_cache_is_one_host_directory_per_node_reserved_for_this_namespa
     assert not gpu_manifests.has("PersistentVolumeClaim", "tollgate-models")  # nothing to fill by hand
 
 
+def test_every_gpu_node_prefetches_the_model_without_holding_a_gpu(gpu_manifests):
+    """The model-prefetch DaemonSet runs the engines' fetch on every node the engines may use, so a
+    replica KEDA adds finds the model there; it requests no GPU, and a new source reaches every node at
+    once."""
+    prefetch = gpu_manifests.get("DaemonSet", "model-prefetch")
+    spec = pod_spec(prefetch)
+    fetch = container(prefetch, "model-fetch")
+    for engine in gpu_manifests.component("engine"):
+        engine_fetch = container(engine, "model-fetch")
+        assert argv(fetch) == argv(engine_fetch) and fetch["envFrom"] == engine_fetch["envFrom"]
+        (engine_volume,) = [v for v in pod_spec(engine)["volumes"] if v["name"] == _mount(engine_fetch,
+                                                                                          "/models")["name"]]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == _mount(fetch, "/models")["name"]]
+        assert volume["persistentVolumeClaim"]["claimName"] == engine_volume["persistentVolumeClaim"][
+            "claimName"]
+    for c in containers(prefetch):
+        assert not any(k.startswith("nvidia.com/") for kind in ("requests", "limits")
+                       for k in c.get("resources", {}).get(kind, {})), c["name"]
+    assert prefetch["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "100%"
+
+
 def test_triton_compiles_into_the_node_cache(gpu_manifests):
     """A restarted or new engine on a node reads the kernels the previous one compiled."""
     for engine in gpu_manifests.component("engine"):

@@ -69,6 +69,10 @@ def test_gpus_only_where_the_overlay_asks_for_them(manifests):
             assert bool(spec.get("nodeSelector")) == gpu
             tolerated = any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in tolerations)
             assert tolerated == gpu
+        elif workload["metadata"]["name"] == "model-prefetch":  # the engines' nodes, without a GPU
+            engine = pod_spec(manifests.workload("engine-interactive"))
+            for field in ("nodeSelector", "tolerations", "affinity"):
+                assert spec.get(field) == engine.get(field), field
         else:
             assert not spec.get("nodeSelector") and not spec.get("tolerations")
 
