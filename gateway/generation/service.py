@@ -80,7 +80,7 @@ from gateway.admission.shedding import should_shed
 from gateway.auth import Principal
 from gateway.deps import GatewayRuntime
 from gateway.engine_client import EngineStream, EngineStreamError, EngineUnavailable
-from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.errors import GatewayError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from gateway.generation.disaggregation import Prefill, merged_usage, prefill, remote_prefill_wanted
 from gateway.generation.metering import billed_usage, charged, price_at
 from gateway.metrics import observe_generation
@@ -331,6 +331,16 @@ class Generation:
                 tried.append(replica)
                 last_error = exc
                 continue
+            except InvalidRequestError as exc:
+                end(call, exc)
+                replica.inflight -= 1
+                if exc.param == "lora" and self.route.adapter is not None:
+                    # The replica has no such bundle: the adapter was deleted since this gateway looked it
+                    # up (its directory had not heard yet). It no longer exists, as for anyone else.
+                    if self.runtime.adapters is not None:
+                        self.runtime.adapters.forget(self.route.name)
+                    raise ModelNotFoundError(self.route.name) from None
+                raise
             except BaseException as exc:
                 end(call, exc)
                 replica.inflight -= 1

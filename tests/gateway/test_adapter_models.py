@@ -268,3 +268,19 @@ async def test_registration_refuses_bad_requests_clearly(lora_gateway: GatewayUn
         assert (await register(api, archive, "dup")).status_code == 200
         dup = await register(api, archive, "dup")
         assert dup.status_code == 409 and dup.json()["error"]["code"] == "adapter_exists"
+
+
+async def test_an_adapter_deleted_behind_a_gateways_back_is_a_404_there_too(
+        lora_gateway: GatewayUnderTest, tiny_model_dir: Path, adapter_store: Path, tmp_path: Path) -> None:
+    """Another gateway deleted it and this one has not heard (its lookup is cached): the replica finds no
+    bundle, and this gateway answers as for a model that does not exist, never with the store's path."""
+    key = await make_tenant_key(lora_gateway)
+    async with client(lora_gateway, key) as api:
+        model = (await register(api, zipped(strong_bundle(tiny_model_dir, tmp_path / "b", 9, ["q_proj"], 2)),
+                                "stale")).json()["id"]
+        assert (await complete(api, model)).status_code == 200  # looked up, cached, read by the replica
+        import shutil
+        shutil.rmtree(adapter_store / model.rsplit(":", 1)[1])
+        gone = await complete(api, model)
+        assert not_found(gone), gone.text
+        assert str(adapter_store) not in gone.text
