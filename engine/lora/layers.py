@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -92,11 +92,6 @@ class SlotGroups:
     host_starts: list[int]
     padded: torch.Tensor | None = None
     valid: torch.Tensor | None = None
-    # The dense torch path (``LoRALinear._add``): every token row's slot ``[T]``, and per stacked rank the
-    # mask ``[T, slots * rank]`` that keeps each row's own slot's columns (made on first use in a pass).
-    token_slots: torch.Tensor | None = None
-    masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
-    num_rows: int = 0
 
 
 class LoRASlots:
@@ -177,8 +172,6 @@ class LoRASlots:
             for (layer, name), wrapper in self.wrapped.items():
                 wrapper.a[slot].zero_()
                 wrapper.b[slot].zero_()
-                if wrapper.bt is not None:
-                    wrapper.bt[slot].zero_()
                 start = 0
                 for index, (part, width) in enumerate(zip(PARTS[name], wrapper.part_widths, strict=True)):
                     pair = adapter.weights.get(layer, {}).get(part)
@@ -192,8 +185,6 @@ class LoRASlots:
                         offset = index * self.max_rank
                         wrapper.a[slot, offset:offset + rank].copy_(a, non_blocking=True)
                         wrapper.b[slot, start:start + width, offset:offset + rank].copy_(b, non_blocking=True)
-                        if wrapper.bt is not None:
-                            wrapper.bt[slot, offset:offset + rank, start:start + width].copy_(b.T)
                     start += width
             if self.ranks is not None:
                 self.ranks[slot] = adapter.rank
@@ -226,10 +217,7 @@ class LoRASlots:
         max_rows = int(counts.max())
         packed = [order.astype(np.int64), starts, ids.astype(np.int64)]
         padded_host = valid_host = None
-        dense = not self.use_kernels and self.dense(ids.size)
-        if dense:  # every row's slot: one product over all slots, masked (``LoRALinear._add``)
-            packed.append(slots.astype(np.int64))
-        elif not self.use_kernels and ids.size > 1:  # the batched torch path: groups padded to one length
+        if not self.use_kernels and ids.size > 1:  # the batched torch path: groups padded to one length
             offsets = np.arange(max_rows)[None, :]
             real = offsets < counts[:, None]  # [G, M]
             padded_host = np.zeros((ids.size, max_rows), dtype=np.int64)
@@ -238,18 +226,9 @@ class LoRASlots:
             packed += [padded_host.reshape(-1), valid_host]
         sizes = [p.size for p in packed]
         parts = torch.split(upload(np.concatenate(packed), device), sizes)
-        self.bound = SlotGroups(parts[0], parts[1], parts[2], max_rows, ids.tolist(), starts.tolist(),
-                                num_rows=int(slots.size))
-        if dense:
-            self.bound.token_slots = parts[3]
-        elif padded_host is not None:
+        self.bound = SlotGroups(parts[0], parts[1], parts[2], max_rows, ids.tolist(), starts.tolist())
+        if padded_host is not None:
             self.bound.padded, self.bound.valid = parts[3], parts[4]
-
-    def dense(self, bound: int) -> bool:
-        """Whether the torch path multiplies every slot at once and masks the rows' own (one product, no
-        gathers: a few large operations beat many small ones) rather than gather each slot's rows: when
-        at least half the slots are bound, so at most twice the products are computed."""
-        return bound * 2 >= self.max_loras
 
     def unbind(self) -> None:
         self.bound = None
@@ -274,12 +253,6 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.a: torch.Tensor
         self.b: torch.Tensor
-        # The torch path's B, each slot's transposed ``[rank, out]`` so that all slots' B are one matrix
-        # ``[slots * rank, out]`` (the kernels read ``b``).
-        width = sum(part_widths)
-        bt = None if slots.use_kernels else torch.zeros(count, rank, width, device=device, dtype=dtype)
-        self.register_buffer("bt", bt, persistent=False)
-        self.bt: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slots = self._slots[0]
@@ -308,16 +281,6 @@ class LoRALinear(nn.Module):
             lora_expand(h, self.b, groups.rows, groups.starts, groups.slots, groups.max_rows, y, ranks=ranks,
                         rank_stride=stride, part_bounds=self.part_bounds)
             return
-        if groups.token_slots is not None and self.bt is not None:  # many adapters: every slot, masked
-            count, rank = self.a.shape[0], self.a.shape[1]
-            mask = groups.masks.get((rank, x.dtype))
-            if mask is None:
-                column_slot = torch.arange(count * rank, device=x.device) // rank
-                mask = (groups.token_slots[:, None] == column_slot).to(x.dtype)
-                groups.masks[(rank, x.dtype)] = mask
-            h = x @ self.a.view(count * rank, -1).T  # [T, slots * rank]
-            y.addmm_(h.mul_(mask), self.bt.view(count * rank, -1))
-            return
         if groups.padded is not None and groups.valid is not None:  # several adapters: one batched product
             which = groups.slots
             xs = x.index_select(0, groups.padded).view(which.numel(), -1, x.shape[-1])  # [S, M, in]
@@ -326,9 +289,6 @@ class LoRALinear(nn.Module):
             y.index_add_(0, groups.rows, delta.view(-1, y.shape[-1]).index_select(0, groups.valid))
             return
         slot = groups.host_slots[0]  # one adapter: a plain product over its rows
-        if groups.host_starts[-1] == groups.num_rows:  # every row: no gather, no scatter
-            y.addmm_(x @ self.a[slot].T, self.b[slot].T)
-            return
         xs = x.index_select(0, groups.rows)
         y.index_add_(0, groups.rows, (xs @ self.a[slot].T) @ self.b[slot].T)
 
