@@ -92,6 +92,12 @@ class SlotGroups:
     host_starts: list[int]
     padded: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    # Host facts that spare the torch path operations: the pass's token rows (``num_rows``; one adapter
+    # on every row needs no gather or scatter), the bound slots being consecutive (``first_slot``: the
+    # stacked weights are a view, not a gather) and every group of the same size (no padding to drop).
+    num_rows: int = 0
+    first_slot: int | None = None
+    unpadded: bool = False
 
 
 class LoRASlots:
@@ -226,7 +232,11 @@ class LoRASlots:
             packed += [padded_host.reshape(-1), valid_host]
         sizes = [p.size for p in packed]
         parts = torch.split(upload(np.concatenate(packed), device), sizes)
-        self.bound = SlotGroups(parts[0], parts[1], parts[2], max_rows, ids.tolist(), starts.tolist())
+        host_ids = ids.tolist()
+        consecutive = host_ids == list(range(host_ids[0], host_ids[0] + len(host_ids)))
+        self.bound = SlotGroups(parts[0], parts[1], parts[2], max_rows, host_ids, starts.tolist(),
+                                num_rows=int(slots.size), first_slot=host_ids[0] if consecutive else None,
+                                unpadded=bool(counts.min() == counts.max()))
         if padded_host is not None:
             self.bound.padded, self.bound.valid = parts[3], parts[4]
 
@@ -283,12 +293,19 @@ class LoRALinear(nn.Module):
             return
         if groups.padded is not None and groups.valid is not None:  # several adapters: one batched product
             which = groups.slots
-            xs = x.index_select(0, groups.padded).view(which.numel(), -1, x.shape[-1])  # [S, M, in]
-            h = torch.bmm(xs, self.a.index_select(0, which).transpose(1, 2))  # [S, M, R]
-            delta = torch.bmm(h, self.b.index_select(0, which).transpose(1, 2))  # [S, M, out]
-            y.index_add_(0, groups.rows, delta.view(-1, y.shape[-1]).index_select(0, groups.valid))
+            count = len(groups.host_slots)
+            first = groups.first_slot
+            a = self.a[first:first + count] if first is not None else self.a.index_select(0, which)
+            b = self.b[first:first + count] if first is not None else self.b.index_select(0, which)
+            xs = x.index_select(0, groups.padded).view(count, -1, x.shape[-1])  # [S, M, in]
+            delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, y.shape[-1])
+            # Groups of one size: the padded rows are the rows, in order; else drop the padding first.
+            y.index_add_(0, groups.rows, delta if groups.unpadded else delta.index_select(0, groups.valid))
             return
         slot = groups.host_slots[0]  # one adapter: a plain product over its rows
+        if groups.host_starts[-1] == groups.num_rows:  # on every row: no gather, no scatter
+            y.addmm_(x @ self.a[slot].T, self.b[slot].T)
+            return
         xs = x.index_select(0, groups.rows)
         y.index_add_(0, groups.rows, (xs @ self.a[slot].T) @ self.b[slot].T)
 
