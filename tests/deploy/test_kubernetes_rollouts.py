@@ -83,13 +83,15 @@ def test_the_disk_tier_is_a_cache_on_node_local_storage(manifests):
         assert 0 < on_disk_gib < limit_gib, name
         # Scheduled where that much local disk is free.
         assert quantity_gib(main["resources"]["requests"]["ephemeral-storage"]) >= limit_gib, name
-        # The only claim an engine mounts is for the checkpoints, one every replica can mount wherever it
-        # runs: the shared read-only volume, or the node's model cache (a host directory that every node
-        # has, so the claim pins no replica to a node).
+        # The claims an engine mounts (the checkpoints, the adapter store) are ones every replica can
+        # mount wherever it runs: shared read-only volumes, or the node's model cache (a host directory
+        # that every node has, so the claim pins no replica to a node). The minimal overlay's one node
+        # makes do with ReadWriteOnce (what kind's and minikube's default storage offers).
+        shared = ["ReadWriteOnce"] if manifests.overlay == "minimal" else ["ReadWriteMany"]
         for volume in [v for v in spec["volumes"] if "persistentVolumeClaim" in v]:
             source = volume["persistentVolumeClaim"]
             claim = manifests.get("PersistentVolumeClaim", source["claimName"])["spec"]
-            assert claim["accessModes"] == ["ReadWriteMany"], name
+            assert claim["accessModes"] in (["ReadWriteMany"], shared), name
             if claim.get("volumeName"):
                 pv = manifests.get("PersistentVolume", claim["volumeName"])["spec"]
                 assert "hostPath" in pv and "nodeAffinity" not in pv, name

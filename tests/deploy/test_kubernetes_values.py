@@ -1,8 +1,8 @@
 """One source per value (docs/deploy-kubernetes.md, "One place per value"): each overlay sets its
 namespace (``namespace:``), image tags (``images:``), model name and source (and the tensor-parallel
-size) (``values.yaml``) once, and kustomize writes each into every field that uses it: replacements,
-not copies. Checked by changing each source in a copy of ``deploy/`` and finding every use changed and
-the old value nowhere in what renders.
+size) and the engines' adapter slots and rank (``values.yaml``) once, and kustomize writes each into
+every field that uses it: replacements, not copies. Checked by changing each source in a copy of
+``deploy/`` and finding every use changed and the old value nowhere in what renders.
 """
 
 from __future__ import annotations
@@ -113,3 +113,17 @@ def test_the_model_name_source_and_tensor_parallel_size_are_set_once(overlay, re
                      if c["metadata"]["name"].startswith("tollgate-config")]
         return config
     assert config_name(manifests) != config_name(rendered[overlay])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_adapter_slots_and_rank_are_set_once(overlay, rendered, tmp_path):
+    """``maxLoras`` and ``maxLoraRank`` in values.yaml reach every engine Deployment, those a component adds
+    (the prefill pool) included."""
+    manifests, _ = _render_changed(overlay, tmp_path, {"maxLoras": "13", "maxLoraRank": "96"})
+    engines = manifests.component("engine")
+    assert {e["metadata"]["name"] for e in engines} == {
+        e["metadata"]["name"] for e in rendered[overlay].component("engine")}
+    for engine in engines:
+        words = argv(pod_spec(engine)["containers"][0])
+        where = (overlay, engine["metadata"]["name"])
+        assert option(words, "--max-loras") == "13" and option(words, "--max-lora-rank") == "96", where
