@@ -104,7 +104,8 @@
           cell(r.healthy ? "healthy" : "down" + (r.last_error ? ": " + r.last_error : "")),
           cell(num(r.waiting), true), cell(num(r.running), true), cell(pct(r.kv_usage), true),
           cell(pct(r.prefix_hit_rate), true), cell(num(r.tokens_per_s, 1), true), cell(r.inflight === null ? "—" : num(r.inflight), true),
-          cell(r.kv_index ? [r.kv_index.device, r.kv_index.host, r.kv_index.disk].map((n) => num(n)).join(" / ") : "—", true));
+          cell(r.kv_index ? [r.kv_index.device, r.kv_index.host, r.kv_index.disk].map((n) => num(n)).join(" / ") : "—", true),
+          cell(r.role || "—"), cell(num(r.adapters), true));
         tr.children[3].className = r.healthy ? "" : "bad";
         body.append(tr);
       }

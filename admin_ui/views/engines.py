@@ -1,7 +1,8 @@
 """SLOs and engines: per tier, TTFT and TPOT p50/p95 from the ledger against the tier's SLO and the
 goodput (share of requests meeting both); per replica, the load the gateway's router last polled from
 the engine's ``GET /load`` (KV usage, queue, prefix hit rate, throughput) and the block hashes the
-router's index says it holds per tier (device / host / disk, ``gateway.kv_index``), refreshed live.
+router's index says it holds per tier (device / host / disk, ``gateway.kv_index``), its role (``both``,
+``prefill``, ``decode``) and the tenants' adapters it holds read, refreshed live.
 
 - Latencies are ``usage_events.ttft_ms`` / ``tpot_ms`` of completed interactive requests in the chosen
   window (Postgres ``percentile_cont``). A request with no TPOT (a single output token) meets the TPOT
@@ -66,9 +67,11 @@ async def tier_slos(session: Any, settings: Settings, window_s: int) -> list[dic
 
 def _row(url: str, model: str, pool: str, healthy: bool, load: LoadReport | None, *,
          inflight: int | None = None, last_error: str | None = None,
-         kv_index: dict[str, int] | None = None) -> dict[str, Any]:
+         kv_index: dict[str, int] | None = None, role: str | None = None) -> dict[str, Any]:
     return {
-        "kv_index": kv_index,
+        "kv_index": kv_index, "role": role,
+        # Tenants' LoRA adapters the replica holds read (``LoadReport.adapters``).
+        "adapters": len(load.adapters) if load else None,
         "url": url, "model": model, "pool": pool, "healthy": healthy, "inflight": inflight,
         "last_error": last_error, "waiting": load.waiting if load else None,
         "running": load.running if load else None, "kv_usage": load.kv_usage if load else None,
@@ -98,7 +101,8 @@ async def replica_snapshot(request: Request) -> dict[str, Any]:
             routed.add(replica.url)
             replicas.append(_row(replica.url, route.name, replica.pool, replica.healthy, replica.load,
                                  inflight=replica.inflight, last_error=replica.last_error,
-                                 kv_index=dict(replica.kv.blocks)))
+                                 kv_index=dict(replica.kv.blocks),
+                                 role=replica.info.role if replica.info else None))
     others = [(url.rstrip("/"), pool) for pool, cfg in request.app.state.settings.pools.items()
               for url in cfg.replicas if url.rstrip("/") not in routed]
     replicas += await asyncio.gather(*(_probe(runtime, url, pool) for url, pool in others))

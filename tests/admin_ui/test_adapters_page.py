@@ -61,6 +61,12 @@ async def test_an_admin_registers_and_deletes_a_tenants_adapter_in_the_browser(
                                  timeout=60.0) as api:
         served = await api.post("/completions", json={"model": model, "prompt": "hello", "max_tokens": 2})
         assert served.status_code == 200 and served.json()["model"] == model
+        # The engines page: the replica holds the adapter read (its next /load says so).
+        await page.goto("/admin/engines?window=1h")
+        replica = page.locator("#replicas tbody tr").first
+        await expect(replica.locator("td").nth(11)).to_have_text("both")
+        await expect(replica.locator("td").nth(12)).to_have_text(re.compile(r"^[1-9]\d*$"))
+        await page.goto(f"/admin/tenants/{tenant.id}")
 
         await page.locator("#adapters tbody tr button[type=submit]").click()
         await expect(page.locator("p.notice")).to_have_text(
