@@ -414,6 +414,7 @@ class Generation:
 
     async def _consume(self, prompt_index: int, stream: EngineStream) -> AsyncIterator[DeltaRecord]:
         offset = prompt_index * self.n
+        streamed = 0
         try:
             async for record in stream:
                 if isinstance(record, DeltaRecord):
@@ -422,6 +423,7 @@ class Generation:
                         if self._span is not None:
                             self._span.add_event("first_token")
                     self._generated += len(record.token_ids)
+                    streamed += len(record.token_ids)
                     if offset:
                         record.index += offset
                     yield record
@@ -430,6 +432,15 @@ class Generation:
                     prefilled = self._prefills.get(stream.request_id)
                     if prefilled is not None:
                         record.usage = merged_usage(record.usage, record.kv_pull, prefilled)
+                    if "error" in record.finish_reasons:
+                        # The replica could not finish it (a failed KV pull where the request asked to fail
+                        # rather than recompute): an error for the client, billed only if it got tokens.
+                        reason = record.kv_pull.error if record.kv_pull is not None else None
+                        self._fail(EngineStreamError(
+                            "The engine could not complete the request" + (f" ({reason})" if reason else "")
+                            + ". Please retry.", code="engine_error"))
+                        if not streamed:
+                            record.usage = Usage()
                     self._final(offset, record)
                 elif isinstance(record, ErrorRecord):
                     self._fail(EngineStreamError(record.error.message, code=record.error.code))

@@ -181,3 +181,47 @@ async def test_a_prediction_is_drafted_on_the_decode_replica(
     details, wanted = (r.json()["usage"]["completion_tokens_details"] for r in (answer, expected))
     assert details["accepted_prediction_tokens"] == wanted["accepted_prediction_tokens"] > 0
     assert (await _transfer(prefill_url))["leases"] - leases == 1
+
+
+@pytest.fixture(scope="module")
+def forgetful_prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A prefill replica whose leases lapse before any decode replica can pull them."""
+    log = tmp_path_factory.mktemp("forgetful") / "prefill.log"
+    with run_engine(tiny_model_dir, log, options=("--num-kv-blocks", "256", "--role", "prefill",
+                                                  "--kv-lease-s", "0.001")) as (url, _):
+        yield url
+
+
+@pytest.mark.parametrize("mode", ["recompute", "fail"])
+async def test_a_lapsed_lease_recomputes_or_fails_cleanly_and_bills_what_the_client_was_told(
+        pair: tuple[str, str], forgetful_prefill: str, tiny_model_dir: Path, api_database_url: str,
+        redis_url: str, model_price: None, gateway: GatewayUnderTest, mode: str) -> None:
+    """The decode replica's pull finds the lease gone. ``recompute`` (the default): it computes the prompt
+    itself and the answer is a colocated replica's, billed as computed there. ``fail``: the client gets
+    an error and the ledger a failed request that bills nothing. No pull is left in flight."""
+    _, decode_url = pair
+    settings = gateway_settings([decode_url], tiny_model_dir, api_database_url, redis_url)
+    settings.models[0].pools = ["interactive", "prefill"]
+    settings.pools["prefill"] = PoolConfig(replicas=[forgetful_prefill])
+    settings.disagg_min_prompt_tokens = THRESHOLD
+    settings.disagg_on_failure = mode  # type: ignore[assignment]
+    failed_before = (await _transfer(decode_url)).get("failed_pulls", 0)
+    async with run_gateway(settings) as lapsing:
+        key, reference = await make_tenant_key(lapsing), await make_tenant_key(gateway)
+        content = f"Lapsed {mode}. " + LONG * 3
+        answer = await _chat(lapsing, key.key, content)
+        [record] = await wait_for_usage(lapsing.settings.redis_url or "", answer.headers["x-request-id"])
+    if mode == "recompute":
+        expected = await _chat(gateway, reference.key, content)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == \
+            expected.json()["choices"][0]["message"]["content"]
+        usage = answer.json()["usage"]
+        billed = tuple(record[k] for k in ("status", "prompt_tokens", "cached_tokens", "completion_tokens"))
+        assert billed == ("completed", usage["prompt_tokens"], 0, usage["completion_tokens"])
+    else:
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "engine_error", answer.text
+        billed = tuple(record[k] for k in ("status", "prompt_tokens", "completion_tokens", "cost_pico_usd"))
+        assert billed == ("failed", 0, 0, 0)
+    after = await _transfer(decode_url)
+    assert after["failed_pulls"] == failed_before + 1 and after["pulls_in_flight"] == 0
