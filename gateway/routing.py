@@ -146,6 +146,18 @@ class Replica:
     retired: bool = False
     # LoRA adapters (store ids) it holds read: its last ``/load`` report, plus those sent to it since.
     adapters: set[str] = field(default_factory=set)
+    # Prompt blocks this process sent it since its last ``/load`` report (``kv_usage_estimate``).
+    sent_blocks: int = 0
+
+    @property
+    def kv_usage_estimate(self) -> float:
+        """Its KV cache's use: the last report's, plus the prompt blocks sent since, which it will hold.
+        Without the second part every pick until the next report would see the same figure, and the
+        replica whose cache was emptiest at the report would take all of them (prompts sharing no prefix
+        herd onto one replica for a report interval)."""
+        if self.load is None:
+            return 0.0
+        return min(1.0, self.load.kv_usage + self.sent_blocks / max(1, self.load.num_kv_blocks))
 
     @property
     def load_score(self) -> float:
@@ -154,7 +166,7 @@ class Replica:
 
     def over_watermark(self, least_inflight: int) -> bool:
         if self.load is not None and (self.load.waiting >= WATERMARK_WAITING
-                                      or self.load.kv_usage >= WATERMARK_KV_USAGE):
+                                      or self.kv_usage_estimate >= WATERMARK_KV_USAGE):
             return True
         return self.inflight - least_inflight >= WATERMARK_INFLIGHT_GAP
 
@@ -222,7 +234,7 @@ class IndexPolicy:
             return None
         first, blocks = block_hashes[0], len(block_hashes)
         scored = [(self.weights.score(r.kv.prefix_weight(block_hashes, now) / blocks, r.load_score,
-                                      r.load.kv_usage if r.load is not None else 0.0),
+                                      r.kv_usage_estimate),
                    _rendezvous(first, r.url), r)
                   for r in candidates if not r.over_watermark(least_inflight)]
         best = max(scored, key=lambda s: s[:2], default=None)
@@ -272,19 +284,21 @@ class AffinityPolicy:
 
 
 class RoundRobinPolicy:
-    """The candidates in turn; the turn moves on when one accepts a request."""
+    """The candidates in turn, a turn per pool (a disaggregated request picks a prefill and a decode
+    replica: one shared turn would give each pool every other replica); the turn moves on when one
+    accepts a request."""
 
     follows_kv_events: ClassVar[bool] = False
 
     def __init__(self) -> None:
-        self._turn = 0
+        self._turns: dict[str, int] = {}
 
     def choose(self, candidates: Sequence[Replica], block_hashes: Sequence[bytes], least_inflight: int,
                now: float) -> Replica | None:
-        return candidates[self._turn % len(candidates)]
+        return candidates[self._turns.get(candidates[0].pool, 0) % len(candidates)]
 
     def remember(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> None:
-        self._turn += 1
+        self._turns[replica.pool] = self._turns.get(replica.pool, 0) + 1
 
     def cached_prefix_blocks(self, replica: Replica, block_hashes: Sequence[bytes], now: float) -> int:
         return 0  # it keeps no record of where prompts went
@@ -436,6 +450,7 @@ class Router:
                 replica.info = await self._client.info(replica.url)
             replica.load = await self._client.load(replica.url)
             replica.adapters = set(replica.load.adapters)
+            replica.sent_blocks = 0
         except EngineUnavailable as exc:
             if replica.retired:
                 return
@@ -568,7 +583,11 @@ class Router:
         """Record that ``replica`` now holds these leading blocks (called when it accepted the request;
         the index expects them there until the replica's events say so, the affinity policy guesses from
         it, round robin moves to the next turn)."""
-        self.policy.remember(replica, block_hashes, self.clock())
+        now = self.clock()
+        # The blocks it will newly hold (those it already holds cost no more of its cache).
+        held = self.policy.cached_prefix_blocks(replica, block_hashes, now)
+        replica.sent_blocks += len(block_hashes) - held
+        self.policy.remember(replica, block_hashes, now)
 
     @staticmethod
     def remember_adapter(replica: Replica, adapter: str) -> None:

@@ -309,8 +309,14 @@ class Generation:
                     routing.set_attributes({"tollgate.replica.url": replica.url,
                                             "tollgate.replica.pool": replica.pool,
                                             "tollgate.routing.excluded": len(tried)})
-            send = await self._with_prefill(request, replica, block_hashes, first=not tried)
+            # Counted on the decode replica before a remote prefill, which may take a while: requests
+            # picked meanwhile see it busy.
             replica.inflight += 1
+            try:
+                send = await self._with_prefill(request, replica, block_hashes, first=not tried)
+            except BaseException:
+                replica.inflight -= 1
+                raise
             call = None if tracer is None else tracer.start_span(
                 "POST /generate", kind=SpanKind.CLIENT,
                 attributes={"http.request.method": "POST", "url.full": f"{replica.url}/generate",

@@ -201,3 +201,44 @@ def test_a_lora_request_prefers_the_replicas_holding_its_adapter(any_router: Rou
     assert spilled not in (holder, other)
     router.remember_adapter(spilled, "a1")
     assert router.pick("m", hashes(8), adapter="a1") is spilled
+
+
+def test_prompts_sharing_no_prefix_spread_between_load_reports(router: Router) -> None:
+    """Between two load reports, the prompt blocks sent to a replica count against its KV cache: distinct
+    long prompts do not all go to the replica whose cache was emptiest at the last report."""
+    for i, replica in enumerate(router.replicas):
+        replica.load = load(kv_usage=0.1 + 0.05 * i)
+    picks = []
+    for s in range(12):
+        h = hashes(1000 + 97 * s, blocks=8)  # distinct first blocks, 8 of the replicas' 100 each
+        replica = router.pick("m", h)
+        router.remember(replica, h)
+        picks.append(replica.url)
+    assert len(set(picks)) == len(router.replicas)
+    assert router.replicas[0].sent_blocks == 8 * picks.count(router.replicas[0].url)
+    router.remember(router.replicas[0], hashes(1000, blocks=8))  # the same prompt again: already held
+    assert router.replicas[0].sent_blocks == 8 * picks.count(router.replicas[0].url)
+
+
+async def test_round_robin_keeps_a_turn_per_pool() -> None:
+    """A disaggregated request takes a prefill and a decode replica: each pool still goes round in turn."""
+    from gateway.routing import PREFILL_POOL
+
+    settings = Settings(environment="test", models=[ModelConfig(name="m", path=None, pools=["interactive",
+                                                                                            PREFILL_POOL])],
+                        pools={"interactive": PoolConfig(replicas=URLS[:2]),
+                               PREFILL_POOL: PoolConfig(replicas=URLS[2:])}, routing_policy="round_robin")
+    client = EngineClient(request_timeout_s=5)
+    router = Router(settings, client)
+    for replica in router.replicas:
+        replica.healthy, replica.load = True, load()
+    decodes, prefills = [], []
+    for s in range(4):
+        p = router.pick("m", hashes(s), prefill=True)
+        router.remember(p, hashes(s))
+        d = router.pick("m", hashes(s))
+        router.remember(d, hashes(s))
+        prefills.append(p.url)
+        decodes.append(d.url)
+    assert set(prefills) == set(URLS[2:]) and set(decodes) == set(URLS[:2])
+    await client.aclose()
