@@ -28,7 +28,9 @@ One runner per engine replica, driven from the engine thread; its device work ru
   driven by ``run_on_worker``; every step's inputs and tier copies go down to them in submission
   order, the input ids are broadcast from rank 0's device inside the forward pass, and every rank ends
   the pass with the whole logits (only rank 0 samples). The KV pool holds this rank's KV heads; every
-  rank has the same number of blocks (the smallest any rank has memory for).
+  rank has the same number of blocks (the smallest any rank has memory for). Disaggregated serving moves
+  whole blocks (``engine.kv.remote``): rank 0 asks the workers for their heads of leased blocks
+  (``answer``) and sends them pulled payloads with the step (``kv_load``), each copying in its own heads.
 - ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``; a
   sliding-window layer masks its window in attention and caps nothing); the engine further caps it at
   the KV pool's capacity.

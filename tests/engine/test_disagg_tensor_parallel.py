@@ -4,8 +4,9 @@ prompt's blocks, and a decode replica of 2 ranks (in this process: one tensor-pa
 pulls them over TCP, every rank's KV heads of each block.
 
 Greedy outputs equal a colocated single-rank engine's for a prompt longer than a prefill chunk and for
-n > 1; blocks move whole (every KV head), so a replica of 2 ranks and one of 1 exchange them too; a refused
-pull recomputes on the 2 ranks; leases and held blocks return to zero on both sides.
+n > 1; blocks move whole (every KV head), so a replica of 2 ranks and one of 1 exchange them too, and 4
+ranks over 2 KV heads (each head on 2 ranks) send the single rank's blocks; a refused pull recomputes on
+the 2 ranks; leases and held blocks return to zero on both sides.
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ def _engine(model: Path, role: str, tp: int = 1) -> LLMEngine:
 
 
 @contextlib.contextmanager
-def _prefill_replica(model_dir: Path, log: Path) -> Iterator[str]:
-    """A prefill replica of 2 ranks in its own process, once it answers /health: its URL."""
+def _prefill_replica(model_dir: Path, log: Path, tp: int = 2) -> Iterator[str]:
+    """A prefill replica of ``tp`` ranks in its own process, once it answers /health: its URL."""
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tollgate", "engine", "--model", str(model_dir),
-                                 "--port", str(port), "--role", "prefill", "--tensor-parallel-size", "2",
+                                 "--port", str(port), "--role", "prefill", "--tensor-parallel-size", str(tp),
                                  "--num-kv-blocks", "96", "--max-num-batched-tokens", str(CHUNK),
                                  "--speculation", "off"],
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
@@ -70,7 +71,7 @@ def _prefill_replica(model_dir: Path, log: Path) -> Iterator[str]:
                 return httpx.get(f"{url}/health", timeout=2).status_code == 200
             return False
 
-        wait_until(healthy, "the 2-rank prefill replica to answer /health", timeout_s=180, interval_s=0.2)
+        wait_until(healthy, f"the {tp}-rank prefill replica to answer /health", timeout_s=180, interval_s=0.2)
         yield url
     finally:
         proc.terminate()
@@ -215,3 +216,47 @@ def test_a_refused_pull_is_recomputed_on_both_ranks(replicas: dict[str, Any]) ->
     assert got == _run(replicas["both"], "ref-salt-a", prompt, GREEDY, cache_salt="tenant-a")[0]
     wait_until(lambda: _prefill_settled(replicas["prefill2"]), "the delivered lease to be released")
     assert _settled(decode)
+
+
+def test_four_ranks_over_two_kv_heads_send_the_single_rank_blocks(
+    replicas: dict[str, Any], tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """4 ranks over the model's 2 KV heads (each head on 2 ranks, read from one): the blocks are the
+    single-rank replica's, and the 2-rank decode replica continues them."""
+    prompt = _prompt(5, 70)
+    hashes = tuple(prefix_block_hashes(prompt, BLOCK)[:(len(prompt) - 1) // BLOCK])
+    expect = replicas["decode2"].connector.identity.expect("none", None)
+    _, prefilled = _run(replicas["prefill1"], "p-raw-4-ref", prompt, GREEDY)
+    lease = _lease(prefilled)
+    request = PullRequest(lease.lease_id, 0, hashes, expect)
+    reference = np.frombuffer(b"".join(TCPTransport().pull(lease.host, lease.port, request, 30)[0]),
+                              dtype=np.float32)
+    expected, _ = _run(replicas["both"], "ref-tp4", prompt, GREEDY)
+    with _prefill_replica(tiny_llama_dir, tmp_path / "prefill4.log", tp=4) as url:
+        _, prefilled = _prefill_over_http(url, "p-raw-4", prompt, GREEDY)
+        lease = _lease(prefilled)
+        request = PullRequest(lease.lease_id, 0, hashes, expect)
+        blocks, _ = TCPTransport().pull(lease.host, lease.port, request, timeout_s=30)
+        got_blocks = np.frombuffer(b"".join(blocks), dtype=np.float32)
+        np.testing.assert_allclose(got_blocks, reference, rtol=1e-4, atol=1e-5)
+        _, prefilled = _prefill_over_http(url, "p-tp4", prompt, GREEDY)
+        got, final = _run(replicas["decode2"], "d-tp4", prompt, GREEDY, kv_source=_lease(prefilled))
+        assert got == expected and final.kv_pull == {"pulled_tokens": 64, "error": None}
+        wait_until(lambda: _prefill_settled(url), "the delivered leases to be released")
+    wait_until(lambda: _settled(replicas["prefill1"]), "the delivered lease to be released")
+
+
+def test_a_rank_that_cannot_read_blocks_answers_why_and_goes_on(replicas: dict[str, Any]) -> None:
+    """A worker's failed read ends that pull only (the prefill side keeps the lease): it answers the error,
+    and the replica serves on."""
+    decode = replicas["decode2"]
+    workers = decode.runner.workers
+    assert workers is not None
+    with pytest.raises(RuntimeError, match="rank 1 failed 'kv_read'"):
+        workers.ask([1], ("kv_read", [10**6]))
+    (shard,) = workers.ask([1], ("kv_read", [0, 1]))
+    remote = decode.runner.kv_remote
+    assert remote is not None and len(shard) == remote.block_bytes  # two blocks, one of their 2 KV heads
+    prompt = _prompt(6, 60)
+    expected, _ = _run(replicas["both"], "ref-after", prompt, GREEDY)
+    assert _run(decode, "d-after", prompt, GREEDY)[0] == expected
