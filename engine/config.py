@@ -150,8 +150,6 @@ class EngineConfig:
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.kv_transfer_failure not in ("recompute", "fail"):
             raise ValueError(f"kv_transfer_failure must be recompute or fail: {self.kv_transfer_failure!r}")
-        if self.role != "both" and self.tensor_parallel_size > 1:
-            raise ValueError("a prefill or decode role needs tensor_parallel_size 1 for now")
         if self.role == "decode" and not self.enable_prefix_caching:
             raise ValueError("a decode replica puts the blocks it pulls in its prefix cache: it needs one")
         if not self.kv_lease_s > 0 or not self.kv_transfer_timeout_s > 0 or self.kv_transfer_chunk_blocks < 1:

@@ -28,7 +28,9 @@ One runner per engine replica, driven from the engine thread; its device work ru
   driven by ``run_on_worker``; every step's inputs and tier copies go down to them in submission
   order, the input ids are broadcast from rank 0's device inside the forward pass, and every rank ends
   the pass with the whole logits (only rank 0 samples). The KV pool holds this rank's KV heads; every
-  rank has the same number of blocks (the smallest any rank has memory for).
+  rank has the same number of blocks (the smallest any rank has memory for). Disaggregated serving moves
+  whole blocks (``engine.kv.remote``): rank 0 asks the workers for their heads of leased blocks
+  (``answer``) and sends them pulled payloads with the step (``kv_load``), each copying in its own heads.
 - ``max_model_len`` is the model's limit (``config.max_model_len`` or ``max_position_embeddings``; a
   sliding-window layer masks its window in attention and caps nothing); the engine further caps it at
   the KV pool's capacity.
@@ -208,11 +210,17 @@ class ModelRunner:
                                           peers if rank == 0 else None)
         # Disaggregated serving: leased blocks out, pulled blocks in (``engine.kv.remote``).
         self.kv_remote: RemoteKVWorker | None = None
-        if config.role != "both":
+        self._kv_peers: list[tuple[int, range]] = []  # rank 0: where the KV heads it lacks are read
+        if config.role != "both":  # blocks move whole (every KV head): the layout of a single rank's
             kv_layout = f"{self.kv_dtype}|{self.kv_scales}" if self.kv_dtype != self.dtype else self.dtype
-            fingerprint = cache_fingerprint(model_dir, kv_layout, tuple(self.kv_caches[0].shape[2:]))
-            identity = kv_identity(model_dir, fingerprint, self.kv_caches)
-            self.kv_remote = RemoteKVWorker(self.kv_caches, identity)
+            fingerprint = cache_fingerprint(model_dir, kv_layout, (self.block_size, args.num_kv_heads,
+                                                                   args.head_dim))
+            identity = kv_identity(model_dir, fingerprint, self.kv_caches, args.num_kv_heads)
+            heads = range(shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads)
+            if self.workers is not None:
+                self._kv_peers = self._kv_peer_ranks()
+            self.kv_remote = RemoteKVWorker(self.kv_caches, identity, heads,
+                                            self._peer_kv_shards if self.workers is not None else None)
         self.lora: LoRASlots | None = None
         if config.max_loras:
             self.lora = install(self.model, args, config.max_loras, config.max_lora_rank, shard, self.tp,
@@ -235,6 +243,26 @@ class ModelRunner:
                     self.block_size, str(self.kv_dtype).removeprefix("torch."),
                     self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30,
                     self.max_model_len)
+
+    def _kv_peer_ranks(self) -> list[tuple[int, range]]:
+        """The worker ranks rank 0 reads a leased block's other KV heads from, and their heads: the first
+        rank to hold each head rank 0 lacks (a head replicated over ranks is read once)."""
+        held = set(range(self.shard.first_kv_head, self.shard.first_kv_head + self.shard.num_kv_heads))
+        peers = []
+        for rank in range(1, self.tp.size):
+            shard = ShardSizes.of(self.args, rank, self.tp.size, self.tp.expert_parallel)
+            heads = range(shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads)
+            if not held.issuperset(heads):
+                peers.append((rank, heads))
+                held.update(heads)
+        return peers
+
+    def _peer_kv_shards(self, blocks: list[int]) -> list[tuple[range, bytes]]:
+        """The other ranks' heads of leased ``blocks`` (a transfer thread; each worker reads them after the
+        steps sent to it before)."""
+        assert self.workers is not None
+        answers = self.workers.ask([rank for rank, _ in self._kv_peers], ("kv_read", blocks))
+        return [(heads, data) for (_, heads), data in zip(self._kv_peers, answers, strict=True)]
 
     def _executor(self, config: EngineConfig) -> DeviceExecutor:
         """Where device work runs (``engine.device``): a simulated device if asked; on a GPU the calling
@@ -367,6 +395,8 @@ class ModelRunner:
         forward pass that reads them)."""
         if loads:
             assert self.kv_remote is not None
+            if self.workers is not None:  # every rank copies in its own heads of the whole blocks
+                self.workers.send(("kv_load", loads))
             self._transfers.append(self.executor.submit(self.kv_remote.load, loads))
 
     def _check_transfers(self) -> None:
@@ -416,8 +446,17 @@ class ModelRunner:
         elif kind == "transfer":  # its reads are rank 0's to do (``engine.kv.transfer``)
             self.transfer(payload)  # type: ignore[arg-type]
             self._check_transfers()
+        elif kind == "kv_load":  # blocks pulled from a prefill replica
+            assert self.kv_remote is not None
+            self.executor.submit(self.kv_remote.load, payload).result()
         else:
             raise ValueError(f"unknown message from rank 0: {kind!r}")
+
+    def answer(self, kind: str, payload: object) -> object:
+        """A worker rank answers rank 0 (``RankWorkers.ask``): its heads of leased blocks."""
+        if kind != "kv_read" or self.kv_remote is None:
+            raise ValueError(f"rank {self.tp.rank} does not answer {kind!r}")
+        return self.executor.submit(self.kv_remote.read_shard, payload).result()
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward ``batch`` and wait: its float32 logits ``[num_sampled, vocab]`` (tests, benchmarks)."""

@@ -3,9 +3,13 @@
 Rank 0 is the engine process: it owns the scheduler, the block manager and its tiers, the KV events
 and the HTTP server. ``RankWorkers`` (rank 0) spawns the other ranks; each builds a ``ModelRunner``
 over its shard (``engine.distributed``) and then runs, in rank 0's order, what rank 0 sends down its
-pipe: each step's inputs (host arrays; the block tables are the same on every rank) and each step's
-tier copies. The input ids are broadcast from rank 0 inside the forward pass (decode ids sampled on
-rank 0's device never come back to a host), so a worker needs nothing else. Only rank 0 samples.
+pipe: each step's inputs (host arrays; the block tables are the same on every rank), each step's
+tier copies and the KV blocks pulled from a prefill replica. The input ids are broadcast from rank 0
+inside the forward pass (decode ids sampled on rank 0's device never come back to a host), so a worker
+needs nothing else. Only rank 0 samples. The one message a worker answers is a read of its heads of
+leased KV blocks (``ask``, from a prefill replica's transfer threads, any thread): the answer comes back
+up the same pipe once the worker has run what was sent to it before; one question is in flight at a
+time, and the pipe's writers take turns.
 
 Failure, never a hang:
 
@@ -65,6 +69,10 @@ class RankWorkers:
             self._procs.append(proc)
         self._closing = False
         self._lock = threading.Lock()
+        # The engine thread sends steps while transfer threads ask for KV shards: one writer per pipe at a
+        # time, and one question in flight (its answers are the only messages that come back).
+        self._send_locks = [threading.Lock() for _ in self._conns]
+        self._ask_lock = threading.Lock()
         # Interpreter exit stops daemon processes: that must not read as a rank dying.
         atexit.register(self._mark_closing)
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
@@ -77,14 +85,35 @@ class RankWorkers:
     def send(self, message: tuple[str, Any]) -> None:
         """Send every worker the same message (they run them in order). A dead worker's broken pipe is
         left to the watchdog."""
-        for conn in self._conns:
-            _send(conn, message)
+        for conn, lock in zip(self._conns, self._send_locks, strict=True):
+            with lock:
+                _send(conn, message)
 
     def send_each(self, messages: list[tuple[str, Any]]) -> None:
         """Send worker ``r`` (ranks 1..N-1) ``messages[r - 1]``: what differs by rank (its shard of a LoRA
         adapter being loaded)."""
-        for conn, message in zip(self._conns, messages, strict=True):
-            _send(conn, message)
+        for conn, lock, message in zip(self._conns, self._send_locks, messages, strict=True):
+            with lock:
+                _send(conn, message)
+
+    def ask(self, ranks: list[int], message: tuple[str, Any]) -> list[Any]:
+        """Send ``message`` to workers ``ranks`` (each runs it after what was sent to it before) and return
+        their answers, in order (any thread). ``RuntimeError`` if a worker cannot answer: it failed to
+        run it, or it is gone (then the watchdog ends the replica)."""
+        with self._ask_lock:
+            for rank in ranks:
+                with self._send_locks[rank - 1]:
+                    _send(self._conns[rank - 1], message)
+            answers = []
+            for rank in ranks:
+                try:
+                    ok, answer = self._conns[rank - 1].recv()
+                except (EOFError, OSError) as exc:  # (a broken pipe on the way out ends here too)
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not answer {message[0]!r}") from exc
+                if not ok:
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed {message[0]!r}: {answer}")
+                answers.append(answer)
+            return answers
 
     def send_plan(self, plan: TransferPlan | None) -> None:
         """A step's tier copies to every worker: its own payload of each block read from disk (rank 0
@@ -93,7 +122,8 @@ class RankWorkers:
             mine = plan
             if plan is not None and (plan.fill or plan.read):
                 mine = replace(plan, read=[], fill=[(slot, data[rank]) for slot, data in plan.fill])  # type: ignore[index]
-            _send(conn, ("transfer", mine))
+            with self._send_locks[rank - 1]:
+                _send(conn, ("transfer", mine))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the workers (after the messages already sent) and wait for them."""
@@ -131,7 +161,7 @@ class RankWorkers:
         os._exit(RANK_DIED_EXIT_CODE)
 
 
-def _send(conn: multiprocessing.connection.Connection, message: tuple[str, Any]) -> None:
+def _send(conn: multiprocessing.connection.Connection, message: tuple[Any, Any]) -> None:
     """Send to one worker; a dead worker's broken pipe is left to the watchdog."""
     try:
         conn.send(message)
@@ -155,6 +185,8 @@ def exit_with_parent() -> None:
 class RankRunner(Protocol):
     def run_on_worker(self, kind: str, payload: object) -> None: ...
 
+    def answer(self, kind: str, payload: object) -> object: ...
+
     def close(self) -> None: ...
 
 
@@ -164,8 +196,12 @@ def start_rank(rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
 
 
+ASKED = frozenset({"kv_read"})  # the messages a worker answers (``RankWorkers.ask``)
+
+
 def serve(runner: RankRunner, conn: multiprocessing.connection.Connection) -> None:
-    """Run what rank 0 sends, in order, until it says stop or is gone; then close the runner."""
+    """Run what rank 0 sends, in order, until it says stop or is gone; then close the runner. A question
+    (``ASKED``) is answered ``(True, answer)``, or ``(False, why)`` if it failed: the worker goes on."""
     try:
         while True:
             try:
@@ -174,6 +210,14 @@ def serve(runner: RankRunner, conn: multiprocessing.connection.Connection) -> No
                 break  # rank 0 is gone
             if kind == "stop":
                 break
-            runner.run_on_worker(kind, payload)
+            if kind not in ASKED:
+                runner.run_on_worker(kind, payload)
+                continue
+            try:
+                reply: tuple[bool, object] = (True, runner.answer(kind, payload))
+            except Exception as exc:  # rank 0's transfer ends early; the replica goes on
+                logger.exception("answering %r failed", kind)
+                reply = (False, repr(exc))
+            _send(conn, reply)
     finally:
         runner.close()

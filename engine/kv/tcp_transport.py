@@ -241,6 +241,8 @@ class TCPServer:
                 delivered = bool(_recv_json(conn).get("ok"))
             except (OSError, TransferError, ValueError) as exc:
                 logger.info("KV transfer to %s ended early: %r", _peer(conn), exc)
+            except Exception:  # the blocks could not be read (a tensor-parallel rank did not answer)
+                logger.exception("KV transfer to %s failed", _peer(conn))
             finally:
                 if handle is not None:
                     self.source.close(handle, delivered)

@@ -387,6 +387,17 @@ def test_engine_replicas_split_the_model_over_the_configured_ranks(tmp_path):
         assert argv[argv.index("--model") + 1] == str(model.resolve())
 
 
+def test_prefill_and_decode_replicas_split_the_model_over_the_configured_ranks(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    platform = LocalPlatform(Settings(engine_tensor_parallel_size=2), tmp_path / "data", port=8000,
+                             engine_port=9100, model=model, with_engine=True, gateway_workers=1,
+                             engine_replicas=1, prefill_replicas=1)
+    specs = {spec.name: spec.argv for spec in engine_specs(platform._layout(), model, {})}
+    assert {name: (argv[argv.index("--role") + 1], argv[argv.index("--tensor-parallel-size") + 1])
+            for name, argv in specs.items()} == {"engine": ("decode", "2"), "prefill-0": ("prefill", "2")}
+
+
 def test_children_ignore_a_folder_named_like_their_package_where_up_started(tmp_path):
     """``tollgate up`` started beside a folder named ``tollgate`` (the parent of a clone, a data directory)
     must not run its children from it: ``python -m`` would put the current directory first on ``sys.path``

@@ -527,10 +527,6 @@ def up(
     prefill_replicas = settings.engine_prefill_replicas if prefill_replicas is None else prefill_replicas
     if decode_replicas is not None and not prefill_replicas:
         raise click.UsageError("--decode-replicas needs --prefill-replicas (else use --engine-replicas)")
-    tp_size = engine_tensor_parallel_size or settings.engine_tensor_parallel_size
-    if prefill_replicas and tp_size > 1:
-        raise click.UsageError("prefill and decode replicas run one rank each for now "
-                               "(--engine-tensor-parallel-size 1)")
     if engine_tensor_parallel_size is not None:
         settings = settings.model_copy(update={"engine_tensor_parallel_size": engine_tensor_parallel_size})
     if not (settings.database_url and settings.redis_url):
