@@ -23,7 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("minimal", "gpu", "gpu-tp", "external")
+OVERLAYS = ("minimal", "gpu", "gpu-tp", "external", "gpu-disaggregated")
 # Every object is checked against the schemas of this Kubernetes release (kubernetes-validate).
 KUBERNETES_VERSION = "1.30.0"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")

@@ -169,9 +169,16 @@ def test_grace_periods_cover_the_drain(manifests):
             engine["metadata"]["name"])
 
 
+def _engine_pools(manifests) -> set[str]:
+    """The pools the rendered engine Deployments serve (``--pool``)."""
+    return {option(argv(pod_spec(e)["containers"][0]), "--pool") for e in manifests.component("engine")}
+
+
 def test_pools_are_found_through_their_headless_services(manifests):
     config = manifests.tollgate_toml()
-    assert set(config["pools"]) == {"interactive", "batch"}
+    # Every pool an engine Deployment serves, and no other (components/disaggregated adds prefill).
+    assert set(config["pools"]) == _engine_pools(manifests)
+    assert {"interactive", "batch"} <= set(config["pools"])
     for pool, entry in config["pools"].items():
         host, port = entry["dns"].rsplit(":", 1)
         # The Service's name alone (the pod's DNS search path adds its own namespace), or fully qualified.
@@ -195,7 +202,22 @@ def test_pools_are_found_through_their_headless_services(manifests):
             assert any(model["path"] in " ".join(argv(c)) for c in inits), (name, model["path"])
 
 
+def _policy_ports(manifests, policy) -> list[list[int]]:
+    """Each ingress rule's ports as numbers (a named port resolved in every pod the policy selects)."""
+    found = []
+    for rule in policy["spec"]["ingress"]:
+        numbers = set()
+        for port in rule["ports"]:
+            for name in manifests.selected_workloads(policy["spec"]["podSelector"]):
+                numbers.add(port_number(pod_spec(manifests.workload(name))["containers"][0], port["port"]))
+        assert len(numbers) == len(rule["ports"]), policy["metadata"]["name"]
+        found.append(sorted(numbers))
+    return found
+
+
 def test_only_the_gateway_and_worker_reach_the_engines(manifests):
+    """And, where prefill and decode are apart, the decode replicas reach the prefill replicas' KV transfer
+    port: that port only, those pods only."""
     engines = {w["metadata"]["name"] for w in manifests.component("engine")}
     policies = [p for p in manifests.of_kind("NetworkPolicy")
                 if set(manifests.selected_workloads(p["spec"]["podSelector"])) & engines]
@@ -204,8 +226,17 @@ def test_only_the_gateway_and_worker_reach_the_engines(manifests):
     for policy in policies:
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         assert set(manifests.selected_workloads(policy["spec"]["podSelector"])) <= engines
-        for rule in policy["spec"]["ingress"]:
-            assert [p["port"] for p in rule["ports"]] == [8100]
+        if policy["metadata"]["name"] == "engine-prefill-from-decode":
+            assert manifests.selected_workloads(policy["spec"]["podSelector"]) == ["engine-prefill"]
+            (rule,) = policy["spec"]["ingress"]
+            (peer,) = rule["from"]
+            assert set(peer) == {"podSelector"}
+            assert manifests.selected_workloads(peer["podSelector"]) == ["engine-interactive"]
+            prefill = container(manifests.workload("engine-prefill"), "engine")
+            assert _policy_ports(manifests, policy) == [[int(option(argv(prefill), "--kv-transfer-port"))]]
+            continue
+        for rule, ports in zip(policy["spec"]["ingress"], _policy_ports(manifests, policy), strict=True):
+            assert ports == [8100]
             for peer in rule["from"]:
                 if "podSelector" in peer:
                     assert "namespaceSelector" not in peer
@@ -296,7 +327,9 @@ def test_the_configuration_loads_into_the_settings(manifests, tmp_path, monkeypa
     monkeypatch.setenv("TOLLGATE_INTERNAL_TOKEN", "from-the-secret-as-well-32-chars")
     settings = Settings()
     assert settings.environment == "production" and settings.port == 8000
-    assert {m.name for m in settings.models} and set(settings.pools) == {"interactive", "batch"}
+    assert {m.name for m in settings.models} and set(settings.pools) == _engine_pools(manifests)
+    for model in settings.models:
+        assert set(model.pools) == set(settings.pools), model.name  # every pool serves the one model
     assert all(pool.dns for pool in settings.pools.values())  # replicas found through the headless Services
 
 

@@ -29,7 +29,7 @@ from tests.deploy.manifests import (
 )
 from tollgate.commands.model_fetch import DEFAULT_INCLUDE, fetch_model
 
-GPU_OVERLAYS = {"gpu", "gpu-tp", "external"}
+GPU_OVERLAYS = {"gpu", "gpu-tp", "external", "gpu-disaggregated"}
 SOURCE_SCHEMES = ("hf://", "s3://", "/", "file://")
 
 

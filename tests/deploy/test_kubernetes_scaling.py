@@ -12,6 +12,7 @@ from tests.deploy.manifests import (
     argv,
     containers,
     option,
+    pod_labels,
     pod_spec,
     quantity_gib,
     selects,
@@ -20,10 +21,10 @@ from tests.deploy.manifests import (
 from tollgate.commands.model import engine as engine_command
 from tollgate.settings import Settings
 
-GPU_OVERLAYS = {"gpu", "gpu-tp", "external"}
+GPU_OVERLAYS = {"gpu", "gpu-tp", "external", "gpu-disaggregated"}
 (MAX_NUM_SEQS,) = [p.default for p in engine_command.params if p.name == "max_num_seqs"]
 TENSOR_PARALLEL_OVERLAYS = {"gpu-tp"}
-BUNDLED_OVERLAYS = {"minimal", "gpu", "gpu-tp"}
+BUNDLED_OVERLAYS = {"minimal", "gpu", "gpu-tp", "gpu-disaggregated"}
 APP = ("beat", "gateway", "worker")
 ENGINE_POOLS = {"engine-interactive": "interactive", "engine-batch": "batch"}
 
@@ -51,7 +52,7 @@ def test_disruption_budgets_cover_the_gateway_and_every_engine_pool(manifests):
 def test_gpus_only_where_the_overlay_asks_for_them(manifests):
     gpu = manifests.overlay in GPU_OVERLAYS
     for workload in manifests.workloads():
-        is_engine = workload["metadata"]["name"] in ENGINE_POOLS
+        is_engine = pod_labels(workload).get("app.kubernetes.io/component") == "engine"
         spec = pod_spec(workload)
         gpus = tensor_parallel_size(argv(spec["containers"][0]))  # one GPU per rank
         for c in containers(workload):
@@ -118,6 +119,11 @@ DEMAND = re.compile(r'sum\(\{namespace="([^"]+)",service="([^"]+)",'
                     r'__name__=~"vllm:num_requests_\(waiting\|running\)"\}\)')
 
 
+def _disaggregated(manifests) -> bool:
+    """Whether the overlay runs prefill and decode apart (components/disaggregated)."""
+    return manifests.has("Deployment", "engine-prefill")
+
+
 def _scaled(manifests) -> dict[str, dict]:
     return {s["spec"]["scaleTargetRef"]["name"]: s for s in manifests.of_kind("ScaledObject")}
 
@@ -134,9 +140,12 @@ def test_keda_scales_each_engine_pool_on_demand_against_capacity(manifests, expo
     if manifests.overlay not in GPU_OVERLAYS:
         assert scaled == {} and manifests.of_kind("TriggerAuthentication") == []
         return
-    assert set(scaled) == set(ENGINE_POOLS)
+    disaggregated = _disaggregated(manifests)
+    assert set(scaled) == set(ENGINE_POOLS) | ({"engine-prefill"} if disaggregated else set())
     assert {"vllm:num_requests_waiting", "vllm:num_requests_running"} <= set(exposed.labels)  # the engine's
     for name, pool in ENGINE_POOLS.items():
+        if name == "engine-interactive" and disaggregated:
+            continue  # decode: its running sequences (test_kubernetes_disaggregated.py)
         spec = scaled[name]["spec"]
         target = manifests.get("Deployment", name)
         assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
@@ -212,7 +221,10 @@ def test_prometheus_scrapes_what_keda_queries(manifests):
     services = manifests.of_kind("Service")
     scraped = {s["metadata"]["name"]: m["spec"]["endpoints"] for m in monitors.values() for s in services
                if selects(m["spec"]["selector"], s["metadata"]["labels"])}
-    assert set(scraped) == {"gateway", "engine-interactive-headless", "engine-batch-headless"}
+    engines = {"engine-interactive-headless", "engine-batch-headless"}
+    if _disaggregated(manifests):
+        engines.add("engine-prefill-headless")
+    assert set(scraped) == {"gateway", *engines}
     for name, endpoints in scraped.items():
         (endpoint,) = endpoints
         assert endpoint["path"] == "/metrics" and endpoint["port"] == "http"

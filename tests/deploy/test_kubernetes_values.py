@@ -26,7 +26,7 @@ from tests.deploy.manifests import (
     tensor_parallel_size,
 )
 
-GPU_OVERLAYS = ("gpu", "gpu-tp", "external")
+GPU_OVERLAYS = ("gpu", "gpu-tp", "external", "gpu-disaggregated")
 NAMESPACE = "acme-llm"
 MODEL = "acme-chat-v2"
 SOURCE = "s3://acme-weights/chat/v2"
