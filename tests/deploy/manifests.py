@@ -24,6 +24,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("minimal", "gpu", "gpu-tp", "external", "gpu-disaggregated")
+# The overlays whose engines run on GPUs (all but minimal, whose CPU engines serve the tiny demo model).
+GPU_OVERLAYS = ("gpu", "gpu-tp", "external", "gpu-disaggregated")
 # Every object is checked against the schemas of this Kubernetes release (kubernetes-validate).
 KUBERNETES_VERSION = "1.30.0"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")

@@ -14,10 +14,18 @@ import subprocess
 import pytest
 import yaml
 
-from tests.deploy.manifests import KUSTOMIZE, OVERLAYS, ROOT, containers, kubectl, pod_labels, pod_spec
+from tests.deploy.manifests import (
+    GPU_OVERLAYS,
+    KUSTOMIZE,
+    OVERLAYS,
+    ROOT,
+    containers,
+    kubectl,
+    pod_labels,
+    pod_spec,
+)
 
 DOC = ROOT / "docs" / "deploy-kubernetes.md"
-GPU_OVERLAYS = {"gpu", "gpu-tp", "external", "gpu-disaggregated"}
 PLATFORM_IMAGE, ENGINE_IMAGE = "tollgate", "tollgate-engine"
 DATASTORES = {"postgres", "redis"}
 PULL_SECRET = "tollgate-registry"

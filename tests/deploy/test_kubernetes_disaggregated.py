@@ -232,3 +232,15 @@ def test_what_the_component_adds_is_what_the_guide_deletes_to_leave_it(disaggreg
     names = {"scaledobject": "ScaledObject", "deploy": "Deployment", "svc": "Service",
              "pdb": "PodDisruptionBudget", "networkpolicy": "NetworkPolicy"}
     assert {names[k] for k in kinds.split(",")} == {kind for kind, _ in added}
+
+
+def test_a_prefill_replica_down_is_alerted_like_the_others(disaggregated):
+    (rules,) = disaggregated.of_kind("PrometheusRule")
+    exprs = [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]
+             if r.get("alert") == "TollgateEngineReplicaDown"]
+    (expr,) = exprs
+    (pattern,) = re.findall(r'service=~"([^"]+)"', expr)
+    services = {s["metadata"]["name"] for s in disaggregated.of_kind("Service")
+                if s["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"}
+    assert services == {s for s in services if re.fullmatch(pattern, s)}
+    assert "engine-prefill-headless" in services

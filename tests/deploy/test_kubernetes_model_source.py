@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.deploy.manifests import (
+    GPU_OVERLAYS,
     KUSTOMIZE,
     argv,
     container,
@@ -29,7 +30,6 @@ from tests.deploy.manifests import (
 )
 from tollgate.commands.model_fetch import DEFAULT_INCLUDE, fetch_model
 
-GPU_OVERLAYS = {"gpu", "gpu-tp", "external", "gpu-disaggregated"}
 SOURCE_SCHEMES = ("hf://", "s3://", "/", "file://")
 
 

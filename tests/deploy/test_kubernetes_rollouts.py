@@ -9,10 +9,17 @@ The grace period that covers the engine's drain: ``test_kubernetes.py``.
 
 from __future__ import annotations
 
-from tests.deploy.manifests import argv, option, pod_labels, pod_spec, quantity_gib, tensor_parallel_size
+from tests.deploy.manifests import (
+    GPU_OVERLAYS,
+    argv,
+    option,
+    pod_labels,
+    pod_spec,
+    quantity_gib,
+    tensor_parallel_size,
+)
 from tollgate.settings import Settings
 
-GPU_OVERLAYS = {"gpu", "gpu-tp", "external", "gpu-disaggregated"}
 DISCOVERY_S = Settings.model_fields["replica_discovery_interval_s"].default
 
 

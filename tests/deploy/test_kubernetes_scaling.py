@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from tests.deploy.manifests import (
+    GPU_OVERLAYS,
     argv,
     containers,
     option,
@@ -21,7 +22,6 @@ from tests.deploy.manifests import (
 from tollgate.commands.model import engine as engine_command
 from tollgate.settings import Settings
 
-GPU_OVERLAYS = {"gpu", "gpu-tp", "external", "gpu-disaggregated"}
 (MAX_NUM_SEQS,) = [p.default for p in engine_command.params if p.name == "max_num_seqs"]
 TENSOR_PARALLEL_OVERLAYS = {"gpu-tp"}
 BUNDLED_OVERLAYS = {"minimal", "gpu", "gpu-tp", "gpu-disaggregated"}

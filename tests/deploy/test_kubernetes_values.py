@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.deploy.manifests import (
+    GPU_OVERLAYS,
     OVERLAYS,
     ROOT,
     Manifests,
@@ -26,7 +27,6 @@ from tests.deploy.manifests import (
     tensor_parallel_size,
 )
 
-GPU_OVERLAYS = ("gpu", "gpu-tp", "external", "gpu-disaggregated")
 NAMESPACE = "acme-llm"
 MODEL = "acme-chat-v2"
 SOURCE = "s3://acme-weights/chat/v2"
