@@ -346,7 +346,7 @@ class Simulation:
                 eos_token_ids=[], num_kv_blocks=shape.kv_blocks, max_num_seqs=shape.max_num_seqs,
                 max_num_batched_tokens=shape.max_num_batched_tokens, role=role)
             self.sims[replica.url] = SimReplica(replica, role, shape)
-            replica.load = self.sims[replica.url].load_report()
+            replica.reported(self.sims[replica.url].load_report())
         self.links = Links(shape.link_gb_s * 1e9)
         self.gaps: list[float] = []
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -374,7 +374,7 @@ class Simulation:
                 self._pulled(payload)
             else:
                 for sim in self.sims.values():
-                    sim.routed.load = sim.load_report()
+                    sim.routed.reported(sim.load_report())
                 self._push(self.now + self.settings.health_poll_interval_s, POLL, None)
 
     def _arrive(self, request: Request) -> None:

@@ -267,7 +267,7 @@ class Simulation:
         self.routed: dict[str, Replica] = {r.url: r for r in self.router.replicas}
         for replica in self.router.replicas:
             replica.healthy = True
-            replica.load = self.replicas[replica.url].load_report()
+            replica.reported(self.replicas[replica.url].load_report())
         self.done: list[Request] = []
         self._heap: list[tuple[float, int, int, Any]] = []
         self._order = 0
@@ -290,7 +290,7 @@ class Simulation:
                 self._step_end(payload)
             else:
                 for replica in self.router.replicas:
-                    replica.load = self.replicas[replica.url].load_report()
+                    replica.reported(self.replicas[replica.url].load_report())
                 self._push(self.now + self.poll_s, POLL, None)
 
     def _arrive(self, request: Request) -> None:

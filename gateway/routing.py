@@ -149,6 +149,12 @@ class Replica:
     # Prompt blocks this process sent it since its last ``/load`` report (``kv_usage_estimate``).
     sent_blocks: int = 0
 
+    def reported(self, load: LoadReport) -> None:
+        """A new ``/load`` report: its figures replace what this process counted since the last one."""
+        self.load = load
+        self.adapters = set(load.adapters)
+        self.sent_blocks = 0
+
     @property
     def kv_usage_estimate(self) -> float:
         """Its KV cache's use: the last report's, plus the prompt blocks sent since, which it will hold.
@@ -448,9 +454,7 @@ class Router:
         try:
             if replica.info is None:
                 replica.info = await self._client.info(replica.url)
-            replica.load = await self._client.load(replica.url)
-            replica.adapters = set(replica.load.adapters)
-            replica.sent_blocks = 0
+            replica.reported(await self._client.load(replica.url))
         except EngineUnavailable as exc:
             if replica.retired:
                 return
