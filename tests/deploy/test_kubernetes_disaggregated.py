@@ -139,7 +139,10 @@ def test_each_pool_scales_on_its_own_signal(disaggregated, rendered, exposed):
     gateway = container(disaggregated.workload("gateway"), "gateway")
     min_prompt = int(literal_env(gateway)["TOLLGATE_DISAGG_MIN_PROMPT_TOKENS"])
     capacity = float(prefill["metadata"]["threshold"])
-    assert min_prompt <= capacity and capacity % MAX_NUM_BATCHED_TOKENS == 0  # whole engine steps of prompts
+    words = argv(container(disaggregated.workload("engine-prefill"), "engine"))
+    step = int(option(words, "--max-num-batched-tokens")) if "--max-num-batched-tokens" in words else (
+        MAX_NUM_BATCHED_TOKENS)
+    assert min_prompt <= capacity and capacity % step == 0  # whole engine steps, each prompt at least this
     decode = _trigger(disaggregated, "engine-interactive")
     query, _ = check("engine-interactive", decode["metadata"]["query"], exposed, SERVICE_MONITOR_LABELS)
     assert query.series == {"vllm:num_requests_running"}
