@@ -181,10 +181,9 @@ def test_tensor_parallelism_and_disaggregation_refuse_each_other(where, rendered
     del rendered  # only for its skip where kubectl is missing
     components = _components("gpu-tp")
     assert "disaggregated" not in components
-    at = components.index("tensor-parallel") + (1 if where == "after" else 0)
-    if where == "before":
-        at = components.index("keda") + 1
-    components.insert(at, "disaggregated")
+    # Before: in its place, after keda (tensor-parallel's test fails); after: disaggregated's does.
+    anchor = "keda" if where == "before" else "tensor-parallel"
+    components.insert(components.index(anchor) + 1, "disaggregated")
     result = _render_with("gpu-tp", tmp_path, components)
     assert result.returncode != 0
     assert "testing value /spec/template/spec/containers/0/args failed" in result.stderr
