@@ -189,14 +189,25 @@ def test_tensor_parallelism_and_disaggregation_refuse_each_other(where, rendered
     assert "testing value /spec/template/spec/containers/0/args failed" in result.stderr
 
 
-@pytest.mark.parametrize("misplaced", ["before keda", "after model-source", "after gpu"])
-def test_the_component_refuses_to_render_out_of_order(misplaced, rendered, tmp_path):
+@pytest.mark.parametrize("first", ["model-source", "gpu", "registry-credentials"])
+def test_the_component_refuses_to_render_after_what_fits_out_the_engines(first, rendered, tmp_path):
+    """Listed after a component that fits out every engine Deployment, the prefill pool would miss it."""
     del rendered
-    components = [c for c in _components(OVERLAY) if c != "disaggregated"]
-    place, anchor = misplaced.split(" ")
-    components.insert(components.index(anchor) + (1 if place == "after" else 0), "disaggregated")
+    components = _components(OVERLAY)
+    components.remove(first)
+    components.insert(components.index("disaggregated"), first)
     result = _render_with(OVERLAY, tmp_path, components)
     assert result.returncode != 0 and "components/disaggregated" in result.stderr, result.stderr
+    assert "testing value /spec/template/spec/" in result.stderr
+
+
+def test_the_component_refuses_to_render_before_keda(rendered, tmp_path):
+    del rendered
+    components = _components(OVERLAY)
+    components.remove("keda")
+    components.insert(components.index("disaggregated") + 1, "keda")
+    result = _render_with(OVERLAY, tmp_path, components)
+    assert result.returncode != 0 and "ScaledObject.v1alpha1.keda.sh/engine-interactive" in result.stderr
 
 
 def test_the_guides_way_into_the_external_overlay_renders_and_validates(rendered, tmp_path):
