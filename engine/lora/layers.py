@@ -114,6 +114,7 @@ class LoRASlots:
         self.wrapped: dict[tuple[int, str], LoRALinear] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # digest -> slot, least recently used first
         self.bound: SlotGroups | None = None
+        self._last_bound: tuple[bytes, SlotGroups | None] | None = None  # the last pass's slots, groups
         self.ranks: torch.Tensor | None = None  # each slot's adapter rank, on the device (``install``)
         self._copying: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU loads in flight
         # Counters since start (``engine.lora.stats``): adapters copied into a slot, resident adapters
@@ -211,13 +212,21 @@ class LoRASlots:
     # ---- a pass ------------------------------------------------------------------------------------
     def bind(self, slots: np.ndarray, device: torch.device) -> None:
         """The slot of each token row of the next pass (``[T]`` on the host, 0: the base model): its groups
-        go to the device once, for every wrapped projection."""
+        go to the device once, for every wrapped projection. A pass whose rows have the same slots as the
+        previous one's (decode steps of an unchanged batch) reuses its groups: they are only read."""
         self.settle()
+        key = slots.astype(np.int64, copy=False).tobytes()
+        if self._last_bound is not None and self._last_bound[0] == key:
+            self.bound = self._last_bound[1]
+            return
+        self.bound = self._group(slots, device)
+        self._last_bound = (key, self.bound)
+
+    def _group(self, slots: np.ndarray, device: torch.device) -> SlotGroups | None:
         order = np.argsort(slots, kind="stable")
         order = order[slots[order] != 0]
         if order.size == 0:
-            self.bound = None
-            return
+            return None
         ids, first, counts = np.unique(slots[order], return_index=True, return_counts=True)
         starts = np.append(first, order.size).astype(np.int64)
         max_rows = int(counts.max())
@@ -234,11 +243,12 @@ class LoRASlots:
         parts = torch.split(upload(np.concatenate(packed), device), sizes)
         host_ids = ids.tolist()
         consecutive = host_ids == list(range(host_ids[0], host_ids[0] + len(host_ids)))
-        self.bound = SlotGroups(parts[0], parts[1], parts[2], max_rows, host_ids, starts.tolist(),
-                                num_rows=int(slots.size), first_slot=host_ids[0] if consecutive else None,
-                                unpadded=bool(counts.min() == counts.max()))
+        groups = SlotGroups(parts[0], parts[1], parts[2], max_rows, host_ids, starts.tolist(),
+                            num_rows=int(slots.size), first_slot=host_ids[0] if consecutive else None,
+                            unpadded=bool(counts.min() == counts.max()))
         if padded_host is not None:
-            self.bound.padded, self.bound.valid = parts[3], parts[4]
+            groups.padded, groups.valid = parts[3], parts[4]
+        return groups
 
     def unbind(self) -> None:
         self.bound = None
