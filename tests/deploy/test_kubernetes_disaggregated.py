@@ -2,8 +2,9 @@
 overlay): a prefill pool whose KV transfer server is advertised at the pod's IP on a named port, the
 interactive pool decoding, the pool in tollgate.toml beside the model's others, the gateway's threshold,
 the decode replicas admitted to the transfer port only, and each pool scaled by KEDA on its own signal
-(pending prompt tokens, running sequences) with the interactive pool's behaviour. The component refuses
-to render with tensor parallelism (an engine with a role runs on one GPU) or out of order.
+(pending prompt tokens, running sequences) with the interactive pool's behaviour. With tensor
+parallelism, prefill and decode replicas split the model alike. The component refuses to render out of
+order.
 
 Everything else the overlay renders (schemas, namespace and references, probes, disruption budgets,
 spread, GPUs, model fetch, images, adapters) is checked by the other modules, over every overlay.
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -69,8 +71,8 @@ def test_only_the_disaggregated_overlay_gives_engines_a_role(manifests):
         assert "prefill" not in manifests.tollgate_toml()["pools"]
         return
     assert roles == {"engine-interactive": "decode", "engine-prefill": "prefill", "engine-batch": "both"}
-    for engine in manifests.component("engine"):  # the engine refuses a role with tensor parallelism
-        assert tensor_parallel_size(argv(container(engine, "engine"))) == 1, engine["metadata"]["name"]
+    words = argv(container(manifests.workload("engine-interactive"), "engine"))
+    assert words[:4] == ["tollgate", "engine", "--role", "decode"]
 
 
 def test_the_prefill_pool_advertises_its_transfer_server_at_the_pods_ip(disaggregated):
@@ -176,17 +178,43 @@ def _components(overlay: str) -> list[str]:
     return [c.rsplit("/", 1)[1] for c in kustomization["components"]]
 
 
-@pytest.mark.parametrize("where", ["before", "after"])
-def test_tensor_parallelism_and_disaggregation_refuse_each_other(where, rendered, tmp_path):
-    del rendered  # only for its skip where kubectl is missing
+def test_with_tensor_parallelism_prefill_and_decode_replicas_split_alike(rendered, tmp_path):
+    """gpu-tp with the component (right after keda): every engine, the prefill pool's included, splits the
+    model over the overlay's tensor-parallel size with a GPU per rank, and the prefill pool waits as long
+    as the others before giving back a replica that loads for twenty minutes."""
     components = _components("gpu-tp")
-    assert "disaggregated" not in components
-    # Before: in its place, after keda (tensor-parallel's test fails); after: disaggregated's does.
-    anchor = "keda" if where == "before" else "tensor-parallel"
-    components.insert(components.index(anchor) + 1, "disaggregated")
+    components.insert(components.index("keda") + 1, "disaggregated")
     result = _render_with("gpu-tp", tmp_path, components)
-    assert result.returncode != 0
-    assert "testing value /spec/template/spec/containers/0/args failed" in result.stderr
+    assert result.returncode == 0, result.stderr
+    manifests = Manifests("gpu-tp", [d for d in yaml.safe_load_all(result.stdout) if d])
+    _validate(manifests)
+    values = yaml.safe_load((OVERLAYS / "gpu-tp" / "values.yaml").read_text())["data"]
+    size = int(values["tensorParallelSize"])
+    assert size > 1
+    roles = {}
+    for engine in manifests.component("engine"):
+        main = container(engine, "engine")
+        roles[engine["metadata"]["name"]] = _role(engine)
+        assert tensor_parallel_size(argv(main)) == size, engine["metadata"]["name"]
+        assert int(main["resources"]["limits"]["nvidia.com/gpu"]) == size, engine["metadata"]["name"]
+    assert roles == {"engine-interactive": "decode", "engine-prefill": "prefill", "engine-batch": "both"}
+    tp = rendered["gpu-tp"]
+    for name in ("engine-prefill", "engine-interactive"):
+        spec = manifests.get("ScaledObject", name)["spec"]
+        assert spec["advanced"] == tp.get("ScaledObject", "engine-interactive")["spec"]["advanced"], name
+
+
+def _validate(manifests: Manifests) -> None:
+    """Every object against the Kubernetes schemas (strict) or its CRD's schema (tests/deploy/schemas)."""
+    crds = {"ScaledObject": "keda-scaledobject.json",
+            "TriggerAuthentication": "keda-triggerauthentication.json",
+            "ServiceMonitor": "servicemonitor.json", "PrometheusRule": "prometheusrule.json"}
+    for obj in manifests.objects:
+        if obj["kind"] in crds:
+            schema = json.loads((SCHEMAS / crds[obj["kind"]]).read_text())
+            jsonschema.validate(obj, schema, cls=jsonschema.Draft202012Validator)
+        else:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("first", ["model-source", "gpu", "registry-credentials"])
@@ -218,9 +246,7 @@ def test_the_guides_way_into_the_external_overlay_renders_and_validates(rendered
     result = _render_with("external", tmp_path, components)
     assert result.returncode == 0, result.stderr
     manifests = Manifests("external", [d for d in yaml.safe_load_all(result.stdout) if d])
-    for obj in manifests.objects:
-        if not obj["apiVersion"].startswith(("keda.sh", "monitoring.coreos.com")):
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    _validate(manifests)
     assert {e["metadata"]["name"]: _role(e) for e in manifests.component("engine")} == {
         "engine-interactive": "decode", "engine-prefill": "prefill", "engine-batch": "both"}
     assert {o["metadata"]["name"] for o in manifests.of_kind("ScaledObject")} == {
