@@ -134,6 +134,12 @@ class Leases:
         with self._lock:
             return len(self._leases), sum(len(lease.blocks) for lease in self._leases.values())
 
+    def sending(self) -> int:
+        """How many leases a transfer is reading now (a cut one is back to held once its server thread
+        has noticed)."""
+        with self._lock:
+            return sum(lease.state == "sending" for lease in self._leases.values())
+
     def next_expiry(self) -> float | None:
         with self._lock:
             return min((lease.expires_at for lease in self._leases.values()), default=None)

@@ -327,6 +327,8 @@ def test_aborting_a_request_while_its_blocks_are_on_the_wire_leaves_nothing(engi
         assert finals and finals[0].finish_reasons == ["abort"]
         relay.release()
     wait_until(lambda: _settled(decode), "the decode replica to settle")
+    assert prefill.connector is not None
+    wait_until(lambda: prefill.connector.leases.sending() == 0, "the prefill side to notice the cut")
     # The late result of the cut pull is dropped: the same lease is still the prefill replica's to give.
     got, final = _run(decode, "d-abort-again", prompt, GREEDY, kv_source=_source(prefilled))
     assert final.kv_pull == {"pulled_tokens": 80, "error": None}
