@@ -79,8 +79,12 @@ def _settled(engine: LLMEngine) -> bool:
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir: Path) -> Iterator[tuple[LLMEngine, LLMEngine, LLMEngine]]:
-    """(colocated, prefill, decode) over the same checkpoint."""
-    both, prefill, decode = (_engine(tiny_llama_dir, role) for role in ("both", "prefill", "decode"))
+    """(colocated, prefill, decode) over the same checkpoint. The prefill replica's leases last 8 s, not
+    the default 30: a test that leaves one unpulled waits for it to lapse before checking that nothing is
+    held, and 8 s still outlasts every transfer here."""
+    lease: dict[str, object] = {"kv_lease_s": 8.0}
+    both, prefill, decode = (_engine(tiny_llama_dir, role, **(lease if role == "prefill" else {}))
+                             for role in ("both", "prefill", "decode"))
     yield both, prefill, decode
     for engine in (both, prefill, decode):
         engine.close()
