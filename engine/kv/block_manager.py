@@ -337,15 +337,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks become evictable, others free."""
-        for block in reversed(seq.block_table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] < 0:
-                raise RuntimeError(f"block {block} released more often than it was taken")
-            if self._ref_counts[block] == 0:
-                if self._block_hash[block] is not None:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+        self.release(seq.block_table)
         seq.block_table = []
         self._seq_committed.pop(seq.seq_id, None)
         self._seq_hashes.pop(seq.seq_id, None)
@@ -432,7 +424,8 @@ class BlockManager:
         return list(blocks)
 
     def release(self, blocks: list[int]) -> None:
-        """Drop the references ``hold`` took (tail first, like ``free``)."""
+        """Drop one reference on each of ``blocks``, tail first (a lease's ``hold``, or a sequence's table:
+        ``free``); cached blocks left unreferenced become evictable, others free."""
         for block in reversed(blocks):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] < 0:

@@ -10,11 +10,8 @@ the prompt itself (same tokens) or fail the request cleanly, and leaves nothing 
 from __future__ import annotations
 
 import contextlib
-import random
 import signal
-import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,16 +19,17 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.protocol import DeltaRecord, FinalRecord, LoadReport, parse_record
 from engine.sampling_params import SamplingParams
 from engine.server import build_engine, create_app
+from tests.engine.test_disagg_serving import _prompt
+from tests.engine.test_server import _Server
+from tests.gateway.conftest import run_engine
 from tests.kv_relay import Relay
 from tests.polling import wait_until
-from tollgate.local_services import free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,49 +37,13 @@ SETTINGS = {"num_kv_blocks": 96, "max_num_batched_tokens": 48, "speculation": "o
 BODY = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 
 
-class _Server:
-    """An app served by uvicorn on a free loopback port, in a thread."""
-
-    def __init__(self, app: Any) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self._thread.start()
-        wait_until(lambda: self._server.started or not self._thread.is_alive(), "uvicorn to start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-
-
 @contextlib.contextmanager
 def _prefill_replica(model_dir: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tollgate", "engine", "--model", str(model_dir),
-                                 "--port", str(port), "--role", "prefill", "--num-kv-blocks", "96",
-                                 "--max-num-batched-tokens", "48", "--speculation", "off"],
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            return False
-
-        wait_until(healthy, "the prefill replica to answer /health", timeout_s=120, interval_s=0.1)
+    """A prefill replica in its own process (a test may kill it), once it answers /health."""
+    options = ("--role", "prefill", "--num-kv-blocks", "96", "--max-num-batched-tokens", "48",
+               "--speculation", "off")
+    with run_engine(model_dir, log, options=options) as (url, proc):
         yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _generate(url: str, body: dict[str, Any]) -> tuple[list[int], FinalRecord]:
@@ -96,11 +58,6 @@ def _generate(url: str, body: dict[str, Any]) -> tuple[list[int], FinalRecord]:
 
 def _load(url: str) -> LoadReport:
     return LoadReport.model_validate(httpx.get(f"{url}/load", timeout=10).json())
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(length)]
 
 
 @pytest.mark.slow

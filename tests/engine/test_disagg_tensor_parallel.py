@@ -12,9 +12,6 @@ the 2 ranks; leases and held blocks return to zero on both sides.
 from __future__ import annotations
 
 import contextlib
-import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +27,9 @@ from engine.kv.tcp_transport import PullRequest, TCPTransport
 from engine.llm_engine import LLMEngine
 from engine.protocol import DeltaRecord, FinalRecord, LoadReport, parse_record
 from engine.sampling_params import SamplingParams
+from tests.engine.test_disagg_serving import _prompt, _run
+from tests.gateway.conftest import run_engine
 from tests.polling import wait_until
-from tollgate.local_services import free_port
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # spawned ranks
 
@@ -43,11 +41,6 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 N3 = SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(length)]
-
-
 def _engine(model: Path, role: str, tp: int = 1) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), role=role, tensor_parallel_size=tp,  # type: ignore[arg-type]
                                   **SETTINGS))
@@ -56,30 +49,10 @@ def _engine(model: Path, role: str, tp: int = 1) -> LLMEngine:
 @contextlib.contextmanager
 def _prefill_replica(model_dir: Path, log: Path, tp: int = 2) -> Iterator[str]:
     """A prefill replica of ``tp`` ranks in its own process, once it answers /health: its URL."""
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tollgate", "engine", "--model", str(model_dir),
-                                 "--port", str(port), "--role", "prefill", "--tensor-parallel-size", str(tp),
-                                 "--num-kv-blocks", "96", "--max-num-batched-tokens", str(CHUNK),
-                                 "--speculation", "off"],
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            return False
-
-        wait_until(healthy, f"the {tp}-rank prefill replica to answer /health", timeout_s=180, interval_s=0.2)
+    options = ("--role", "prefill", "--tensor-parallel-size", str(tp), "--num-kv-blocks", "96",
+               "--max-num-batched-tokens", str(CHUNK), "--speculation", "off")
+    with run_engine(model_dir, log, options=options, timeout_s=180) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -95,21 +68,6 @@ def replicas(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     finally:
         for engine in engines.values():
             engine.close()
-
-
-def _run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
-         **kwargs: object) -> tuple[dict[int, list[int]], Any]:
-    """Step ``engine`` until the request's final delta: its tokens by completion index, and that delta."""
-    engine.add_request(request_id, prompt, params, **kwargs)  # type: ignore[arg-type]
-    tokens: dict[int, list[int]] = {}
-    while True:
-        for delta in engine.step():
-            if delta.request_id != request_id:
-                continue
-            for completion in delta.completions:
-                tokens.setdefault(completion.index, []).extend(completion.token_ids)
-            if delta.finished:
-                return tokens, delta
 
 
 def _prefill_over_http(url: str, request_id: str, prompt: list[int], params: SamplingParams,

@@ -50,9 +50,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def run_engine(model_dir: Path, log: Path, port: int | None = None,
                options: tuple[str, ...] = ("--num-kv-blocks", "512"), *, host: str = "127.0.0.1",
-               env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+               env: dict[str, str] | None = None,
+               timeout_s: float = ENGINE_START_TIMEOUT_S) -> Iterator[tuple[str, subprocess.Popen]]:
     """``tollgate engine`` as a subprocess (on ``host``:``port``, else a free port), once it answers
-    ``/health``; ``env``: variables to add (e.g. ``TOLLGATE_INTERNAL_TOKEN``)."""
+    ``/health`` (within ``timeout_s``); ``env``: variables to add (e.g. ``TOLLGATE_INTERNAL_TOKEN``)."""
     port = port or free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -71,7 +72,7 @@ def run_engine(model_dir: Path, log: Path, port: int | None = None,
 
     try:
         try:
-            wait_until(healthy, "the engine to answer /health", timeout_s=ENGINE_START_TIMEOUT_S,
+            wait_until(healthy, "the engine to answer /health", timeout_s=timeout_s,
                        interval_s=0.1)
         except AssertionError as exc:
             raise RuntimeError(f"engine did not start ({exc}):\n{log.read_text()[-3000:]}") from None
