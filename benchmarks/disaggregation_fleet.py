@@ -11,13 +11,11 @@ second. Other splits: ``--topologies colocated,3:1``.
 What is real and what is simulated:
 - The gateway side is real: ``gateway.routing.Router`` picks the decode (or colocated) replica and the
   prefill replica as ``gateway.generation`` does (``inflight`` counted as there: the decode replica's
-  only once its request is sent, after the prefill), its load reports refreshed every
+  from its pick, before the prefill), its load reports refreshed every
   ``health_poll_interval_s``; ``gateway.generation.disaggregation.remote_prefill_wanted`` decides per
   request (a prompt is prefilled remotely when at least ``disagg_min_prompt_tokens``, 1,024 by default,
   of it is not cached on the decode replica). Prompts are unique (no prefix is shared), so nothing is
-  ever cached: the block hashes the router sees are unique stand-ins. ``--count-at-pick`` counts a
-  request on its decode replica from the pick instead (a what-if: the gateway's arrivals during a
-  prefill do not see it, so they can herd onto one decode replica until its next load report).
+  ever cached: the block hashes the router sees are unique stand-ins.
 - The replicas are a model of the engine's scheduler (``engine.scheduler``), not the scheduler itself:
   continuous batching of at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens a
   step (the engine's defaults, 64 and 2,048); running sequences first, in admission order (a decode
@@ -136,9 +134,6 @@ class Shape:
     min_prompt_tokens: int = Settings.model_fields["disagg_min_prompt_tokens"].default
     max_num_seqs: int = ENGINE.max_num_seqs
     max_num_batched_tokens: int = ENGINE.max_num_batched_tokens
-    # The decode replica counts a request in flight from its pick, not (as the gateway does) once its
-    # prompt was prefilled elsewhere: the arrivals meanwhile see it (``--count-at-pick``).
-    count_at_pick: bool = False
     routing_policy: str = "index"  # the gateway's default; round_robin spreads blindly (``--routing``)
 
     def __post_init__(self) -> None:
@@ -381,8 +376,7 @@ class Simulation:
         """``Generation._open``: pick the replica, ask whether to prefill elsewhere, send."""
         decode = self.router.pick(MODEL, request.hashes)
         request.decode = decode
-        if self.shape.count_at_pick:
-            decode.inflight += 1
+        decode.inflight += 1  # from the pick, as the gateway counts it: arrivals during a prefill see it
         ask = GenerateRequest.model_construct(
             request_id=f"r{request.index}", prompt_token_ids=[0] * request.prompt, max_tokens=request.output,
             pooling=None, prompt_logprobs=None)
@@ -397,8 +391,6 @@ class Simulation:
 
     def _send(self, request: Request) -> None:
         assert request.decode is not None
-        if not self.shape.count_at_pick:
-            request.decode.inflight += 1
         self.router.remember(request.decode, request.hashes)
         if not request.remote:
             self._enqueue(self.sims[request.decode.url], request)
@@ -547,8 +539,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--kv-gib", type=float, help="KV pool of a replica, GiB (48)")
     parser.add_argument("--min-prompt-tokens", type=int,
                         help="the gateway's disagg_min_prompt_tokens (its default, 1024)")
-    parser.add_argument("--count-at-pick", action="store_true",
-                        help="count a request on its decode replica from the pick, not after the prefill")
     parser.add_argument("--routing", help="the gateway's routing_policy (index; round_robin, affinity)")
     parser.add_argument("--quick", action="store_true", help="a small configuration that runs in seconds")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -559,8 +549,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.requests:
         counts = (int(x) for x in args.requests.split(","))
         base["requests"] = dict(zip(("long", "short"), counts, strict=True))
-    if args.count_at_pick:
-        base["count_at_pick"] = True
     if args.routing:
         base["routing_policy"] = args.routing
     for name in ("replicas", "seed", "link_gb_s", "kv_gib", "min_prompt_tokens"):
