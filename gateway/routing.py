@@ -454,7 +454,8 @@ class Router:
         try:
             if replica.info is None:
                 replica.info = await self._client.info(replica.url)
-            replica.reported(await self._client.load(replica.url))
+            load = await self._client.load(replica.url)
+            replica.reported(load)
         except EngineUnavailable as exc:
             if replica.retired:
                 return
@@ -468,7 +469,7 @@ class Router:
             replica.probe_failures = 0
             if replica.retired:
                 return
-            if replica.load.draining:
+            if load.draining:
                 self.mark_draining(replica)
                 return
             replica.draining = False
