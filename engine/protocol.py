@@ -59,6 +59,9 @@ INTERNAL_TOKEN_ENV = "TOLLGATE_INTERNAL_TOKEN"
 # Error codes: a missing or wrong internal token (401); a replica that is draining (503 on /generate).
 INTERNAL_TOKEN_CODE = "invalid_internal_token"
 DRAINING_CODE = "engine_draining"
+# A request (or an adapter check) naming an adapter its replica's store does not hold: deleted, or a store
+# the replica does not share with the gateways.
+ADAPTER_NOT_FOUND_CODE = "adapter_not_found"
 
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 

@@ -52,6 +52,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from engine.protocol import (
+    ADAPTER_NOT_FOUND_CODE,
     DRAINING_CODE,
     AbortRequest,
     AbortResponse,
@@ -320,6 +321,8 @@ class EngineClient:
             raise EngineUnavailable(f"{url}: {type(exc).__name__}") from exc
         if status == 400:
             error = _error_for_status(status, content)
+            if getattr(error, "code", None) == ADAPTER_NOT_FOUND_CODE:  # its store is not the gateways'
+                raise EngineUnavailable(f"{url}: the adapter is not in this replica's store (--lora-dir)")
             raise InvalidRequestError(getattr(error, "message", "The adapter cannot be served."),
                                       code="invalid_adapter")
         if status != 200:

@@ -99,7 +99,8 @@ def engine_specs(layout: ChildLayout, model_dir: Path, env: dict[str, str]) -> l
                 "--tensor-parallel-size", str(s.engine_tensor_parallel_size),
                 "--max-loras", str(s.engine_max_loras),
                 "--max-lora-rank", str(s.engine_max_lora_rank),
-                "--lora-dir", str(store_root(s)),
+                # The store the gateway child uses: under this data dir (``s`` is the parent's settings).
+                "--lora-dir", str(store_root(s.model_copy(update={"data_dir": layout.data_dir}))),
                 *(() if not layout.prefill_replicas else ("--role", role)),
             ],
             layout.logs / f"{name}.log",

@@ -27,6 +27,7 @@ from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, LoRAAda
 from engine.lora.stats import LoadTimes, LoRAStats
 from engine.models.config import ModelArgs
 from engine.outputs import RequestValidationError
+from engine.protocol import ADAPTER_NOT_FOUND_CODE
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class HostAdapters:
             stats = [(bundle / name).stat() for name in (CONFIG_FILE, WEIGHTS_FILE)]
         except OSError:
             raise RequestValidationError(f"adapter {request.name!r}: no bundle at {request.path}",
-                                         "lora") from None
+                                         "lora", code=ADAPTER_NOT_FOUND_CODE) from None
         stamp = tuple(float(v) for st in stats for v in (st.st_size, st.st_mtime_ns))
         key = str(bundle.resolve())
         held = self._read.get(key)

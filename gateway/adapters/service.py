@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from gateway.routing import Router
 from gateway.tenants.repository import AuditLogRepository
 from tollgate.models import Adapter, Tenant
 from tollgate.settings import Settings
+
+logger = logging.getLogger("tollgate.gateway.adapters")
 
 PREFIX = "ft:"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -139,7 +142,9 @@ class AdapterModels:
         for replica in replicas:
             try:
                 return await self.engine.check_adapter(replica.url, adapter_id)
-            except EngineUnavailable:
+            except EngineUnavailable as exc:
+                logger.warning("replica %s could not check adapter %s: %s", replica.url, adapter_id,
+                               exc.message)
                 continue
             except InvalidRequestError as exc:  # the replica's reason, without its store id
                 reason = exc.message.removeprefix(f"adapter {adapter_id!r}: ")

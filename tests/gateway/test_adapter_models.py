@@ -284,3 +284,22 @@ async def test_an_adapter_deleted_behind_a_gateways_back_is_a_404_there_too(
         gone = await complete(api, model)
         assert not_found(gone), gone.text
         assert str(adapter_store) not in gone.text
+
+
+async def test_a_replica_that_does_not_share_the_gateways_store_is_a_503_that_names_no_path(
+        lora_engine_url: str, tiny_model_dir: Path, api_database_url: str, redis_url: str, model_price: None,
+        tmp_path: Path) -> None:
+    """A misconfigured platform (the replicas' --lora-dir is not the gateway's adapter store): registration
+    cannot be checked, so it is the platform's 503, not the tenant's 400, and nothing is left behind."""
+    settings = gateway_settings([lora_engine_url], tiny_model_dir, api_database_url, redis_url)
+    store = tmp_path / "elsewhere"
+    settings = settings.model_copy(update={"adapter_dir": store, "file_storage_dir": tmp_path / "files"})
+    async with run_gateway(settings) as apart:
+        key = await make_tenant_key(apart)
+        async with client(apart, key) as api:
+            bundle = strong_bundle(tiny_model_dir, tmp_path / "b", 2, ["q_proj"], 2)
+            refused = await register(api, zipped(bundle), "lost")
+            assert refused.status_code == 503, refused.text
+            assert str(store) not in refused.text and "adapters" not in refused.json()["error"]["message"]
+            assert not [m for m in (await api.get("/models")).json()["data"] if m["id"].startswith("ft:")]
+    assert not list(store.iterdir())

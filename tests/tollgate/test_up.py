@@ -441,3 +441,14 @@ def test_prefill_replicas_start_beside_decode_replicas_and_form_the_prefill_pool
     colocated = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=model,
                               with_engine=True, gateway_workers=1)
     assert all("--role" not in spec.argv for spec in engine_specs(colocated._layout(), model, {}))
+
+
+def test_engines_read_the_adapter_store_of_the_data_dir_up_was_given(tmp_path):
+    """``tollgate up --data-dir D``: the gateway child stores adapters under D (its TOLLGATE_DATA_DIR), so
+    the engines read them there, not under the settings' default data dir."""
+    model = tmp_path / "model"
+    model.mkdir()
+    platform = LocalPlatform(Settings(), tmp_path / "data", port=8000, engine_port=9100, model=model,
+                             with_engine=True, gateway_workers=1)
+    [spec] = engine_specs(platform._layout(), model, {})
+    assert spec.argv[spec.argv.index("--lora-dir") + 1] == str((tmp_path / "data" / "adapters").resolve())
